@@ -1,0 +1,5 @@
+// perf — everything: include this, call perf::setup() first.
+#pragma once
+
+#include <perf/config.h>
+#include <perf/setup.h>

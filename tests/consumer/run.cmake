@@ -1,0 +1,34 @@
+# Builds tests/consumer against perf, either installed (find_package) or as a
+# subdirectory, then runs it. Invoked by ctest with -P.
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(common -G "${GENERATOR}" -DTorch_DIR=${Torch_DIR} -DPERF_WITH_CUDA=${PERF_WITH_CUDA})
+if(LAUNCHER)
+  list(APPEND common -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+endif()
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}")
+  endif()
+endfunction()
+
+if(MODE STREQUAL "find_package")
+  run(${CMAKE_COMMAND} -S ${PERF_SOURCE_DIR} -B ${WORK_DIR}/perf-build ${common}
+      -DPERF_BUILD_TESTS=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_INSTALL=ON
+      -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
+  run(${CMAKE_COMMAND} --install ${WORK_DIR}/perf-build)
+  foreach(f include/perf/perf.h include/perf/setup.h lib/cmake/perf/perfConfig.cmake
+            lib/cmake/perf/perfConfigVersion.cmake)
+    if(NOT EXISTS ${WORK_DIR}/prefix/${f})
+      message(FATAL_ERROR "install is missing ${f}")
+    endif()
+  endforeach()
+  run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
+      -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+else()
+  run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
+      -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR})
+endif()
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${WORK_DIR}/build/consumer ${EXPECT_CUDA})

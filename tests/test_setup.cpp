@@ -1,0 +1,409 @@
+// Tests for perf/setup.h: every setting is read back from LibTorch itself.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <perf/setup.h>
+
+#include <array>
+#include <cstdio>
+#include <map>
+#include <thread>
+
+#include "test_util.h"
+
+namespace {
+
+using B = at::Float32Backend;
+using O = at::Float32Op;
+using P = at::Float32Precision;
+
+std::map<std::string, std::string> flags() {
+  auto v = perf::detail::read_flags();
+  return {v.begin(), v.end()};
+}
+
+// Every per-backend fp32 precision entry, as LibTorch's new API reads it.
+std::vector<P> fp32_entries() {
+  std::vector<P> out;
+  for (auto b : {B::GENERIC, B::CUDA, B::MKLDNN})
+    for (auto op : {O::ALL, O::CONV, O::RNN, O::MATMUL})
+      if (b != B::GENERIC || op == O::ALL) out.push_back(at::globalContext().float32Precision(b, op));
+  return out;
+}
+
+bool has_cuda() { return perf::detail::cuda_device_count() > 0; }
+
+}  // namespace
+
+TEST(Setup, DefaultsAreTheFastSettings) {
+  auto& ctx = at::globalContext();
+  const bool bench_before = ctx.benchmarkCuDNN();
+  const perf::Report r = perf::setup();
+  // Both TF32 views agree: legacy getter, per-backend getter, cuBLAS getter.
+  EXPECT_EQ(ctx.float32MatmulPrecision(), at::Float32MatmulPrecision::HIGH);
+  EXPECT_EQ(ctx.float32Precision(B::CUDA, O::MATMUL), P::TF32);
+  EXPECT_TRUE(ctx.allowTF32CuBLAS());
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicCuDNN());
+  EXPECT_EQ(r.at("matmul_precision").requested, "high");
+  EXPECT_EQ(r.at("matmul_precision").read_back, "high");
+  EXPECT_EQ(r.at("tf32").requested, "true");
+  EXPECT_EQ(r.at("cudnn_benchmark").requested, "true");
+  EXPECT_EQ(r.at("deterministic").read_back, "false");
+  if (has_cuda()) {
+    EXPECT_TRUE(ctx.benchmarkCuDNN());
+    EXPECT_TRUE(ctx.allowTF32CuDNN());
+    EXPECT_EQ(ctx.float32Precision(B::CUDA, O::CONV), P::TF32);
+    EXPECT_NE(r.at("cudnn_benchmark").status, perf::Status::skipped);
+  } else {
+    EXPECT_EQ(ctx.benchmarkCuDNN(), bench_before) << "a skipped setting must stay untouched";
+    EXPECT_EQ(r.at("cudnn_benchmark").status, perf::Status::skipped);
+  }
+  EXPECT_FALSE(r.disabled);
+}
+
+TEST(Setup, ReportReadsBackWhatLibTorchSays) {
+  const perf::Report r = perf::setup(perf::Settings().num_threads(1).sdpa_math(false).matmul_precision("medium"));
+  const auto now = flags();
+  for (const auto& row : r.rows) {
+    ASSERT_TRUE(now.count(row.setting)) << row.setting;
+    EXPECT_EQ(row.read_back, now.at(row.setting)) << row.setting;
+    if (row.status == perf::Status::applied) {
+      EXPECT_EQ(row.read_back, row.requested) << row.setting;
+    }
+  }
+  EXPECT_EQ(at::get_num_threads(), 1);
+  EXPECT_FALSE(at::globalContext().userEnabledMathSDP());
+  EXPECT_EQ(at::globalContext().float32MatmulPrecision(), at::Float32MatmulPrecision::MEDIUM);
+  EXPECT_EQ(at::globalContext().float32Precision(B::MKLDNN, O::MATMUL), P::BF16);
+  EXPECT_EQ(r.at("sdpa_math").status, perf::Status::applied);
+  EXPECT_EQ(r.at("sdpa_flash").requested, "-");
+  EXPECT_EQ(r.at("sdpa_flash").reason, "not requested");
+}
+
+TEST(Setup, ExplicitCpuSettingsApply) {
+  auto& ctx = at::globalContext();
+  perf::setup(perf::Settings()
+                  .tf32(false)
+                  .deterministic(true)
+                  .num_threads(2)
+                  .flush_denormal(true)
+                  .sdpa_flash(false)
+                  .sdpa_mem_efficient(false)
+                  .sdpa_cudnn(false)
+                  .sdpa_math(true));
+  EXPECT_EQ(ctx.float32MatmulPrecision(), at::Float32MatmulPrecision::HIGHEST);
+  EXPECT_FALSE(ctx.allowTF32CuBLAS());
+  EXPECT_TRUE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicAlgorithmsWarnOnly());
+  EXPECT_TRUE(ctx.deterministicCuDNN());
+  EXPECT_FALSE(ctx.benchmarkCuDNN());
+  EXPECT_EQ(at::get_num_threads(), 2);
+  EXPECT_FALSE(ctx.userEnabledFlashSDP());
+  EXPECT_FALSE(ctx.userEnabledMemEfficientSDP());
+  EXPECT_FALSE(ctx.userEnabledCuDNNSDP());
+  EXPECT_TRUE(ctx.userEnabledMathSDP());
+  if (auto fd = perf::detail::flush_denormal_state()) {
+    EXPECT_TRUE(*fd);
+    // FTZ/DAZ really flush: the smallest denormal becomes zero.
+    volatile float tiny = 1e-40f;
+    EXPECT_EQ(tiny * 1.0f, 0.0f);
+  }
+  perf::setup(perf::Settings().flush_denormal(false));
+  if (auto fd = perf::detail::flush_denormal_state()) {
+    EXPECT_FALSE(*fd);
+  }
+}
+
+TEST(Setup, DeterministicTurnsBenchmarkOffAndSaysWhy) {
+  const auto r = perf::setup(perf::Settings().deterministic(true));
+  EXPECT_EQ(r.at("cudnn_benchmark").requested, "false");
+  if (has_cuda()) {
+    EXPECT_EQ(r.at("cudnn_benchmark").reason, "off because deterministic(true)");
+    EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
+    EXPECT_NE(r.at("cublas_workspace_config").reason.find("before the first cuBLAS call"), std::string::npos);
+  } else {
+    EXPECT_EQ(r.at("cublas_workspace_config").status, perf::Status::skipped);
+  }
+}
+
+TEST(Setup, SecondCallIsUnchanged) {
+  const auto s = perf::Settings().num_threads(1).matmul_precision("medium").sdpa_cudnn(false);
+  perf::setup(s);
+  const auto before = flags();
+  const auto r = perf::setup(s);
+  EXPECT_EQ(flags(), before);
+  for (const auto& row : r.rows) EXPECT_NE(row.status, perf::Status::applied) << row.setting;
+}
+
+TEST(Setup, ConcurrentCallsAreSafe) {
+  const auto s = perf::Settings().num_threads(1).matmul_precision("high").sdpa_math(true);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      for (int k = 0; k < 50; ++k) {
+        try {
+          const auto r = perf::setup(s);
+          if (r.at("matmul_precision").read_back != "high") ++failures;
+        } catch (...) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(at::globalContext().float32MatmulPrecision(), at::Float32MatmulPrecision::HIGH);
+}
+
+TEST(Setup, RepairsMixedLegacyAndNewTf32Api) {
+  auto& ctx = at::globalContext();
+  // The state the new per-backend API can leave: legacy getter refuses to answer.
+  ctx.setFloat32MatmulPrecision("highest");
+  ctx.setFloat32Precision(B::CUDA, O::MATMUL, P::TF32);
+  EXPECT_THROW(ctx.float32MatmulPrecision(), c10::Error);
+  EXPECT_NE(flags().at("matmul_precision").find("inconsistent"), std::string::npos);
+  perf::setup();
+  EXPECT_EQ(ctx.float32MatmulPrecision(), at::Float32MatmulPrecision::HIGH);
+  EXPECT_TRUE(ctx.allowTF32CuBLAS());
+  EXPECT_EQ(ctx.float32Precision(B::CUDA, O::MATMUL), P::TF32);
+}
+
+TEST(ScopedSettings, RestoresEveryValueExactly) {
+  auto& ctx = at::globalContext();
+  // A non-default starting point, including a per-backend-only state.
+  ctx.setFloat32Precision(B::CUDA, O::CONV, P::TF32);
+  ctx.setFloat32Precision(B::CUDA, O::RNN, P::IEEE);
+  ctx.setAllowFP16ReductionCuBLAS(false, false);
+  at::set_num_threads(1);
+  const auto before = flags();
+  const auto fp32_before = fp32_entries();
+  const auto ws_before = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  {
+    perf::ScopedSettings guard(perf::Settings()
+                                   .matmul_precision("medium")
+                                   .deterministic(true)
+                                   .num_threads(2)
+                                   .fp16_reduced_precision_reduction(true)
+                                   .bf16_reduced_precision_reduction(false)
+                                   .flush_denormal(true)
+                                   .sdpa_flash(false)
+                                   .sync_debug("warn")
+                                   .memory_fraction(0.5));
+    EXPECT_EQ(at::get_num_threads(), 2);
+    EXPECT_TRUE(ctx.deterministicAlgorithms());
+    EXPECT_EQ(ctx.float32MatmulPrecision(), at::Float32MatmulPrecision::MEDIUM);
+    EXPECT_FALSE(ctx.userEnabledFlashSDP());
+    EXPECT_NE(flags(), before);
+    EXPECT_EQ(guard.report().at("num_threads").status, perf::Status::applied);
+  }
+  EXPECT_EQ(flags(), before);
+  EXPECT_EQ(fp32_entries(), fp32_before);
+  EXPECT_EQ(ws_before == nullptr, std::getenv("CUBLAS_WORKSPACE_CONFIG") == nullptr);
+  EXPECT_EQ(ctx.allowFP16ReductionCuBLAS(), at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK);
+}
+
+TEST(ScopedSettings, NestsAndRestoresInOrder) {
+  at::set_num_threads(1);
+  {
+    perf::ScopedSettings outer(perf::Settings().num_threads(2).matmul_precision("high"));
+    {
+      perf::ScopedSettings inner(perf::Settings().num_threads(3).matmul_precision("highest"));
+      EXPECT_EQ(at::get_num_threads(), 3);
+      EXPECT_EQ(at::globalContext().float32MatmulPrecision(), at::Float32MatmulPrecision::HIGHEST);
+    }
+    EXPECT_EQ(at::get_num_threads(), 2);
+    EXPECT_EQ(at::globalContext().float32MatmulPrecision(), at::Float32MatmulPrecision::HIGH);
+  }
+  EXPECT_EQ(at::get_num_threads(), 1);
+}
+
+TEST(ScopedSettings, RejectsOneWaySettings) {
+  PERF_EXPECT_THROW_MSG(perf::ScopedSettings(perf::Settings().num_interop_threads(2)), "num_interop_threads");
+  PERF_EXPECT_THROW_MSG(perf::ScopedSettings(perf::Settings().allocator("expandable_segments:True")), "allocator");
+}
+
+// Each invalid value: the error names the setting and the valid values, and
+// nothing in the same Settings was applied.
+TEST(Setup, InvalidValuesThrowAndApplyNothing) {
+  at::set_num_threads(1);
+  const auto before = flags();
+  const auto base = perf::Settings().num_threads(2).matmul_precision("medium").sdpa_flash(false);
+  struct Case {
+    perf::Settings settings;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {perf::Settings(base).memory_fraction(0.0), {"memory_fraction", "(0, 1]"}},
+      {perf::Settings(base).memory_fraction(1.5), {"memory_fraction", "(0, 1]"}},
+      {perf::Settings(base).memory_fraction(-0.1), {"memory_fraction", "(0, 1]"}},
+      {perf::Settings(base).num_threads(0), {"num_threads", ">= 1"}},
+      {perf::Settings(base).num_interop_threads(-3), {"num_interop_threads", ">= 1"}},
+      {perf::Settings(base).matmul_precision("ultra"), {"matmul_precision", "\"highest\", \"high\", \"medium\""}},
+      {perf::Settings(base).matmul_precision("High"), {"matmul_precision", "valid values"}},
+      {perf::Settings(base).sync_debug("loud"), {"sync_debug", "\"off\", \"warn\", \"error\""}},
+      {perf::Settings(base).allocator(""), {"allocator", "valid keys"}},
+      {perf::Settings(base).allocator("expandable_segments"), {"allocator", "malformed", "key:value"}},
+      {perf::Settings(base).allocator("foo:1"), {"allocator", "unknown key \"foo\"", "expandable_segments"}},
+      {perf::Settings(base).allocator("expandable_segments:yes"), {"expandable_segments", "True or False"}},
+      {perf::Settings(base).allocator("max_split_size_mb:-5"), {"max_split_size_mb", "positive integer"}},
+      {perf::Settings(base).allocator("garbage_collection_threshold:1.5"), {"garbage_collection_threshold", "(0, 1)"}},
+      {perf::Settings(base).allocator("roundup_power2_divisions:[256:1"), {"allocator", "unbalanced"}},
+      {perf::Settings(base).allocator("backend:cudaMallocAsync"), {"allocator", "PYTORCH_ALLOC_CONF"}},
+      {perf::Settings(base).sdpa_math(false).sdpa_mem_efficient(false).sdpa_cudnn(false), {"sdpa", "at least one"}},
+  };
+  for (const auto& c : cases) {
+    try {
+      perf::setup(c.settings);
+      ADD_FAILURE() << "no error for " << c.words.front();
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      for (const auto& w : c.words) EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
+    }
+    EXPECT_EQ(flags(), before) << "half-applied after error about " << c.words.front();
+  }
+  // Valid allocator strings pass validation.
+  for (const char* ok : {"expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
+                         "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False"}) {
+    EXPECT_NO_THROW(perf::detail::validate_allocator(ok)) << ok;
+  }
+}
+
+TEST(Setup, InteropThreadsOnceThenClearError) {
+  const auto r = perf::setup(perf::Settings().num_interop_threads(3));
+  EXPECT_EQ(at::get_num_interop_threads(), 3u);
+  EXPECT_EQ(r.at("num_interop_threads").read_back, "3");
+  // The same value again is fine (idempotent) ...
+  EXPECT_EQ(perf::setup(perf::Settings().num_interop_threads(3)).at("num_interop_threads").status,
+            perf::Status::unchanged);
+  // ... another one is refused, and nothing else in that call is applied.
+  at::set_num_threads(1);
+  const auto before = flags();
+  PERF_EXPECT_THROW_MSG(perf::setup(perf::Settings().num_interop_threads(2).num_threads(2)),
+                        "num_interop_threads: LibTorch accepts it once per process");
+  EXPECT_EQ(flags(), before);
+  EXPECT_EQ(at::get_num_interop_threads(), 3u);
+}
+
+TEST(Setup, PerfDisableMakesItAReportedNoOp) {
+  at::set_num_threads(1);
+  const auto before = flags();
+  test_util::ScopedEnv env("PERF_DISABLE", "1");
+  const auto r = perf::setup(perf::Settings().num_threads(2).matmul_precision("medium"));
+  EXPECT_TRUE(r.disabled);
+  EXPECT_EQ(flags(), before);
+  for (const auto& row : r.rows) {
+    EXPECT_EQ(row.status, perf::Status::skipped) << row.setting;
+    EXPECT_EQ(row.reason, "PERF_DISABLE=1");
+  }
+  EXPECT_NE(r.to_string().find("disabled by PERF_DISABLE=1"), std::string::npos);
+  // Invalid input is still an error: PERF_DISABLE hides no bug.
+  EXPECT_THROW(perf::setup(perf::Settings().num_threads(0)), c10::Error);
+}
+
+TEST(Setup, PerfVerbosePrintsTheReportToStderr) {
+  {
+    testing::internal::CaptureStderr();
+    perf::setup();
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  }
+  test_util::ScopedEnv env("PERF_VERBOSE", "1");
+  testing::internal::CaptureStderr();
+  const auto r = perf::setup();
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), r.to_string());
+}
+
+TEST(Setup, ReportPrintsAnAlignedTable) {
+  const auto r = perf::setup(perf::Settings().num_threads(1));
+  const std::string text = r.to_string();
+  std::istringstream in(text);
+  std::string line;
+  std::getline(in, line);  // title
+  std::getline(in, line);  // header
+  const auto status_col = line.find("status");
+  ASSERT_NE(status_col, std::string::npos);
+  size_t n = 0;
+  while (std::getline(in, line)) {
+    const auto& row = r.rows.at(n++);
+    EXPECT_EQ(line.rfind(row.setting, 0), 0u) << line;
+    EXPECT_EQ(line.substr(status_col, std::string(perf::to_string(row.status)).size()), perf::to_string(row.status))
+        << line;
+  }
+  EXPECT_EQ(n, r.rows.size());
+  // tf32, matmul_precision, cudnn_benchmark, deterministic, cublas_workspace_config,
+  // fp16/bf16 reduction, num_threads, num_interop_threads, flush_denormal,
+  // sync_debug, memory_fraction, allocator, four sdpa backends.
+  EXPECT_EQ(n, 17u);
+  PERF_EXPECT_THROW_MSG(r.at("no_such_setting"), "no row named");
+}
+
+TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
+  if (has_cuda()) GTEST_SKIP() << "skipped: this machine has a CUDA device (covered by OnGpu tests)";
+  const auto r = perf::setup(perf::Settings()
+                                 .sync_debug("warn")
+                                 .memory_fraction(0.5)
+                                 .allocator("expandable_segments:True")
+                                 .fp16_reduced_precision_reduction(false));
+  for (const char* name :
+       {"tf32", "cudnn_benchmark", "sync_debug", "memory_fraction", "allocator", "fp16_reduced_precision_reduction"}) {
+    EXPECT_EQ(r.at(name).status, perf::Status::skipped) << name;
+    EXPECT_NE(r.at(name).reason.find("no CUDA device"), std::string::npos) << name;
+  }
+  EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(), at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK);
+  // CPU settings still apply in the same call.
+  EXPECT_NE(r.at("matmul_precision").status, perf::Status::skipped);
+}
+
+TEST(Setup, OnGpuCudaSettingsApply) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  const auto r = perf::setup(
+      perf::Settings().sync_debug("warn").memory_fraction(0.5).fp16_reduced_precision_reduction(false).allocator(
+          "expandable_segments:True"));
+  EXPECT_EQ(c10::cuda::warning_state().get_sync_debug_mode(), c10::cuda::SyncDebugMode::L_WARN);
+  EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(0), 0.5);
+  EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(),
+            at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK);
+  EXPECT_TRUE(c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments());
+  EXPECT_EQ(r.at("allocator").status, perf::Status::applied);
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+  EXPECT_TRUE(at::globalContext().allowTF32CuDNN());
+  const int cc = perf::detail::min_compute_capability();
+  const bool note = r.at("tf32").reason.find("no effect on sm_") != std::string::npos;
+  EXPECT_EQ(note, cc < 80) << "cc=" << cc << " reason=" << r.at("tf32").reason;
+  // Too late: memory is reserved now, and the report says so.
+  auto t = at::zeros({1 << 20}, at::device(at::kCUDA));
+  const auto late = perf::setup(perf::Settings().allocator("expandable_segments:True"));
+  EXPECT_NE(late.at("allocator").reason.find("too late"), std::string::npos);
+  perf::setup(perf::Settings().sync_debug("off"));
+#endif
+}
+
+TEST(Environment, DescribesVersionsDevicesAndFlags) {
+  const perf::Environment e = perf::environment();
+  // The Python torch from the same wheel reports the same version.
+  const std::string py = test_util::python("import torch; print(torch.__version__)");
+  EXPECT_EQ(py.rfind(e.torch_version, 0), 0u) << py << " vs " << e.torch_version;
+  EXPECT_EQ(e.cuda_compiled, PERF_WITH_CUDA != 0);
+  EXPECT_EQ(static_cast<int>(e.devices.size()), perf::detail::cuda_device_count());
+  EXPECT_EQ(e.hardware_threads, std::thread::hardware_concurrency());
+  EXPECT_EQ(e.intraop_threads, at::get_num_threads());
+  const auto names = perf::setup().rows;
+  ASSERT_EQ(e.flags.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) EXPECT_EQ(e.flags[i].first, names[i].setting);
+  std::ostringstream os;
+  os << e;
+  EXPECT_NE(os.str().find("LibTorch " + e.torch_version), std::string::npos);
+  EXPECT_NE(os.str().find("matmul_precision"), std::string::npos);
+  if (e.devices.empty()) {
+    EXPECT_NE(os.str().find("CUDA devices: none"), std::string::npos);
+  } else {
+    EXPECT_NE(os.str().find(e.devices[0].name), std::string::npos);
+    EXPECT_GT(e.devices[0].multiprocessors, 0);
+  }
+#if PERF_WITH_CUDA
+  EXPECT_GE(e.cuda_runtime_version, 13000);
+  const std::string py_cuda = test_util::python("import torch; print(torch.version.cuda)");
+  EXPECT_EQ(py_cuda.rfind(std::to_string(e.cuda_runtime_version / 1000) + ".", 0), 0u) << py_cuda;
+#endif
+}

@@ -1,0 +1,65 @@
+// Small helpers shared by perf's test suites.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+// Expects `statement` to throw c10::Error whose message contains `text`.
+#define PERF_EXPECT_THROW_MSG(statement, text)                                                  \
+  do {                                                                                          \
+    try {                                                                                       \
+      statement;                                                                                \
+      ADD_FAILURE() << "expected c10::Error containing \"" << (text) << "\" from: " #statement; \
+    } catch (const c10::Error& e_) {                                                            \
+      EXPECT_NE(std::string(e_.what_without_backtrace()).find(text), std::string::npos)         \
+          << "message was: " << e_.what_without_backtrace();                                    \
+    }                                                                                           \
+  } while (0)
+
+namespace test_util {
+
+// Sets an environment variable for one scope, restoring the previous value.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+// Runs a Python snippet with the interpreter of the venv that provided
+// LibTorch (PERF_PYTHON, set by CMake) and returns its stdout, trimmed.
+inline std::string python(const std::string& code) {
+  const std::string cmd = std::string(PERF_PYTHON) + " -c \"" + code + "\" 2>/dev/null";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  const int rc = ::pclose(pipe);
+  if (rc != 0) throw std::runtime_error("python failed (" + std::to_string(rc) + "): " + cmd);
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+
+}  // namespace test_util
