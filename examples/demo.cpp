@@ -1,14 +1,11 @@
 // perf demo: a small CNN trained on synthetic data, stock LibTorch vs perf,
-// measured side by side in one run (alternating rounds, medians compared).
+// measured side by side in one run with perf::compare (alternating rounds,
+// ratio of medians).
 #include <perf/perf.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
-#include <chrono>
-#include <iomanip>
 #include <iostream>
-#include <vector>
 
 namespace {
 
@@ -31,29 +28,13 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-void sync(const torch::Device& d) {
-  if (d.is_cuda()) torch::cuda::synchronize(d.index());
-}
-
-// Images per second over `steps` training steps.
-double train_round(Net& net, torch::optim::Optimizer& opt, const torch::Tensor& x, const torch::Tensor& y, int steps,
-                   const torch::Device& device) {
-  sync(device);
-  const auto t0 = std::chrono::steady_clock::now();
+void train(Net& net, torch::optim::Optimizer& opt, const torch::Tensor& x, const torch::Tensor& y, int steps) {
   for (int i = 0; i < steps; ++i) {
     opt.zero_grad();
     auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
     loss.backward();
     opt.step();
   }
-  sync(device);
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(steps * x.size(0)) / s;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -79,21 +60,16 @@ int main(int argc, char** argv) {
 
   std::cout << "perf demo on " << device << ": small CNN, batch " << batch << ", " << image << "x" << image << ", "
             << steps << " steps x " << rounds << " rounds per configuration\n";
-  train_round(net, opt, x, y, 2, device);  // warm-up: allocator, kernels, threads
-
-  std::vector<double> stock, tuned;
-  perf::Report report;
-  for (int r = 0; r < rounds; ++r) {
-    stock.push_back(train_round(net, opt, x, y, steps, device));
-    perf::ScopedSettings perf_on;  // perf::setup() defaults, undone at scope exit
-    if (r == 0) report = perf_on.report();
-    if (r == 0) train_round(net, opt, x, y, 1, device);  // cuDNN benchmark picks algorithms
-    tuned.push_back(train_round(net, opt, x, y, steps, device));
-  }
-  const double a = median(stock), b = median(tuned);
-  std::cout << std::fixed << std::setprecision(1) << "stock LibTorch : " << a << " images/s\n"
-            << "perf::setup()  : " << b << " images/s\n"
-            << std::setprecision(2) << "ratio          : " << b / a << "x\n\n"
-            << report;
+  // One call = `steps` training steps. Stock LibTorch and perf alternate
+  // (A B A B ...), so drift and warm-up affect both alike.
+  const perf::Report report = perf::ScopedSettings().report();
+  const auto result = perf::compare(
+      "stock LibTorch", [&] { train(net, opt, x, y, steps); }, "perf::setup()",
+      [&] {
+        perf::ScopedSettings perf_on;  // perf::setup() defaults, undone at scope exit (~7 us)
+        train(net, opt, x, y, steps);
+      },
+      perf::BenchOptions().warmup(1).iters(rounds).items_per_call(steps * batch).device(device));
+  std::cout << result << "\n" << report;
   return 0;
 }

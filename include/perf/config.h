@@ -25,3 +25,11 @@
 #define PERF_WITH_CUDA 0
 #endif
 #endif
+
+#include <iosfwd>
+
+namespace perf {
+/// Where perf writes progress lines and tables; nullptr = nowhere. (An alias
+/// because TORCH_ARG needs a type that stays const-correct as one token.)
+using OstreamPtr = std::ostream*;
+}  // namespace perf

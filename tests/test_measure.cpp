@@ -1,0 +1,290 @@
+// Tests for perf/bench.h, perf/memory.h and perf/profile.h.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <perf/bench.h>
+#include <perf/memory.h>
+#include <perf/profile.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+#include <thread>
+
+#include "test_util.h"
+
+#if PERF_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace {
+
+bool has_cuda() {
+#if PERF_WITH_CUDA
+  return c10::cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+void sleep_ms(double ms) { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms)); }
+
+}  // namespace
+
+TEST(Timer, MeasuresAKnownSleepOnCpu) {
+  perf::Timer t;
+  t.start();
+  sleep_ms(50);
+  t.stop();
+  EXPECT_GE(t.elapsed_ms(), 50.0);
+  EXPECT_LT(t.elapsed_ms(), 500.0);
+}
+
+TEST(Timer, MisuseIsAnError) {
+  perf::Timer t;
+  PERF_EXPECT_THROW_MSG(t.stop(), "start() was not called");
+  t.start();
+  PERF_EXPECT_THROW_MSG(t.elapsed_ms(), "call start() and stop() first");
+  if (!has_cuda()) PERF_EXPECT_THROW_MSG(perf::Timer(c10::Device(c10::kCUDA)), "cuda");
+}
+
+TEST(Timer, MeasuresKnownGpuWorkWithoutHostSync) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  // Calibrate: how long does a spin of N cycles take, timed on the host after a sync.
+  const int64_t cycles = 200'000'000;
+  c10::cuda::device_synchronize();
+  const auto h0 = std::chrono::steady_clock::now();
+  at::cuda::sleep(cycles);
+  c10::cuda::device_synchronize();
+  const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+
+  perf::Timer t(c10::Device(c10::kCUDA, 0));
+  const auto l0 = std::chrono::steady_clock::now();
+  t.start();
+  at::cuda::sleep(cycles);
+  t.stop();
+  const double launch_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
+  const double gpu_ms = t.elapsed_ms();
+  EXPECT_LT(launch_ms, host_ms / 4) << "start/stop must not wait for the GPU";
+  EXPECT_NEAR(gpu_ms, host_ms, host_ms * 0.25);
+#endif
+}
+
+TEST(Stats, MatchNumpyOnSyntheticDurations) {
+  const std::vector<double> d = {5, 1, 4, 2, 3, 10, 7, 6, 9, 8, 0.5, 12.25};
+  const auto s = perf::Stats::from(d, "synthetic", 32);
+  std::string list;
+  for (double x : d) list += std::to_string(x) + ",";
+  const std::string ref = test_util::python(
+      "import numpy as np; d=np.array([" + list +
+      "]); print(' '.join(repr(float(v)) for v in [d.min(), np.median(d), d.mean(), np.percentile(d, 90), d.max()]))");
+  std::istringstream in(ref);
+  double mn, med, mean, p90, mx;
+  in >> mn >> med >> mean >> p90 >> mx;
+  EXPECT_DOUBLE_EQ(s.min_ms, mn);
+  EXPECT_DOUBLE_EQ(s.median_ms, med);
+  EXPECT_NEAR(s.mean_ms, mean, 1e-12);
+  EXPECT_NEAR(s.p90_ms, p90, 1e-12);
+  EXPECT_DOUBLE_EQ(s.max_ms, mx);
+  EXPECT_EQ(s.iterations, 12);
+  EXPECT_DOUBLE_EQ(s.items_per_second, 32 * 1000.0 / s.median_ms);
+  const std::string row = s.to_string();
+  EXPECT_EQ(row.rfind("synthetic", 0), 0u);
+  EXPECT_NE(row.find("12"), std::string::npos);
+  PERF_EXPECT_THROW_MSG(perf::Stats::from({}), "no durations");
+}
+
+TEST(Benchmark, CountsWarmupAndTimedCalls) {
+  int calls = 0;
+  const auto s = perf::benchmark([&] { ++calls; }, perf::BenchOptions().warmup(3).iters(7).name("count"));
+  EXPECT_EQ(calls, 10);
+  EXPECT_EQ(s.iterations, 7);
+  EXPECT_EQ(s.name, "count");
+  EXPECT_LE(s.min_ms, s.median_ms);
+  EXPECT_LE(s.median_ms, s.p90_ms);
+  EXPECT_LE(s.p90_ms, s.max_ms);
+}
+
+TEST(Benchmark, MinTimeExtendsTheRun) {
+  const auto s = perf::benchmark([] { sleep_ms(10); }, perf::BenchOptions().warmup(0).iters(1).min_time(0.06));
+  EXPECT_GE(s.iterations, 5);
+  EXPECT_GE(s.min_ms, 10.0);
+}
+
+TEST(Benchmark, InvalidOptionsNameTheOption) {
+  auto f = [] {};
+  PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().iters(0)), "iters");
+  PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().warmup(-1)), "warmup");
+  PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().min_time(-1)), "min_time");
+}
+
+TEST(Compare, AlternatesAndReportsTheRatioOfMedians) {
+  std::string order;
+  const auto c = perf::compare(
+      "slow",
+      [&] {
+        order += 'A';
+        sleep_ms(6);
+      },
+      "fast",
+      [&] {
+        order += 'B';
+        sleep_ms(2);
+      },
+      perf::BenchOptions().warmup(1).iters(5));
+  EXPECT_EQ(order, "ABABABABABAB");
+  EXPECT_EQ(c.a.iterations, 5);
+  EXPECT_EQ(c.b.iterations, 5);
+  EXPECT_DOUBLE_EQ(c.ratio, c.a.median_ms / c.b.median_ms);
+  EXPECT_GT(c.ratio, 1.5);
+  const std::string text = c.to_string();
+  EXPECT_NE(text.find("fast vs slow"), std::string::npos);
+  EXPECT_NE(text.find("ratio of medians"), std::string::npos);
+}
+
+TEST(Memory, CpuReportsRssAndSaysWhatIsMissing) {
+  const auto before = perf::memory_stats();
+  ASSERT_TRUE(before.rss && before.peak_rss);
+  EXPECT_GT(*before.rss, 0);
+  EXPECT_GE(*before.peak_rss, *before.rss);
+  EXPECT_FALSE(before.allocated.has_value());
+  ASSERT_FALSE(before.unavailable.empty());
+  EXPECT_NE(before.unavailable.back().find("CPU allocator keeps no statistics"), std::string::npos);
+  int64_t grown = 0;
+  {
+    auto t = at::ones({64, 1024, 1024});  // 256 MiB, touched
+    grown = *perf::memory_stats().rss - *before.rss;
+  }
+  EXPECT_GT(grown, int64_t{200} << 20);
+  const auto after = perf::memory_stats();
+  EXPECT_LT(*after.rss, *before.rss + (int64_t{100} << 20)) << "freed memory goes back";
+  EXPECT_GE(*after.peak_rss, *before.rss + (int64_t{200} << 20));
+  if (perf::reset_peak_memory()) {
+    EXPECT_LT(*perf::memory_stats().peak_rss, *after.peak_rss);
+  }
+  const std::string text = after.to_string();
+  EXPECT_NE(text.find("process rss"), std::string::npos);
+  EXPECT_NE(text.find("not available"), std::string::npos);
+}
+
+TEST(Memory, CudaStatsRiseAndFall) {
+  if (!has_cuda()) {
+    PERF_EXPECT_THROW_MSG(perf::memory_stats(c10::Device(c10::kCUDA)), "cuda");
+    GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  perf::reset_peak_memory(cuda);
+  const auto s0 = perf::memory_stats(cuda);
+  int64_t during = 0;
+  {
+    auto t = at::empty({64 << 20}, at::device(cuda).dtype(at::kFloat));  // 256 MiB
+    during = *perf::memory_stats(cuda).allocated;
+  }
+  const auto s1 = perf::memory_stats(cuda);
+  EXPECT_EQ(during - *s0.allocated, int64_t{256} << 20);
+  EXPECT_EQ(*s1.allocated, *s0.allocated);
+  EXPECT_GE(*s1.peak_allocated, *s0.allocated + (int64_t{256} << 20));
+  EXPECT_GE(*s1.reserved, int64_t{256} << 20) << "the caching allocator keeps the block";
+  perf::reset_peak_memory(cuda);
+  EXPECT_EQ(*perf::memory_stats(cuda).peak_allocated, *s1.allocated);
+}
+
+namespace {
+
+// A try_fn that "runs out of memory" above `limit`, like a real OOM would.
+struct FakeOom {
+  int64_t limit;
+  std::vector<int64_t> tried;
+  void operator()(int64_t b) {
+    tried.push_back(b);
+    TORCH_CHECK_WITH(OutOfMemoryError, b <= limit, "CUDA out of memory (fake) at batch ", b);
+  }
+};
+
+}  // namespace
+
+TEST(FindMaxBatchSize, ExactAtEveryBoundary) {
+  for (int64_t limit : {1, 2, 3, 7, 63, 64, 65, 100, 999, 1000, 5000}) {
+    FakeOom oom{limit, {}};
+    const int64_t got = perf::find_max_batch_size(std::ref(oom), 1, 1000, perf::FindBatchOptions().log(nullptr));
+    EXPECT_EQ(got, std::min<int64_t>(limit, 1000)) << "limit " << limit;
+    EXPECT_LE(oom.tried.size(), 22u) << "doubling + binary search stays logarithmic";
+  }
+  FakeOom at_lo{5, {}};
+  EXPECT_EQ(perf::find_max_batch_size(std::ref(at_lo), 5, 9, perf::FindBatchOptions().log(nullptr)), 5);
+}
+
+TEST(FindMaxBatchSize, ReportsProgressAndResult) {
+  FakeOom oom{40, {}};
+  std::ostringstream log;
+  EXPECT_EQ(perf::find_max_batch_size(std::ref(oom), 8, 256, perf::FindBatchOptions().log(&log)), 40);
+  const std::string text = log.str();
+  EXPECT_NE(text.find("try 8: fits"), std::string::npos) << text;
+  EXPECT_NE(text.find("try 64: out of memory"), std::string::npos) << text;
+  EXPECT_NE(text.find("largest batch that fits in [8, 256]: 40"), std::string::npos) << text;
+}
+
+TEST(FindMaxBatchSize, ErrorsAndOtherExceptions) {
+  FakeOom none{3, {}};
+  PERF_EXPECT_THROW_MSG(perf::find_max_batch_size(std::ref(none), 4, 64, perf::FindBatchOptions().log(nullptr)),
+                        "even the smallest batch size (lo=4)");
+  PERF_EXPECT_THROW_MSG(perf::find_max_batch_size([](int64_t) {}, 0, 8), "1 <= lo <= hi");
+  PERF_EXPECT_THROW_MSG(perf::find_max_batch_size([](int64_t) {}, 9, 8), "1 <= lo <= hi");
+  // A bug in try_fn is not an OOM: it propagates unchanged, at once.
+  int calls = 0;
+  auto buggy = [&](int64_t b) {
+    ++calls;
+    if (b > 2) throw std::invalid_argument("shape mismatch at batch " + std::to_string(b));
+  };
+  try {
+    perf::find_max_batch_size(buggy, 1, 64, perf::FindBatchOptions().log(nullptr));
+    ADD_FAILURE() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "shape mismatch at batch 4");
+  }
+  EXPECT_EQ(calls, 3);
+  auto c10_bug = [](int64_t) { TORCH_CHECK(false, "index out of range"); };
+  PERF_EXPECT_THROW_MSG(perf::find_max_batch_size(c10_bug, 1, 8, perf::FindBatchOptions().log(nullptr)),
+                        "index out of range");
+}
+
+TEST(Profile, WritesAChromeTraceWithRangesAndOperators) {
+  const auto path = (std::filesystem::temp_directory_path() / ("perf_trace_" + std::to_string(::getpid()) + ".json"));
+  std::filesystem::remove(path);
+  std::ostringstream table;
+  perf::ProfileSummary summary;
+  {
+    perf::Profile p(path.string(), perf::ProfileOptions().record_shapes(true).out(&table).top(10));
+    PERF_EXPECT_THROW_MSG(perf::Profile(path.string() + ".2"), "already running");
+    auto a = at::randn({128, 128});
+    for (int i = 0; i < 5; ++i) {
+      perf::Range r("my_region");
+      a = at::mm(a, a).tanh();
+    }
+    summary = p.stop();
+    EXPECT_EQ(&p.stop(), &p.stop()) << "stop() is idempotent";
+  }
+  ASSERT_TRUE(std::filesystem::exists(path));
+  const std::string py = test_util::python(
+      "import json; d=json.load(open('" + path.string() +
+      "')); n=[e.get('name') for e in d['traceEvents']]; print(n.count('my_region'), n.count('aten::mm'))");
+  EXPECT_EQ(py, "5 5");
+  const perf::OpStat* mm = nullptr;
+  const perf::OpStat* region = nullptr;
+  for (const auto& o : summary.ops) {
+    if (o.name == "aten::mm") mm = &o;
+    if (o.name == "my_region") region = &o;
+  }
+  ASSERT_TRUE(mm && region);
+  EXPECT_EQ(mm->calls, 5);
+  EXPECT_EQ(region->calls, 5);
+  EXPECT_LE(mm->self_us, mm->total_us + 1e-9);
+  EXPECT_LT(region->self_us, region->total_us) << "mm and tanh are nested in the region";
+  EXPECT_GE(region->total_us, mm->total_us);
+  for (size_t i = 1; i < summary.ops.size(); ++i) EXPECT_GE(summary.ops[i - 1].self_us, summary.ops[i].self_us);
+  EXPECT_NE(table.str().find("trace written to"), std::string::npos);
+  EXPECT_NE(table.str().find("aten::mm"), std::string::npos);
+  std::filesystem::remove(path);
+}
