@@ -4,5 +4,6 @@
 #include <perf/bench.h>
 #include <perf/config.h>
 #include <perf/memory.h>
+#include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>

@@ -1,0 +1,528 @@
+// perf/optim.h — fused, capturable optimizers: drop-in torch::optim::Optimizers.
+//
+//   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+//   perf::optim::Adam  opt(params, perf::optim::AdamOptions(1e-3).amsgrad(true));
+//   perf::optim::SGD   opt(params, perf::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+//   loss.backward(); opt.step(); opt.zero_grad();         // as with torch::optim
+//   torch::save(opt, "opt.pt"); torch::load(opt, "opt.pt");
+//
+// step() runs ATen's fused kernels (at::_fused_adamw_, _fused_adam_, _fused_sgd_)
+// once per (device, dtype) group instead of ~10 small kernels per parameter, on
+// CPU and CUDA; elsewhere (or with .fused(false)) it runs _foreach_ kernels.
+// kernels() says which ran. Step counters are 0-dim device tensors and step()
+// makes no host sync, so a whole training step can be captured in a CUDA graph.
+// step_scaled(grad_scale, found_inf) hands perf::GradScaler's device tensors to
+// the fused kernels: unscale and skip-on-inf happen on the device.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <perf/config.h>
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/serialize.h>
+#include <torch/serialize/archive.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace perf::optim {
+
+/// Adam / AdamW options: the names of torch::optim::AdamOptions / AdamWOptions,
+/// plus maximize and fused. AdamW decouples weight decay (default 1e-2).
+template <bool Decoupled>
+struct AdamOptionsT : public torch::optim::OptimizerCloneableOptions<AdamOptionsT<Decoupled>> {
+  AdamOptionsT(double lr = 1e-3) : lr_(lr) {}  // NOLINT: implicit like torch's
+  TORCH_ARG(double, lr) = 1e-3;
+  using betas_t = std::tuple<double, double>;
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = Decoupled ? 1e-2 : 0.0;
+  TORCH_ARG(bool, amsgrad) = false;
+  TORCH_ARG(bool, maximize) = false;
+  /// true: fused kernels or an error; false: _foreach_ kernels; unset: fused where available.
+  TORCH_ARG(std::optional<bool>, fused);
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+using AdamOptions = AdamOptionsT<false>;
+using AdamWOptions = AdamOptionsT<true>;
+
+/// Per-parameter Adam state. `step` is a 0-dim float32 tensor on the
+/// parameter's device (capturable), as in Python's fused Adam.
+struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamParamState> {
+  TORCH_ARG(torch::Tensor, step);
+  TORCH_ARG(torch::Tensor, exp_avg);
+  TORCH_ARG(torch::Tensor, exp_avg_sq);
+  TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+
+ public:
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+
+/// SGD options: the names of torch::optim::SGDOptions, plus maximize and fused.
+struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
+  SGDOptions(double lr) : lr_(lr) {}  // NOLINT: implicit like torch's
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, momentum) = 0;
+  TORCH_ARG(double, dampening) = 0;
+  TORCH_ARG(double, weight_decay) = 0;
+  TORCH_ARG(bool, nesterov) = false;
+  TORCH_ARG(bool, maximize) = false;
+  TORCH_ARG(std::optional<bool>, fused);
+
+ public:
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+
+struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDParamState> {
+  TORCH_ARG(torch::Tensor, momentum_buffer);
+
+ public:
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+
+/// Common base: a torch::optim::Optimizer whose step can take GradScaler's
+/// device-side scale and inf flag.
+class FusedOptimizer : public torch::optim::Optimizer {
+ public:
+  using torch::optim::Optimizer::Optimizer;
+
+  /// As torch::optim::Optimizer::step: the closure (if any) runs with grad
+  /// enabled, the update without.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// The update with gradients scaled by `grad_scale` (unscaled inside the
+  /// kernel), skipped on the device where `found_inf` is nonzero. No host sync
+  /// on the fused path; the _foreach_ fallback reads found_inf (one sync).
+  void step_scaled(const torch::Tensor& grad_scale, const torch::Tensor& found_inf);
+
+  /// One line per (device, dtype) group of the last step: "cpu Float: fused" or
+  /// "cpu Float: foreach".
+  const std::vector<std::string>& kernels() const noexcept { return kernels_; }
+
+ protected:
+  virtual void update(const std::optional<torch::Tensor>& grad_scale,
+                      const std::optional<torch::Tensor>& found_inf) = 0;
+  std::vector<std::string> kernels_;
+};
+
+/// Adam (Decoupled=false) and AdamW (Decoupled=true).
+template <bool Decoupled>
+class AdamT : public FusedOptimizer {
+ public:
+  using Options = AdamOptionsT<Decoupled>;
+  explicit AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {});
+  explicit AdamT(std::vector<torch::Tensor> params, Options defaults = {})
+      : AdamT({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+  void save(torch::serialize::OutputArchive& archive) const override {
+    torch::optim::serialize<AdamParamState, Options>(archive, *this);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::optim::serialize<AdamParamState, Options>(archive, *this);
+  }
+
+ protected:
+  void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
+};
+using Adam = AdamT<false>;
+using AdamW = AdamT<true>;
+
+/// SGD with momentum, dampening, Nesterov, weight decay, maximize.
+class SGD : public FusedOptimizer {
+ public:
+  explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, SGDOptions defaults);
+  explicit SGD(std::vector<torch::Tensor> params, SGDOptions defaults)
+      : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+  void save(torch::serialize::OutputArchive& archive) const override {
+    torch::optim::serialize<SGDParamState, SGDOptions>(archive, *this);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::optim::serialize<SGDParamState, SGDOptions>(archive, *this);
+  }
+
+ protected:
+  void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
+};
+
+// ---------------------------------------------------------------------------
+namespace detail {
+
+template <bool Decoupled>
+constexpr const char* adam_name() {
+  return Decoupled ? "perf::optim::AdamW" : "perf::optim::Adam";
+}
+
+// Tensors of one (device, dtype) group, in parameter order.
+struct Bucket {
+  c10::Device device;
+  c10::ScalarType dtype;
+  bool first = false;  // SGD: momentum buffers not yet created
+  std::vector<at::Tensor> params, grads, a, b, c, steps;
+};
+
+inline Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool first = false) {
+  for (auto& b : buckets)
+    if (b.device == p.device() && b.dtype == p.scalar_type() && b.first == first) return b;
+  buckets.push_back(Bucket{p.device(), p.scalar_type(), first, {}, {}, {}, {}, {}, {}});
+  return buckets.back();
+}
+
+inline bool fused_available(const Bucket& b) {
+  const bool dtype_ok =
+      b.dtype == at::kFloat || b.dtype == at::kDouble || b.dtype == at::kHalf || b.dtype == at::kBFloat16;
+  return dtype_ok && (b.device.is_cpu() || b.device.is_cuda());
+}
+
+// Whether this bucket runs fused; throws if fused(true) cannot be honoured.
+inline bool use_fused(const std::optional<bool>& fused, const Bucket& b, const char* name) {
+  const bool available = fused_available(b);
+  if (fused.has_value() && *fused) {
+    TORCH_CHECK(available, name, ": fused(true) but no fused kernel for ", b.device, " ", b.dtype,
+                " (fused kernels: cpu or cuda, float/double/half/bfloat16); use fused(false) or leave it unset");
+  }
+  return fused.value_or(true) && available;
+}
+
+inline std::string kernel_line(const Bucket& b, bool fused) {
+  return b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
+}
+
+// Checks shared by the constructors: floating parameters, one device per group.
+inline void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK(params[i].defined(), name, ": parameter ", i, " of group ", g, " is undefined");
+      TORCH_CHECK(at::isFloatingType(params[i].scalar_type()), name, ": parameter ", i, " of group ", g, " has dtype ",
+                  params[i].scalar_type(), "; optimizers need floating-point parameters");
+      TORCH_CHECK(params[i].device() == params[0].device(), name, ": parameters of group ", g,
+                  " are on different devices (", params[0].device(), " and ", params[i].device(), " at index ", i,
+                  "); put each device's parameters in its own group");
+    }
+  }
+}
+
+inline void check_grad(const at::Tensor& p, size_t g, const char* name) {
+  TORCH_CHECK(!p.grad().is_sparse(), name, " does not support sparse gradients (parameter in group ", g,
+              "); use a dense embedding (sparse=false) or torch::optim::SGD");
+}
+
+// Moves loaded state to the parameter's device (checkpoints may come from elsewhere).
+inline void to_param_device(at::Tensor& t, const at::Tensor& p) {
+  if (t.defined() && t.device() != p.device()) t = t.to(p.device());
+}
+
+// found_inf / grad_scale for this device (one copy per device and step).
+inline std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const c10::Device& d) {
+  if (!t) return std::nullopt;
+  return t->device() == d ? *t : t->to(d, /*non_blocking=*/true);
+}
+
+// Fallback path with a scaler: unscale, then skip on inf (the one host sync).
+inline bool foreach_prepare_scaled(std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& grad_scale,
+                                   const std::optional<at::Tensor>& found_inf) {
+  if (found_inf && found_inf->item<float>() != 0.0f) return false;
+  if (grad_scale) grads = at::_foreach_div(grads, *grad_scale);
+  return true;
+}
+
+}  // namespace detail
+
+// --------------------------------------------------------------------------- options
+
+template <bool D>
+void AdamOptionsT<D>::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(amsgrad);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(fused);
+}
+
+template <bool D>
+void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
+}
+
+inline void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
+}
+
+inline void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+}
+
+inline void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(dampening);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(fused);
+}
+
+inline void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
+}
+
+inline void SGDParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
+}
+
+inline void SGDParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, momentum_buffer);
+}
+
+// --------------------------------------------------------------------------- FusedOptimizer
+
+inline torch::Tensor FusedOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  at::NoGradGuard no_grad;
+  update(std::nullopt, std::nullopt);
+  return loss;
+}
+
+inline void FusedOptimizer::step_scaled(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) {
+  at::NoGradGuard no_grad;
+  update(grad_scale, found_inf);
+}
+
+// --------------------------------------------------------------------------- Adam / AdamW
+
+namespace detail {
+template <bool D>
+void check_adam_options(const AdamOptionsT<D>& o, const std::string& where) {
+  const char* name = adam_name<D>();
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid lr ", o.lr(), where, " (must be >= 0)");
+  TORCH_CHECK(o.eps() >= 0, name, ": invalid eps ", o.eps(), where, " (must be >= 0)");
+  const auto [b1, b2] = o.betas();
+  TORCH_CHECK(b1 >= 0 && b1 < 1, name, ": invalid betas[0] ", b1, where, " (must be in [0, 1))");
+  TORCH_CHECK(b2 >= 0 && b2 < 1, name, ": invalid betas[1] ", b2, where, " (must be in [0, 1))");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay ", o.weight_decay(), where, " (must be >= 0)");
+}
+}  // namespace detail
+
+template <bool D>
+AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults)
+    : FusedOptimizer(
+          [&] {
+            detail::check_adam_options(defaults, "");
+            detail::check_params(param_groups, detail::adam_name<D>());
+            return param_groups;
+          }(),
+          std::make_unique<Options>(defaults)) {
+  for (size_t g = 0; g < param_groups_.size(); ++g)
+    detail::check_adam_options(static_cast<const Options&>(param_groups_[g].options()),
+                               " in param group " + std::to_string(g));
+}
+
+template <bool D>
+void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
+  const char* name = detail::adam_name<D>();
+  kernels_.clear();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& group = param_groups_[g];
+    const auto& o = static_cast<const Options&>(group.options());
+    detail::check_adam_options(o, " in param group " + std::to_string(g));
+    std::vector<detail::Bucket> buckets;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;  // skipped, like PyTorch
+      detail::check_grad(p, g, name);
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto s = std::make_unique<AdamParamState>();
+        s->step(at::zeros({}, p.options().dtype(at::kFloat)));
+        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(s);
+      }
+      auto& s = static_cast<AdamParamState&>(*slot);
+      if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      detail::to_param_device(s.step(), p);
+      detail::to_param_device(s.exp_avg(), p);
+      detail::to_param_device(s.exp_avg_sq(), p);
+      detail::to_param_device(s.max_exp_avg_sq(), p);
+      auto& b = detail::bucket_for(buckets, p);
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      b.a.push_back(s.exp_avg());
+      b.b.push_back(s.exp_avg_sq());
+      if (o.amsgrad()) b.c.push_back(s.max_exp_avg_sq());
+      b.steps.push_back(s.step());
+    }
+    const auto [beta1, beta2] = o.betas();
+    for (auto& b : buckets) {
+      const bool fused = detail::use_fused(o.fused(), b, name);
+      kernels_.push_back(detail::kernel_line(b, fused));
+      const auto gs = detail::on_device(grad_scale, b.device);
+      const auto fi = detail::on_device(found_inf, b.device);
+      if (fused) {
+        at::_foreach_add_(b.steps, 1);
+        if constexpr (D) {
+          at::_fused_adamw_(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(),
+                            o.amsgrad(), o.maximize(), gs, fi);
+        } else {
+          at::_fused_adam_(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(),
+                           o.amsgrad(), o.maximize(), gs, fi);
+        }
+        // The kernel leaves params alone on inf; undo the step count too (as Python does).
+        if (fi) at::_foreach_sub_(b.steps, std::vector<at::Tensor>(b.steps.size(), *fi));
+        continue;
+      }
+      // _foreach_ path: Python's capturable multi-tensor Adam (no host sync).
+      if (!detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
+      at::_foreach_add_(b.steps, 1);
+      auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
+      if (o.weight_decay() != 0) {
+        if (D) {
+          at::_foreach_mul_(b.params, 1 - o.lr() * o.weight_decay());
+        } else {
+          grads = at::_foreach_add(grads, b.params, o.weight_decay());
+        }
+      }
+      at::_foreach_lerp_(b.a, grads, 1 - beta1);
+      at::_foreach_mul_(b.b, beta2);
+      at::_foreach_addcmul_(b.b, grads, grads, 1 - beta2);
+      auto bc1 = at::_foreach_pow(beta1, b.steps);
+      auto bc2 = at::_foreach_pow(beta2, b.steps);
+      at::_foreach_sub_(bc1, 1);
+      at::_foreach_sub_(bc2, 1);
+      at::_foreach_neg_(bc2);
+      at::_foreach_div_(bc1, o.lr());
+      at::_foreach_reciprocal_(bc1);  // -step_size
+      at::_foreach_sqrt_(bc2);
+      if (o.amsgrad()) at::_foreach_maximum_(b.c, b.b);
+      auto denom = at::_foreach_sqrt(o.amsgrad() ? b.c : b.b);
+      at::_foreach_div_(denom, bc2);
+      at::_foreach_add_(denom, o.eps());
+      at::_foreach_div_(denom, bc1);
+      at::_foreach_addcdiv_(b.params, b.a, denom);
+    }
+  }
+}
+
+// --------------------------------------------------------------------------- SGD
+
+namespace detail {
+inline void check_sgd_options(const SGDOptions& o, const std::string& where) {
+  const char* name = "perf::optim::SGD";
+  TORCH_CHECK(o.lr() >= 0, name, ": invalid lr ", o.lr(), where, " (must be >= 0)");
+  TORCH_CHECK(o.momentum() >= 0, name, ": invalid momentum ", o.momentum(), where, " (must be >= 0)");
+  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay ", o.weight_decay(), where, " (must be >= 0)");
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name,
+              ": nesterov requires momentum > 0 and dampening == 0", where, " (got momentum ", o.momentum(),
+              ", dampening ", o.dampening(), ")");
+}
+}  // namespace detail
+
+inline SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, SGDOptions defaults)
+    : FusedOptimizer(
+          [&] {
+            detail::check_sgd_options(defaults, "");
+            detail::check_params(param_groups, "perf::optim::SGD");
+            return param_groups;
+          }(),
+          std::make_unique<SGDOptions>(defaults)) {
+  for (size_t g = 0; g < param_groups_.size(); ++g)
+    detail::check_sgd_options(static_cast<const SGDOptions&>(param_groups_[g].options()),
+                              " in param group " + std::to_string(g));
+}
+
+inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
+  const char* name = "perf::optim::SGD";
+  kernels_.clear();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& group = param_groups_[g];
+    const auto& o = static_cast<const SGDOptions&>(group.options());
+    detail::check_sgd_options(o, " in param group " + std::to_string(g));
+    const bool momentum = o.momentum() != 0;
+    std::vector<detail::Bucket> buckets;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      detail::check_grad(p, g, name);
+      SGDParamState* s = nullptr;
+      if (momentum) {
+        auto& slot = state_[p.unsafeGetTensorImpl()];
+        if (!slot) slot = std::make_unique<SGDParamState>();
+        s = static_cast<SGDParamState*>(slot.get());
+        detail::to_param_device(s->momentum_buffer(), p);
+      }
+      const bool first = momentum && !s->momentum_buffer().defined();
+      auto& b = detail::bucket_for(buckets, p, first);
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      if (momentum) {
+        if (first) s->momentum_buffer(at::empty_like(p.grad()));  // the fused kernel fills it
+        b.a.push_back(s->momentum_buffer());
+      }
+    }
+    for (auto& b : buckets) {
+      const bool fused = detail::use_fused(o.fused(), b, name);
+      kernels_.push_back(detail::kernel_line(b, fused));
+      const auto gs = detail::on_device(grad_scale, b.device);
+      const auto fi = detail::on_device(found_inf, b.device);
+      if (fused) {
+        at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                        o.maximize(), b.first, gs, fi);
+        continue;
+      }
+      // _foreach_ path: Python's multi-tensor SGD.
+      if (!detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
+      auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
+      if (o.weight_decay() != 0) grads = at::_foreach_add(grads, b.params, o.weight_decay());
+      if (momentum) {
+        if (b.first) {
+          for (size_t i = 0; i < b.a.size(); ++i) b.a[i].copy_(grads[i]);
+        } else {
+          at::_foreach_mul_(b.a, o.momentum());
+          at::_foreach_add_(b.a, grads, 1 - o.dampening());
+        }
+        grads = o.nesterov() ? at::_foreach_add(grads, b.a, o.momentum()) : b.a;
+      }
+      at::_foreach_add_(b.params, grads, -o.lr());
+    }
+  }
+}
+
+}  // namespace perf::optim
