@@ -108,7 +108,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// The update with gradients scaled by `grad_scale` (unscaled inside the
   /// kernel), skipped on the device where `found_inf` is nonzero. No host sync
   /// on the fused path; the _foreach_ fallback reads found_inf (one sync).
-  void step_scaled(const torch::Tensor& grad_scale, const torch::Tensor& found_inf);
+  /// grad_scale unset: the gradients were already unscaled (GradScaler::unscale_).
+  void step_scaled(const std::optional<torch::Tensor>& grad_scale, const torch::Tensor& found_inf);
 
   /// One line per (device, dtype) group of the last step: "cpu Float: fused" or
   /// "cpu Float: foreach".
@@ -323,7 +324,8 @@ inline torch::Tensor FusedOptimizer::step(LossClosure closure) {
   return loss;
 }
 
-inline void FusedOptimizer::step_scaled(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) {
+inline void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>& grad_scale,
+                                        const torch::Tensor& found_inf) {
   at::NoGradGuard no_grad;
   update(grad_scale, found_inf);
 }

@@ -1,9 +1,12 @@
 // perf — everything: include this, call perf::setup() first.
 #pragma once
 
+#include <perf/amp.h>
 #include <perf/bench.h>
 #include <perf/config.h>
 #include <perf/memory.h>
+#include <perf/memory_format.h>
+#include <perf/model.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>

@@ -1,0 +1,101 @@
+// Training step of a ResNet-style CNN: stock fp32 NCHW vs perf's channels-last +
+// autocast (bf16; on CUDA also fp16 with perf::GradScaler), measured
+// alternately in one run with perf::compare. Also activation checkpointing's
+// effect on peak memory.
+#include <perf/perf.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <iomanip>
+#include <iostream>
+
+#include "resnet.h"
+
+namespace {
+
+struct Trainer {
+  perf_bench::ResNet net;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"AMP + channels-last training step vs stock fp32 NCHW"};
+  std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
+  int batch = 32, image = 64, iters = 10, warmup = 2;
+  app.add_option("--device", device_name, "cpu or cuda");
+  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
+  app.add_option("--image", image)->check(CLI::PositiveNumber);
+  app.add_option("--iters", iters)->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
+  CLI11_PARSE(app, argc, argv);
+  const torch::Device device(device_name);
+  std::cout << perf::setup();
+
+  torch::manual_seed(0);
+  const auto x = torch::randn({batch, 3, image, image}, device);
+  const auto y = torch::randint(0, 10, {batch}, torch::TensorOptions().device(device).dtype(torch::kLong));
+  auto loss_of = [&](torch::Tensor out) { return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y); };
+
+  // Stock: fp32, NCHW, torch::optim::SGD.
+  perf_bench::ResNet stock;
+  stock->to(device);
+  torch::optim::SGD stock_opt(stock->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto stock_step = [&] {
+    stock_opt.zero_grad();
+    loss_of(stock->forward(x)).backward();
+    stock_opt.step();
+  };
+
+  auto amp_step_for = [&](c10::ScalarType dtype, bool scaled) {
+    auto model = perf::optimize(perf_bench::ResNet(), perf::ModelOptions().device(device).autocast_dtype(dtype));
+    auto opt = std::make_shared<perf::optim::SGD>(model->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
+    auto scaler = std::make_shared<perf::GradScaler>(perf::GradScalerOptions().enabled(scaled));
+    return [model, opt, scaler, &x, &loss_of]() mutable {
+      opt->zero_grad();
+      scaler->scale(loss_of(model(x))).backward();
+      scaler->step(*opt);
+      scaler->update();
+    };
+  };
+
+  const auto opts = perf::BenchOptions().warmup(warmup).iters(iters).items_per_call(batch).device(device);
+  std::cout << "\nResNet-style CNN (width 32, 8 blocks), batch " << batch << ", " << image << "x" << image << ", on "
+            << device << "; items/s = images/s\n\n";
+  std::cout << perf::compare("fp32 NCHW (stock)", stock_step, "bf16 + channels-last",
+                             amp_step_for(torch::kBFloat16, false), opts)
+            << "\n";
+  if (device.is_cuda()) {
+    std::cout << perf::compare("fp32 NCHW (stock)", stock_step, "fp16 + CL + GradScaler",
+                               amp_step_for(torch::kHalf, true), opts)
+              << "\n";
+  }
+
+  // Activation checkpointing: peak memory of one training step of 8 wide layers.
+  std::vector<torch::nn::Linear> layers;
+  for (int i = 0; i < 8; ++i) {
+    layers.emplace_back(1024, 1024);
+    layers.back()->to(device);
+  }
+  const auto h0 = torch::randn({4096, 1024}, torch::TensorOptions().device(device).requires_grad(true));
+  auto peak = [&](bool ckpt) -> double {
+    torch::Tensor h = h0;
+    perf::reset_peak_memory(device);
+    const auto s0 = perf::memory_stats(device);
+    const int64_t base = device.is_cuda() ? *s0.allocated : *s0.rss;
+    for (auto& l : layers) {
+      auto f = [&](const std::vector<torch::Tensor>& in) { return torch::tanh(l(in[0])) * torch::sigmoid(in[0]); };
+      h = ckpt ? perf::checkpoint(f, {h}) : f({h});
+    }
+    h.sum().backward();
+    const auto s1 = perf::memory_stats(device);
+    return static_cast<double>((device.is_cuda() ? *s1.peak_allocated : *s1.peak_rss) - base) / (1 << 20);
+  };
+  peak(false);
+  const double plain = peak(false), ckpt = peak(true);
+  std::cout << std::fixed << std::setprecision(0) << "activation checkpointing, 8 layers of 4096x1024: peak "
+            << (device.is_cuda() ? "allocated" : "RSS") << " growth " << plain << " MiB plain vs " << ckpt
+            << " MiB checkpointed (" << std::setprecision(2) << plain / ckpt << "x less)\n";
+  return 0;
+}

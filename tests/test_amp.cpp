@@ -1,0 +1,479 @@
+// Tests for perf/amp.h, perf/memory_format.h and perf/model.h.
+#include <gtest/gtest.h>
+#include <perf/amp.h>
+#include <perf/memory.h>
+#include <perf/memory_format.h>
+#include <perf/model.h>
+#include <perf/optim.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace {
+
+bool has_cuda() { return torch::cuda::is_available(); }
+
+std::vector<double> parse_line(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<double> v;
+  std::string tok;
+  while (in >> tok) v.push_back(tok == "nan" ? std::nan("") : std::stod(tok));
+  return v;
+}
+
+}  // namespace
+
+// --------------------------------------------------------------------------- Autocast
+
+TEST(Autocast, CpuDefaultsToBf16AndRestoresOnExit) {
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  const auto dtype_before = at::autocast::get_autocast_dtype(at::kCPU);
+  {
+    perf::Autocast ac(torch::kCPU);
+    EXPECT_EQ(ac.dtype(), torch::kBFloat16);
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(at::kCPU));
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  EXPECT_EQ(at::autocast::get_autocast_dtype(at::kCPU), dtype_before);
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+}
+
+TEST(Autocast, NestsLikeTorchAutocast) {
+  const auto a = torch::randn({4, 4});
+  {
+    perf::Autocast outer(torch::kCPU, torch::kBFloat16);
+    {
+      perf::Autocast inner(torch::kCPU, torch::kHalf);
+      EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kHalf);
+      {
+        perf::Autocast off(torch::kCPU, std::nullopt, /*enabled=*/false);
+        EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kFloat);
+      }
+      EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kHalf);
+    }
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+  }
+  // Nesting is balanced: the next region is the outermost again.
+  EXPECT_EQ(at::autocast::increment_nesting(), 1);
+  EXPECT_EQ(at::autocast::decrement_nesting(), 0);
+}
+
+TEST(Autocast, RejectsWhatItCannotDo) {
+  PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCPU, torch::kFloat), "not an autocast dtype");
+  PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCPU, torch::kInt), "torch::kBFloat16, torch::kHalf");
+  PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kMeta), "device must be cpu or cuda");
+  if (!has_cuda()) PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCUDA), "cuda");
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "nothing half-applied";
+}
+
+TEST(Autocast, OnGpuPicksBf16OnAmpereAndCasts) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto a = torch::randn({8, 8}, torch::kCUDA);
+  perf::Autocast ac(torch::kCUDA);
+  EXPECT_EQ(ac.dtype(), perf::detail::cuda_bf16_supported() ? torch::kBFloat16 : torch::kHalf);
+  EXPECT_EQ(torch::mm(a, a).scalar_type(), ac.dtype());
+}
+
+// --------------------------------------------------------------------------- GradScaler
+
+namespace {
+
+// 30 steps with inf at steps 4 and 9 and NaN at step 15: scale history and final parameters.
+struct ScalerRun {
+  std::vector<double> scales;
+  torch::Tensor params;
+};
+
+template <typename MakeOpt>
+ScalerRun run_scaler(MakeOpt make_opt) {
+  torch::manual_seed(0);
+  const auto p0 = torch::randn({6});
+  std::vector<torch::Tensor> gs;
+  for (int k = 0; k < 30; ++k) gs.push_back(torch::randn({6}));
+  gs[4][2] = std::numeric_limits<float>::infinity();
+  gs[9][2] = -std::numeric_limits<float>::infinity();
+  gs[15][2] = std::numeric_limits<float>::quiet_NaN();
+  auto p = p0.clone().requires_grad_(true);
+  auto opt = make_opt(p);
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024).growth_interval(3));
+  ScalerRun r;
+  for (const auto& g : gs) {
+    opt->zero_grad();
+    scaler.scale((p * g).sum()).backward();
+    scaler.step(*opt);
+    scaler.update();
+    r.scales.push_back(scaler.get_scale());
+  }
+  r.params = p.detach().clone();
+  return r;
+}
+
+const std::vector<std::string>& python_scaler_reference() {
+  static const std::vector<std::string> lines = [] {
+    const std::string out = test_util::python(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "p0=torch.randn(6)\n"
+        "gs=[torch.randn(6) for _ in range(30)]\n"
+        "gs[4][2]=float('inf'); gs[9][2]=-float('inf'); gs[15][2]=float('nan')\n"
+        "for fused in (False, True):\n"
+        "  p=torch.nn.Parameter(p0.clone())\n"
+        "  o=torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=fused)\n"
+        "  s=torch.amp.GradScaler('cpu', init_scale=1024., growth_interval=3)\n"
+        "  h=[]\n"
+        "  for g in gs:\n"
+        "    o.zero_grad(); s.scale((p*g).sum()).backward(); s.step(o); s.update(); h.append(s.get_scale())\n"
+        "  print(' '.join(repr(x) for x in h)); print(' '.join(repr(x) for x in p.detach().tolist()))\n");
+    std::vector<std::string> v;
+    std::istringstream in(out);
+    std::string line;
+    while (std::getline(in, line)) v.push_back(line);
+    return v;
+  }();
+  return lines;
+}
+
+void expect_matches_python(const ScalerRun& r, size_t first_line) {
+  const auto& ref = python_scaler_reference();
+  ASSERT_GE(ref.size(), first_line + 2);
+  EXPECT_EQ(r.scales, parse_line(ref[first_line]));
+  const auto params = parse_line(ref[first_line + 1]);
+  ASSERT_EQ(params.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(r.params[i].item<double>(), params[i], 1e-6) << i;
+}
+
+}  // namespace
+
+TEST(GradScaler, MatchesPythonWithLibTorchSgd) {
+  const auto r = run_scaler([](torch::Tensor& p) {
+    return std::make_unique<torch::optim::SGD>(std::vector<torch::Tensor>{p},
+                                               torch::optim::SGDOptions(0.1).momentum(0.9));
+  });
+  // Backs off at the inf/NaN steps, grows every 3 clean steps.
+  EXPECT_EQ(r.scales[0], 1024.0);
+  EXPECT_EQ(r.scales[2], 2048.0);
+  EXPECT_EQ(r.scales[4], 1024.0);
+  expect_matches_python(r, 0);
+}
+
+TEST(GradScaler, MatchesPythonFusedWithPerfFusedSgd) {
+  const auto r = run_scaler([](torch::Tensor& p) {
+    return std::make_unique<perf::optim::SGD>(std::vector<torch::Tensor>{p},
+                                              perf::optim::SGDOptions(0.1).momentum(0.9));
+  });
+  expect_matches_python(r, 2);
+}
+
+TEST(GradScaler, UnscaleForClippingThenStep) {
+  auto p = torch::zeros({3}, torch::requires_grad());
+  perf::optim::SGD opt({p}, perf::optim::SGDOptions(1.0));
+  torch::optim::SGD ref_opt({p}, torch::optim::SGDOptions(1.0));
+  for (torch::optim::Optimizer* o : std::vector<torch::optim::Optimizer*>{&opt, &ref_opt}) {
+    p.detach().zero_();
+    o->zero_grad();
+    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(512));
+    scaler.scale((p * torch::tensor({3.f, 4.f, 0.f})).sum()).backward();
+    EXPECT_FLOAT_EQ(p.grad()[0].item<float>(), 3.f * 512);
+    scaler.unscale_(*o);
+    EXPECT_FLOAT_EQ(p.grad()[0].item<float>(), 3.f);
+    torch::nn::utils::clip_grad_norm_(std::vector<torch::Tensor>{p}, 1.0);  // |g| = 5 -> 1
+    scaler.step(*o);
+    scaler.update();
+    EXPECT_NEAR(p[0].item<float>(), -0.6f, 1e-6);
+    EXPECT_NEAR(p[1].item<float>(), -0.8f, 1e-6);
+  }
+}
+
+TEST(GradScaler, RejectsTheMisusePythonRejects) {
+  auto p = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  perf::GradScaler scaler;
+  PERF_EXPECT_THROW_MSG(scaler.step(opt), "no scale yet");
+  PERF_EXPECT_THROW_MSG(scaler.unscale_(opt), "did not use scaler.scale(loss)");
+  scaler.scale(p.sum()).backward();
+  PERF_EXPECT_THROW_MSG(scaler.update(), "no inf checks were recorded");
+  scaler.unscale_(opt);
+  PERF_EXPECT_THROW_MSG(scaler.unscale_(opt), "already called on this optimizer since the last update()");
+  scaler.step(opt);
+  PERF_EXPECT_THROW_MSG(scaler.step(opt), "already called since the last update()");
+  PERF_EXPECT_THROW_MSG(scaler.unscale_(opt), "called after step()");
+  scaler.update();
+  EXPECT_NO_THROW(scaler.unscale_(opt)) << "update() starts a new iteration";
+  // FP16 gradients are refused, as in Python.
+  auto h = torch::ones({2}, torch::TensorOptions().dtype(torch::kHalf).requires_grad(true));
+  torch::optim::SGD hopt({h}, torch::optim::SGDOptions(0.1));
+  h.mutable_grad() = torch::ones_like(h);
+  perf::GradScaler s2;
+  s2.scale(torch::ones({1}));
+  PERF_EXPECT_THROW_MSG(s2.unscale_(hopt), "attempting to unscale FP16 gradients");
+  PERF_EXPECT_THROW_MSG(perf::GradScaler(perf::GradScalerOptions().growth_factor(1.0)), "growth_factor");
+  PERF_EXPECT_THROW_MSG(perf::GradScaler(perf::GradScalerOptions().backoff_factor(1.0)), "backoff_factor");
+  PERF_EXPECT_THROW_MSG(perf::GradScaler(perf::GradScalerOptions().growth_interval(0)), "growth_interval");
+  PERF_EXPECT_THROW_MSG(perf::GradScaler(perf::GradScalerOptions().init_scale(0)), "init_scale");
+}
+
+TEST(GradScaler, DisabledIsAPassThrough) {
+  auto p = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.5));
+  perf::GradScaler scaler(perf::GradScalerOptions().enabled(false));
+  auto loss = p.sum();
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  loss.backward();
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+  EXPECT_FLOAT_EQ(p[0].item<float>(), 0.5f);
+}
+
+TEST(GradScaler, SaveLoadRoundTrip) {
+  auto p = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
+  perf::GradScaler a(perf::GradScalerOptions().init_scale(256).growth_interval(2).backoff_factor(0.25));
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    a.scale(p.sum()).backward();
+    a.step(opt);
+    a.update();
+  }
+  EXPECT_EQ(a.get_scale(), 512.0);
+  EXPECT_EQ(a.growth_tracker(), 1);
+  const auto path = (std::filesystem::temp_directory_path() / ("perf_scaler_" + std::to_string(::getpid()))).string();
+  torch::save(a, path);
+  perf::GradScaler b;
+  torch::load(b, path);
+  std::filesystem::remove(path);
+  EXPECT_EQ(b.get_scale(), 512.0);
+  EXPECT_EQ(b.growth_tracker(), 1);
+  EXPECT_EQ(b.options().backoff_factor(), 0.25);
+  EXPECT_EQ(b.options().growth_interval(), 2);
+  opt.zero_grad();
+  b.scale(p.sum()).backward();
+  b.step(opt);
+  b.update();
+  EXPECT_EQ(b.get_scale(), 1024.0) << "resumes the growth count";
+  perf::GradScaler disabled(perf::GradScalerOptions().enabled(false));
+  torch::serialize::OutputArchive archive;
+  PERF_EXPECT_THROW_MSG(disabled.save(archive), "disabled GradScaler");
+}
+
+// --------------------------------------------------------------------------- channels-last
+
+TEST(ChannelsLast, TensorAndModuleConversion) {
+  const auto x = torch::randn({2, 3, 5, 7});
+  const auto cl = perf::channels_last(x);
+  EXPECT_TRUE(cl.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_EQ(cl.strides(), (std::vector<int64_t>{105, 1, 21, 3}));
+  EXPECT_TRUE(torch::equal(cl, x));
+  EXPECT_TRUE(perf::channels_last(torch::randn({1, 2, 3, 4, 5})).is_contiguous(torch::MemoryFormat::ChannelsLast3d));
+  PERF_EXPECT_THROW_MSG(perf::channels_last(torch::randn({2, 3, 4})), "4-D (NCHW) or 5-D (NCDHW) tensor, got 3-D");
+
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3)), torch::nn::ReLU(),
+                            torch::nn::Conv3d(torch::nn::Conv3dOptions(8, 4, 3)));
+  auto conv_w = net->ptr<torch::nn::Conv2dImpl>(0)->weight;
+  const auto impl_before = conv_w.unsafeGetTensorImpl();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x4 = torch::randn({2, 3, 6, 6});
+  const auto y_ref = net->ptr<torch::nn::Conv2dImpl>(0)->forward(x4);
+  y_ref.sum().backward();
+  const auto grad_before = conv_w.grad().clone();
+  EXPECT_EQ(perf::to_channels_last(*net), 2) << "the 4-D Conv2d weight and the 5-D Conv3d weight";
+  EXPECT_TRUE(conv_w.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(conv_w.grad().is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(torch::equal(conv_w.grad(), grad_before));
+  EXPECT_TRUE(net->ptr<torch::nn::Conv3dImpl>(2)->weight.is_contiguous(torch::MemoryFormat::ChannelsLast3d));
+  EXPECT_EQ(conv_w.unsafeGetTensorImpl(), impl_before) << "parameter identity kept";
+  EXPECT_EQ(net->parameters()[0].unsafeGetTensorImpl(), impl_before);
+  const auto y_cl = net->ptr<torch::nn::Conv2dImpl>(0)->forward(perf::channels_last(x4));
+  EXPECT_TRUE(torch::allclose(y_cl, y_ref, 1e-5, 1e-5));
+  const auto w_before_step = conv_w.detach().clone();
+  opt.step();  // the optimizer still updates the converted parameter
+  EXPECT_TRUE(torch::allclose(conv_w.detach(), w_before_step - 0.1 * grad_before, 1e-6, 1e-6));
+  EXPECT_EQ(perf::to_channels_last(*net), 0) << "idempotent";
+}
+
+// --------------------------------------------------------------------------- model wrapper
+
+namespace {
+
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    saw_channels_last = x.is_contiguous(torch::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+    saw_autocast = at::autocast::is_autocast_enabled(at::kCPU);
+    return bn(conv(x));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  bool saw_channels_last = false, saw_autocast = false;
+};
+TORCH_MODULE(Probe);
+
+}  // namespace
+
+TEST(Optimize, ConvertsInputsRunsAutocastKeepsTheModule) {
+  torch::manual_seed(0);
+  Probe plain;
+  const auto x = torch::randn({2, 3, 8, 8});
+  const auto y_ref = plain->forward(x);
+  auto model = perf::optimize(plain, perf::ModelOptions().device(torch::kCPU));
+  const auto y = model(x);
+  EXPECT_TRUE(model->saw_channels_last);
+  EXPECT_TRUE(model->saw_autocast);
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), y_ref, 0.1, 0.1));
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "autocast only inside forward";
+  EXPECT_EQ(model.module().get(), plain.get()) << "the same module object";
+  EXPECT_TRUE(model->conv->weight.is_contiguous(torch::MemoryFormat::ChannelsLast));
+
+  auto fp32_out = perf::optimize(plain, perf::ModelOptions().float_outputs(true));
+  EXPECT_EQ(fp32_out(x).scalar_type(), torch::kFloat);
+  auto no_amp = perf::optimize(plain, perf::ModelOptions().autocast(false).channels_last(false));
+  EXPECT_TRUE(torch::allclose(no_amp(x), plain->forward(x), 1e-5, 1e-5));
+  EXPECT_FALSE(plain->saw_autocast);
+  PERF_EXPECT_THROW_MSG(perf::optimize(plain, perf::ModelOptions().autocast_dtype(torch::kFloat)),
+                        "not an autocast dtype");
+}
+
+TEST(Optimize, InferUsesEvalAndInferenceModeThenRestores) {
+  Probe net;
+  net->train();
+  auto model = perf::optimize(net, perf::ModelOptions().autocast(false));
+  const auto x = torch::randn({2, 3, 8, 8});
+  const auto mean_before = net->bn->running_mean.clone();
+  const auto y = model.infer(x);
+  EXPECT_TRUE(y.is_inference());
+  EXPECT_TRUE(torch::equal(net->bn->running_mean, mean_before)) << "eval mode: running stats untouched";
+  EXPECT_TRUE(net->is_training()) << "training mode restored";
+  net->eval();
+  EXPECT_TRUE(torch::allclose(y, net->forward(perf::channels_last(x)), 1e-5, 1e-5));
+}
+
+// --------------------------------------------------------------------------- Conv-BN fusion
+
+TEST(FuseConvBn, MatchesPythonFuseConvBnEval) {
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(3, 8, 3).padding(1));
+  torch::nn::BatchNorm2d bn(8);
+  torch::manual_seed(0);
+  {
+    torch::NoGradGuard ng;
+    conv->weight.copy_(torch::randn({8, 3, 3, 3}));
+    conv->bias.copy_(torch::randn({8}));
+    bn->weight.copy_(torch::randn({8}));
+    bn->bias.copy_(torch::randn({8}));
+    bn->running_mean.copy_(torch::randn({8}));
+    bn->running_var.copy_(torch::rand({8}) + 0.5);
+  }
+  const auto x = torch::randn({2, 3, 10, 10});
+  conv->eval();
+  bn->eval();
+  auto fused = perf::fuse_conv_bn(conv, bn);
+  const auto y = fused->forward(x);
+  const auto ref = torch::tensor(
+      parse_line(test_util::python("import torch\n"
+                                   "conv=torch.nn.Conv2d(3,8,3,padding=1); bn=torch.nn.BatchNorm2d(8)\n"
+                                   "torch.manual_seed(0)\n"
+                                   "with torch.no_grad():\n"
+                                   "  conv.weight.copy_(torch.randn(8,3,3,3)); conv.bias.copy_(torch.randn(8))\n"
+                                   "  bn.weight.copy_(torch.randn(8)); bn.bias.copy_(torch.randn(8))\n"
+                                   "  bn.running_mean.copy_(torch.randn(8)); bn.running_var.copy_(torch.rand(8)+0.5)\n"
+                                   "x=torch.randn(2,3,10,10)\n"
+                                   "f=torch.nn.utils.fuse_conv_bn_eval(conv.eval(), bn.eval())\n"
+                                   "print(' '.join(repr(v) for v in f(x).flatten().tolist()))")),
+      torch::kFloat);
+  ASSERT_EQ(ref.numel(), y.numel());
+  const double rel = ((y.flatten() - ref).abs().max() / ref.abs().max()).item<double>();
+  EXPECT_LE(rel, 1e-5);
+  EXPECT_TRUE(torch::allclose(y, bn->forward(conv->forward(x)), 1e-4, 1e-5));
+  conv->train();
+  PERF_EXPECT_THROW_MSG(perf::fuse_conv_bn(conv, bn), "call eval()");
+}
+
+TEST(FuseConvBn, SequentialPassFusesEveryPair) {
+  torch::manual_seed(1);
+  torch::nn::Sequential seq(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)), torch::nn::BatchNorm2d(8),
+                            torch::nn::ReLU(),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1).bias(false)),
+                            torch::nn::BatchNorm2d(8), torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 4, 1)));
+  // Non-trivial running statistics.
+  seq->train();
+  for (int i = 0; i < 3; ++i) seq->forward(torch::randn({4, 3, 9, 9}));
+  seq->eval();
+  const auto x = torch::randn({2, 3, 9, 9});
+  auto fused = perf::fuse_conv_bn(seq);
+  EXPECT_EQ(fused->size(), 4u);  // conv+bn, relu, conv+bn (no bias), conv
+  EXPECT_TRUE(fused->ptr<torch::nn::Conv2dImpl>(2)->bias.defined());
+  EXPECT_FALSE(fused->is_training());
+  EXPECT_TRUE(torch::allclose(fused->forward(x), seq->forward(x), 1e-4, 1e-5));
+  EXPECT_EQ(seq->size(), 6u) << "input left unchanged";
+  seq->train();
+  PERF_EXPECT_THROW_MSG(perf::fuse_conv_bn(seq), "call eval() on the Sequential");
+}
+
+// --------------------------------------------------------------------------- checkpoint
+
+TEST(Checkpoint, GradientsEqualWithDropoutAndParameters) {
+  torch::manual_seed(0);
+  torch::nn::Linear l1(16, 32), l2(32, 16);
+  torch::nn::Dropout drop(0.5);
+  auto block = [&](const std::vector<torch::Tensor>& in) { return l2(drop(torch::gelu(l1(in[0])))) * in[1]; };
+  const auto x0 = torch::randn({8, 16}), s0 = torch::randn({8, 16});
+
+  auto run = [&](bool ckpt) {
+    for (auto& p : l1->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : l2->parameters()) p.mutable_grad() = torch::Tensor();
+    auto x = x0.clone().requires_grad_(true), s = s0.clone().requires_grad_(true);
+    torch::manual_seed(42);
+    auto y = ckpt ? perf::checkpoint(block, {x, s}) : block({x, s});
+    torch::randn({100});  // RNG moves on before backward, as in real training
+    (y * y).sum().backward();
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), s.grad(), l1->weight.grad().clone(),
+                                      l2->bias.grad().clone()};
+  };
+  const auto ref = run(false);
+  const auto ck = run(true);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(torch::allclose(ck[i], ref[i], 1e-6, 1e-6)) << i;
+  // Without RNG preservation the recomputed dropout mask differs.
+  auto x = x0.clone().requires_grad_(true), s = s0.clone().requires_grad_(true);
+  torch::manual_seed(42);
+  auto y = perf::checkpoint(block, {x, s}, /*preserve_rng_state=*/false);
+  torch::randn({100});
+  (y * y).sum().backward();
+  EXPECT_FALSE(torch::allclose(x.grad(), ref[1], 1e-6, 1e-6));
+}
+
+TEST(Checkpoint, LowersPeakActivationMemory) {
+  if (!perf::reset_peak_memory()) GTEST_SKIP() << "skipped: this kernel refuses to reset peak RSS (clear_refs)";
+  // 8 layers with 4096 x 1024 activations (16 MiB each, several kept per layer)
+  // and small weights, so that activations dominate the peak.
+  torch::manual_seed(0);
+  std::vector<torch::nn::Linear> layers;
+  for (int i = 0; i < 8; ++i) layers.emplace_back(1024, 1024);
+  const auto x = torch::randn({4096, 1024}, torch::requires_grad());
+  auto peak_growth = [&](bool ckpt) {
+    torch::Tensor h = x;
+    for (auto& l : layers) l->zero_grad();
+    perf::reset_peak_memory();
+    const auto base = *perf::memory_stats().rss;
+    for (auto& l : layers) {
+      auto f = [&](const std::vector<torch::Tensor>& in) { return torch::tanh(l(in[0])) * torch::sigmoid(in[0]); };
+      h = ckpt ? perf::checkpoint(f, {h}) : f({h});
+    }
+    h.sum().backward();
+    return *perf::memory_stats().peak_rss - base;
+  };
+  peak_growth(false);  // warm the allocator
+  const auto plain = peak_growth(false);
+  const auto ckpt = peak_growth(true);
+  std::cout << "peak RSS growth: plain " << plain / (1 << 20) << " MiB, checkpointed " << ckpt / (1 << 20) << " MiB\n";
+  EXPECT_LT(ckpt, plain / 2);
+}
