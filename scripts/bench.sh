@@ -6,7 +6,7 @@ prefix=$(bash scripts/bootstrap.sh | tail -n 1)
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
       -DCMAKE_CXX_COMPILER_LAUNCHER=ccache >/dev/null
-targets=(bench_setup bench_optim bench_amp bench_data)
+targets=(bench_setup bench_optim bench_amp bench_data bench_graph)
 cmake --build build --target "${targets[@]}"
 mkdir -p bench-results
 for t in "${targets[@]}"; do

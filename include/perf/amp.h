@@ -38,6 +38,8 @@
 
 namespace perf {
 
+class TrainStep;
+
 /// RAII autocast region for CUDA or CPU, like Python's `with torch.autocast(...)`.
 /// Nestable: restores the previous enabled state, dtype and cache setting on
 /// exit, and clears the autocast cache when the outermost region ends.
@@ -102,6 +104,13 @@ class GradScaler {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  friend class TrainStep;  // undoes its warm-up steps
+  void restore_(double scale, int64_t growth_tracker) {
+    if (scale_.defined()) scale_.fill_(scale);
+    if (growth_tracker_.defined()) growth_tracker_.fill_(growth_tracker);
+    states_.clear();
+  }
+
   enum class Stage { ready, unscaled, stepped };
   struct OptState {
     Stage stage = Stage::ready;

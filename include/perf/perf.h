@@ -4,6 +4,7 @@
 #include <perf/amp.h>
 #include <perf/bench.h>
 #include <perf/config.h>
+#include <perf/cuda_graph.h>
 #include <perf/data.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>

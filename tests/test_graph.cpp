@@ -1,0 +1,202 @@
+// Tests for perf/cuda_graph.h: eager-fallback semantics here, capture on a GPU.
+#include <gtest/gtest.h>
+#include <perf/cuda_graph.h>
+#include <perf/optim.h>
+#include <torch/torch.h>
+
+#include "test_util.h"
+
+namespace {
+
+bool has_cuda() { return torch::cuda::is_available(); }
+
+torch::nn::Sequential mlp(int64_t width = 32) {
+  torch::nn::Sequential m;
+  m->push_back(torch::nn::Linear(16, width));
+  for (int i = 0; i < 4; ++i) {
+    m->push_back(torch::nn::ReLU());
+    m->push_back(torch::nn::Linear(width, width));
+  }
+  m->push_back(torch::nn::Linear(width, 4));
+  return m;
+}
+
+}  // namespace
+
+TEST(Graph, SameResultsAsEagerAndViewsByDefault) {
+  torch::manual_seed(0);
+  auto model = mlp();
+  model->eval();
+  const auto x = torch::randn({8, 16});
+  auto g = perf::graph(model, x);
+  EXPECT_EQ(g.graphed(), has_cuda() && x.is_cuda());
+  const auto x1 = torch::randn({8, 16}), x2 = torch::randn({8, 16});
+  const auto y1 = g(x1);
+  EXPECT_TRUE(torch::equal(y1, model->forward(x1)));
+  const auto y1_copy = y1.clone();
+  const auto y2 = g(x2);
+  EXPECT_TRUE(torch::equal(y2, model->forward(x2)));
+  EXPECT_TRUE(torch::equal(y1, y2)) << "outputs are views of the static output: the next call overwrites them";
+  EXPECT_FALSE(torch::equal(y1_copy, y2));
+  auto cloned = perf::graph(model, x, perf::GraphOptions().clone_outputs(true));
+  const auto c1 = cloned(x1);
+  cloned(x2);
+  EXPECT_TRUE(torch::equal(c1, y1_copy)) << "clone_outputs(true) detaches them";
+}
+
+TEST(Graph, BucketsPadToTheNextSizeAndSliceBack) {
+  torch::manual_seed(0);
+  auto model = mlp();
+  model->eval();
+  auto g = perf::graph(model, torch::randn({8, 16}), perf::GraphOptions().batch_sizes({8, 2, 1, 4, 4}));
+  EXPECT_EQ(g.buckets(), (std::vector<int64_t>{1, 2, 4, 8}));
+  for (int64_t b : {1, 2, 3, 5, 7, 8}) {
+    const auto x = torch::randn({b, 16});
+    const auto y = g(x);
+    ASSERT_EQ(y.size(0), b) << "sliced back to the call's batch";
+    EXPECT_TRUE(torch::allclose(y, model->forward(x), 1e-6, 1e-6)) << "batch " << b;
+  }
+  EXPECT_EQ(g.eager_calls(), 0);
+  const auto big = torch::randn({9, 16});
+  EXPECT_TRUE(torch::allclose(g(big), model->forward(big), 1e-6, 1e-6));
+  EXPECT_EQ(g.eager_calls(), 1) << "above every bucket: eager, as chosen";
+  auto strict = perf::graph(model, torch::randn({4, 16}),
+                            perf::GraphOptions().batch_sizes({2, 4}).out_of_bucket(perf::OutOfBucket::error));
+  PERF_EXPECT_THROW_MSG(strict(big), "batch size 9 is larger than every captured bucket (largest 4)");
+}
+
+TEST(Graph, MultipleInputsAndOutputs) {
+  auto fn = [](const std::vector<torch::Tensor>& in) {
+    return std::vector<torch::Tensor>{in[0] * in[1], (in[0] + in[1]).relu()};
+  };
+  const auto a = torch::randn({6, 3}), b = torch::randn({6, 3});
+  auto g = perf::graph(fn, {a, b}, perf::GraphOptions().batch_sizes({4, 8}));
+  const auto a2 = torch::randn({5, 3}), b2 = torch::randn({5, 3});
+  const auto out = g({a2, b2});
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(torch::equal(out[0], a2 * b2));
+  EXPECT_TRUE(torch::equal(out[1], (a2 + b2).relu()));
+  PERF_EXPECT_THROW_MSG(g({a2, torch::randn({4, 3})}), "inputs have different batch sizes");
+}
+
+TEST(Graph, RejectsWhatWouldBeSilentlyWrong) {
+  auto model = mlp();
+  const auto x = torch::randn({4, 16});
+  auto exact = perf::graph(model, x);
+  PERF_EXPECT_THROW_MSG(exact(torch::randn({5, 16})), "captured for [4, 16]");
+  PERF_EXPECT_THROW_MSG(exact(torch::randn({4, 16}, torch::kDouble)), "must be a 2-D Float tensor");
+  PERF_EXPECT_THROW_MSG(exact(std::vector<torch::Tensor>{x, x}), "expected 1 inputs, got 2");
+  auto bucketed = perf::graph(model, x, perf::GraphOptions().batch_sizes({4}));
+  PERF_EXPECT_THROW_MSG(bucketed(torch::randn({2, 15})), "only dim 0 (the batch) may differ");
+  // An output without the batch dimension cannot be padded.
+  PERF_EXPECT_THROW_MSG(
+      perf::graph([](const torch::Tensor& t) { return t.sum(); }, x, perf::GraphOptions().batch_sizes({2, 4})),
+      "padded batches would change it");
+  PERF_EXPECT_THROW_MSG(
+      perf::graph([](const std::vector<torch::Tensor>& in) { return in[0] + 1; }, {x, torch::empty({4}, torch::kMeta)}),
+      "example input 1 is on meta but input 0 is on cpu");
+  PERF_EXPECT_THROW_MSG(perf::graph(model, x, perf::GraphOptions().batch_sizes({0, 4})), "batch_sizes: must be >= 1");
+}
+
+namespace {
+
+struct Run {
+  std::vector<float> losses;
+  torch::Tensor w;
+};
+
+Run train(bool use_trainstep, torch::Device device, int steps) {
+  torch::manual_seed(0);
+  auto model = mlp();
+  model->to(device);
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(model->forward(x), t);
+  };
+  torch::manual_seed(1);
+  std::vector<torch::Tensor> xs, ts;
+  for (int i = 0; i < steps; ++i) {
+    xs.push_back(torch::randn({16, 16}, device));
+    ts.push_back(xs.back().narrow(1, 0, 4).argmax(1));  // a learnable target
+  }
+  Run r;
+  if (use_trainstep) {
+    perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0]);
+    EXPECT_EQ(step.graphed(), device.is_cuda());
+    for (int i = 0; i < steps; ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<float>());
+    PERF_EXPECT_THROW_MSG(step.step(torch::randn({8, 16}, device), ts[0]), "static shapes");
+  } else {
+    for (int i = 0; i < steps; ++i) {
+      opt.zero_grad();
+      auto loss = loss_fn(xs[i], ts[i]);
+      loss.backward();
+      opt.step();
+      r.losses.push_back(loss.item<float>());
+    }
+  }
+  r.w = model->parameters()[0].detach().cpu();
+  return r;
+}
+
+}  // namespace
+
+TEST(TrainStep, MatchesTheEagerLoop) {
+  const auto eager = train(false, torch::kCPU, 60);
+  const auto stepped = train(true, torch::kCPU, 60);
+  EXPECT_EQ(stepped.losses, eager.losses);
+  EXPECT_TRUE(torch::equal(stepped.w, eager.w));
+  const auto& l = eager.losses;
+  EXPECT_LT(l[55] + l[56] + l[57] + l[58] + l[59], l[0] + l[1] + l[2] + l[3] + l[4]) << "it trains";
+}
+
+TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  torch::manual_seed(0);
+  auto model = mlp(256);
+  model->to(torch::kCUDA);
+  model->eval();
+  const auto x = torch::randn({32, 16}, torch::kCUDA);
+  auto g = perf::graph(model, x, perf::GraphOptions().batch_sizes({1, 2, 4, 8, 16, 32}));
+  EXPECT_TRUE(g.graphed());
+  auto bucket_of = [](int64_t b) {
+    int64_t s = 1;
+    while (s < b) s *= 2;
+    return s;
+  };
+  for (int64_t b : {32, 16, 5, 1}) {
+    const auto xb = torch::randn({b, 16}, torch::kCUDA);
+    torch::NoGradGuard ng;
+    // Eager on the same padded shape runs the same kernels: bit-identical.
+    const auto ref = model->forward(torch::cat({xb, torch::zeros({bucket_of(b) - b, 16}, torch::kCUDA)}));
+    EXPECT_TRUE(torch::equal(g(xb), ref.narrow(0, 0, b))) << "batch " << b;
+  }
+  // Dropout inside the graph: fresh randomness per replay, as in PyTorch.
+  auto drop = perf::graph([](const torch::Tensor& t) { return torch::dropout(t, 0.5, true); },
+                          torch::ones({1024}, torch::kCUDA));
+  const auto d1 = drop(torch::ones({1024}, torch::kCUDA)).clone();
+  const auto d2 = drop(torch::ones({1024}, torch::kCUDA)).clone();
+  EXPECT_FALSE(torch::equal(d1, d2));
+}
+
+TEST(Graph, OnGpuCaptureErrorsNameTheCause) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto bad = [](const torch::Tensor& t) {
+    if (t.sum().item<float>() > 1e30f) return t * 2;  // host sync inside the region
+    return t + 1;
+  };
+  const auto x = torch::ones({8}, torch::kCUDA);
+  PERF_EXPECT_THROW_MSG(perf::graph(bad, x), "CUDA graph capture failed");
+  PERF_EXPECT_THROW_MSG(perf::graph(bad, x), "host sync");
+  auto fallback = perf::graph(bad, x, perf::GraphOptions().eager_fallback(true));
+  EXPECT_FALSE(fallback.graphed());
+  EXPECT_TRUE(torch::equal(fallback(x), x + 1));
+}
+
+TEST(TrainStep, OnGpuLossSequenceMatchesEagerOver50Steps) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto eager = train(false, torch::kCUDA, 50);
+  const auto graphed = train(true, torch::kCUDA, 50);
+  ASSERT_EQ(graphed.losses.size(), eager.losses.size());
+  for (size_t i = 0; i < eager.losses.size(); ++i) EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-4) << i;
+  EXPECT_TRUE(torch::allclose(graphed.w, eager.w, 1e-4, 1e-5));
+}
