@@ -2,16 +2,13 @@
 # Builds and runs perf's whole test suite: once with CUDA support compiled in
 # (as LibTorch reports it), once with PERF_WITH_CUDA=OFF. Installs what is
 # missing first (scripts/bootstrap.sh). Build trees: build/ and build-nocuda/.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-prefix=$(bash scripts/bootstrap.sh | tail -n 1)
-export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
+source "$(dirname "$0")/common.sh"
 jobs=${PERF_JOBS:-$(nproc)}
 
 run_suite() {  # <build dir> <extra cmake args...>
-  local dir=$1; shift
-  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-        -DCMAKE_CXX_COMPILER_LAUNCHER=ccache "$@"
+  local dir=$1
+  shift
+  perf_configure "$dir" "$@"
   cmake --build "$dir" -j "$jobs"
   (cd "$dir" && ctest --output-on-failure -j "$jobs")
 }

@@ -19,14 +19,6 @@ namespace {
 
 bool has_cuda() { return torch::cuda::is_available(); }
 
-std::vector<double> parse_line(const std::string& line) {
-  std::istringstream in(line);
-  std::vector<double> v;
-  std::string tok;
-  while (in >> tok) v.push_back(tok == "nan" ? std::nan("") : std::stod(tok));
-  return v;
-}
-
 }  // namespace
 
 // --------------------------------------------------------------------------- Autocast
@@ -132,11 +124,7 @@ const std::vector<std::string>& python_scaler_reference() {
         "  for g in gs:\n"
         "    o.zero_grad(); s.scale((p*g).sum()).backward(); s.step(o); s.update(); h.append(s.get_scale())\n"
         "  print(' '.join(repr(x) for x in h)); print(' '.join(repr(x) for x in p.detach().tolist()))\n");
-    std::vector<std::string> v;
-    std::istringstream in(out);
-    std::string line;
-    while (std::getline(in, line)) v.push_back(line);
-    return v;
+    return test_util::lines(out);
   }();
   return lines;
 }
@@ -144,8 +132,8 @@ const std::vector<std::string>& python_scaler_reference() {
 void expect_matches_python(const ScalerRun& r, size_t first_line) {
   const auto& ref = python_scaler_reference();
   ASSERT_GE(ref.size(), first_line + 2);
-  EXPECT_EQ(r.scales, parse_line(ref[first_line]));
-  const auto params = parse_line(ref[first_line + 1]);
+  EXPECT_EQ(r.scales, test_util::parse_numbers(ref[first_line]));
+  const auto params = test_util::parse_numbers(ref[first_line + 1]);
   ASSERT_EQ(params.size(), 6u);
   for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(r.params[i].item<double>(), params[i], 1e-6) << i;
 }
@@ -379,18 +367,19 @@ TEST(FuseConvBn, MatchesPythonFuseConvBnEval) {
   bn->eval();
   auto fused = perf::fuse_conv_bn(conv, bn);
   const auto y = fused->forward(x);
-  const auto ref = torch::tensor(
-      parse_line(test_util::python("import torch\n"
-                                   "conv=torch.nn.Conv2d(3,8,3,padding=1); bn=torch.nn.BatchNorm2d(8)\n"
-                                   "torch.manual_seed(0)\n"
-                                   "with torch.no_grad():\n"
-                                   "  conv.weight.copy_(torch.randn(8,3,3,3)); conv.bias.copy_(torch.randn(8))\n"
-                                   "  bn.weight.copy_(torch.randn(8)); bn.bias.copy_(torch.randn(8))\n"
-                                   "  bn.running_mean.copy_(torch.randn(8)); bn.running_var.copy_(torch.rand(8)+0.5)\n"
-                                   "x=torch.randn(2,3,10,10)\n"
-                                   "f=torch.nn.utils.fuse_conv_bn_eval(conv.eval(), bn.eval())\n"
-                                   "print(' '.join(repr(v) for v in f(x).flatten().tolist()))")),
-      torch::kFloat);
+  const auto ref =
+      torch::tensor(test_util::parse_numbers(test_util::python(
+                        "import torch\n"
+                        "conv=torch.nn.Conv2d(3,8,3,padding=1); bn=torch.nn.BatchNorm2d(8)\n"
+                        "torch.manual_seed(0)\n"
+                        "with torch.no_grad():\n"
+                        "  conv.weight.copy_(torch.randn(8,3,3,3)); conv.bias.copy_(torch.randn(8))\n"
+                        "  bn.weight.copy_(torch.randn(8)); bn.bias.copy_(torch.randn(8))\n"
+                        "  bn.running_mean.copy_(torch.randn(8)); bn.running_var.copy_(torch.rand(8)+0.5)\n"
+                        "x=torch.randn(2,3,10,10)\n"
+                        "f=torch.nn.utils.fuse_conv_bn_eval(conv.eval(), bn.eval())\n"
+                        "print(' '.join(repr(v) for v in f(x).flatten().tolist()))")),
+                    torch::kFloat);
   ASSERT_EQ(ref.numel(), y.numel());
   const double rel = ((y.flatten() - ref).abs().max() / ref.abs().max()).item<double>();
   EXPECT_LE(rel, 1e-5);

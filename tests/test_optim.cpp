@@ -69,14 +69,9 @@ const std::vector<torch::Tensor>& python_reference() {
         "run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, fused=True))\n"
         "run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, maximize=True, fused=True))\n");
     std::vector<torch::Tensor> lines;
-    std::istringstream in(out);
-    std::string line;
-    while (std::getline(in, line)) {
-      std::istringstream ls(line);
-      std::vector<float> v;
-      double x;
-      while (ls >> x) v.push_back(static_cast<float>(x));
-      lines.push_back(torch::tensor(v));
+    for (const auto& line : test_util::lines(out)) {
+      const auto v = test_util::parse_numbers(line);
+      lines.push_back(torch::tensor(std::vector<float>(v.begin(), v.end())));
     }
     return lines;
   }();

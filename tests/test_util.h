@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 // Expects `statement` to throw c10::Error whose message contains `text`.
 #define PERF_EXPECT_THROW_MSG(statement, text)                                                  \
@@ -59,6 +62,24 @@ inline std::string python(const std::string& code) {
   const int rc = ::pclose(pipe);
   if (rc != 0) throw std::runtime_error("python failed (" + std::to_string(rc) + "): " + cmd);
   while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+
+// The numbers of one line printed by Python (repr of floats; "nan" allowed).
+inline std::vector<double> parse_numbers(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<double> v;
+  std::string tok;
+  while (in >> tok) v.push_back(tok == "nan" ? std::nan("") : std::stod(tok));
+  return v;
+}
+
+// The output of python(), one entry per line.
+inline std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
   return out;
 }
 

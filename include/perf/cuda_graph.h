@@ -135,6 +135,8 @@ class TrainStep {
 
  private:
   at::Tensor run_eager(const at::Tensor& input, const at::Tensor& target);
+  // The body of a step after zero_grad: loss, (scaled) backward, update (and scaler update).
+  at::Tensor loss_backward_update(const at::Tensor& input, const at::Tensor& target);
 
   torch::nn::Module& module_;
   LossFn loss_fn_;
@@ -498,60 +500,48 @@ inline TrainStep::TrainStep(torch::nn::Module& module, LossFn loss_fn, optim::Fu
   std::optional<std::pair<double, int64_t>> scaler_before;
   if (auto* s = options_.scaler()) scaler_before = std::make_pair(s->get_scale(), s->growth_tracker());
 
-  auto body = [&] {
-    at::Tensor loss = loss_fn_(static_input_, static_target_);
-    if (auto* s = options_.scaler()) {
-      s->scale(loss).backward();
-      s->step(opt_);
-      s->update();
-    } else {
-      loss.backward();
-      opt_.step();
+  // Undo what the warm-up steps changed (capture itself records, it does not run).
+  auto restore = [&] {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < saved.size(); ++i) live[i].detach().copy_(saved[i]);
+    for (const auto& t : detail::optimizer_state_tensors(opt_)) {
+      const bool existed =
+          std::any_of(state_before.begin(), state_before.end(), [&](const at::Tensor& b) { return b.is_same(t); });
+      if (!existed) t.detach().zero_();  // state created by the warm-up: as a fresh optimizer's
     }
-    return loss.detach();
+    if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
   };
   graph_ = std::make_unique<at::cuda::CUDAGraph>();
   try {
     detail::capture_on_side_stream(
-        *graph_, example_input.device(), options_.warmup(),
-        [&] {
-          opt_.zero_grad();
-          body();
-        },
+        *graph_, example_input.device(), options_.warmup(), [&] { run_eager(static_input_, static_target_); },
         [&] {
           opt_.zero_grad();  // set to none: backward allocates the static grads in the graph's pool
-          static_loss_ = body();
+          static_loss_ = loss_backward_update(static_input_, static_target_);
         },
         options_.pool());
     graphed_ = true;
   } catch (const std::exception& e) {
     graph_.reset();
+    restore();
     const std::string what = e.what();
     TORCH_CHECK(options_.eager_fallback(),
                 "perf::TrainStep: CUDA graph capture failed: ", what.substr(0, what.find('\n')), ". ",
                 detail::capture_hint());
     TORCH_WARN("perf::TrainStep: CUDA graph capture failed (", what.substr(0, what.find('\n')),
                "); running eagerly as TrainStepOptions().eager_fallback(true) asks");
+    return;
   }
-  // Restore the state the warm-up changed (capture itself recorded, did not run).
-  {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < saved.size(); ++i) live[i].detach().copy_(saved[i]);
-    const auto state_after = detail::optimizer_state_tensors(opt_);
-    for (const auto& t : state_after) {
-      const bool existed =
-          std::any_of(state_before.begin(), state_before.end(), [&](const at::Tensor& b) { return b.is_same(t); });
-      if (!existed) t.detach().zero_();
-    }
-    if (auto* s = options_.scaler(); s && scaler_before) {
-      s->restore_(scaler_before->first, scaler_before->second);
-    }
-  }
+  restore();
 #endif
 }
 
 inline at::Tensor TrainStep::run_eager(const at::Tensor& input, const at::Tensor& target) {
   opt_.zero_grad();
+  return loss_backward_update(input, target);
+}
+
+inline at::Tensor TrainStep::loss_backward_update(const at::Tensor& input, const at::Tensor& target) {
   at::Tensor loss = loss_fn_(input, target);
   if (auto* s = options_.scaler()) {
     s->scale(loss).backward();
@@ -565,14 +555,13 @@ inline at::Tensor TrainStep::run_eager(const at::Tensor& input, const at::Tensor
 }
 
 inline at::Tensor TrainStep::step(const at::Tensor& input, const at::Tensor& target) {
-  TORCH_CHECK(input.sizes() == static_input_.sizes() && input.scalar_type() == static_input_.scalar_type(),
-              "perf::TrainStep::step: input must be ", static_input_.scalar_type(), " ",
-              detail::shape_str(static_input_), " like the example (static shapes), got ", input.scalar_type(), " ",
-              detail::shape_str(input));
-  TORCH_CHECK(target.sizes() == static_target_.sizes() && target.scalar_type() == static_target_.scalar_type(),
-              "perf::TrainStep::step: target must be ", static_target_.scalar_type(), " ",
-              detail::shape_str(static_target_), " like the example (static shapes), got ", target.scalar_type(), " ",
-              detail::shape_str(target));
+  auto check = [](const char* what, const at::Tensor& x, const at::Tensor& fixed) {
+    TORCH_CHECK(x.sizes() == fixed.sizes() && x.scalar_type() == fixed.scalar_type(), "perf::TrainStep::step: ", what,
+                " must be ", fixed.scalar_type(), " ", detail::shape_str(fixed),
+                " like the example (static shapes), got ", x.scalar_type(), " ", detail::shape_str(x));
+  };
+  check("input", input, static_input_);
+  check("target", target, static_target_);
   if (!graphed_) return run_eager(input.to(static_input_.device()), target.to(static_target_.device()));
 #if PERF_WITH_CUDA
   static_input_.copy_(input, /*non_blocking=*/true);

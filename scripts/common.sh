@@ -1,0 +1,13 @@
+# Sourced by test.sh, demo.sh and bench.sh: installs what is missing
+# (bootstrap.sh) and defines perf_configure to set up a build tree.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PERF_TORCH_PREFIX=$(bash scripts/bootstrap.sh | tail -n 1)
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
+
+perf_configure() {  # <build dir> [extra cmake args...]
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PERF_TORCH_PREFIX" \
+        -DCMAKE_CXX_COMPILER_LAUNCHER=ccache "$@"
+}
