@@ -121,21 +121,28 @@ class FusedOptimizer : public torch::optim::Optimizer {
   std::vector<std::string> kernels_;
 };
 
+/// A FusedOptimizer whose state and options serialize as ParamState / Options,
+/// in LibTorch's format (torch::save / torch::load).
+template <typename ParamState, typename Options>
+class SerializableFusedOptimizer : public FusedOptimizer {
+ public:
+  using FusedOptimizer::FusedOptimizer;
+  void save(torch::serialize::OutputArchive& archive) const override {
+    torch::optim::serialize<ParamState, Options>(archive, *this);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::optim::serialize<ParamState, Options>(archive, *this);
+  }
+};
+
 /// Adam (Decoupled=false) and AdamW (Decoupled=true).
 template <bool Decoupled>
-class AdamT : public FusedOptimizer {
+class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Decoupled>> {
  public:
   using Options = AdamOptionsT<Decoupled>;
   explicit AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {});
   explicit AdamT(std::vector<torch::Tensor> params, Options defaults = {})
       : AdamT({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
-
-  void save(torch::serialize::OutputArchive& archive) const override {
-    torch::optim::serialize<AdamParamState, Options>(archive, *this);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    torch::optim::serialize<AdamParamState, Options>(archive, *this);
-  }
 
  protected:
   void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
@@ -144,18 +151,11 @@ using Adam = AdamT<false>;
 using AdamW = AdamT<true>;
 
 /// SGD with momentum, dampening, Nesterov, weight decay, maximize.
-class SGD : public FusedOptimizer {
+class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
  public:
   explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, SGDOptions defaults);
   explicit SGD(std::vector<torch::Tensor> params, SGDOptions defaults)
       : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
-
-  void save(torch::serialize::OutputArchive& archive) const override {
-    torch::optim::serialize<SGDParamState, SGDOptions>(archive, *this);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    torch::optim::serialize<SGDParamState, SGDOptions>(archive, *this);
-  }
 
  protected:
   void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
@@ -347,31 +347,31 @@ void check_adam_options(const AdamOptionsT<D>& o, const std::string& where) {
 
 template <bool D>
 AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults)
-    : FusedOptimizer(
+    : SerializableFusedOptimizer<AdamParamState, Options>(
           [&] {
             detail::check_adam_options(defaults, "");
             detail::check_params(param_groups, detail::adam_name<D>());
             return param_groups;
           }(),
           std::make_unique<Options>(defaults)) {
-  for (size_t g = 0; g < param_groups_.size(); ++g)
-    detail::check_adam_options(static_cast<const Options&>(param_groups_[g].options()),
+  for (size_t g = 0; g < this->param_groups_.size(); ++g)
+    detail::check_adam_options(static_cast<const Options&>(this->param_groups_[g].options()),
                                " in param group " + std::to_string(g));
 }
 
 template <bool D>
 void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
   const char* name = detail::adam_name<D>();
-  kernels_.clear();
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    auto& group = param_groups_[g];
+  this->kernels_.clear();
+  for (size_t g = 0; g < this->param_groups_.size(); ++g) {
+    auto& group = this->param_groups_[g];
     const auto& o = static_cast<const Options&>(group.options());
     detail::check_adam_options(o, " in param group " + std::to_string(g));
     std::vector<detail::Bucket> buckets;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;  // skipped, like PyTorch
       detail::check_grad(p, g, name);
-      auto& slot = state_[p.unsafeGetTensorImpl()];
+      auto& slot = this->state_[p.unsafeGetTensorImpl()];
       if (!slot) {
         auto s = std::make_unique<AdamParamState>();
         s->step(at::zeros({}, p.options().dtype(at::kFloat)));
@@ -396,7 +396,7 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
     const auto [beta1, beta2] = o.betas();
     for (auto& b : buckets) {
       const bool fused = detail::use_fused(o.fused(), b, name);
-      kernels_.push_back(detail::kernel_line(b, fused));
+      this->kernels_.push_back(detail::kernel_line(b, fused));
       const auto gs = detail::on_device(grad_scale, b.device);
       const auto fi = detail::on_device(found_inf, b.device);
       if (fused) {
@@ -459,7 +459,7 @@ inline void check_sgd_options(const SGDOptions& o, const std::string& where) {
 }  // namespace detail
 
 inline SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, SGDOptions defaults)
-    : FusedOptimizer(
+    : SerializableFusedOptimizer<SGDParamState, SGDOptions>(
           [&] {
             detail::check_sgd_options(defaults, "");
             detail::check_params(param_groups, "perf::optim::SGD");
