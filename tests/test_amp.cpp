@@ -180,6 +180,21 @@ TEST(GradScaler, UnscaleForClippingThenStep) {
   }
 }
 
+TEST(GradScaler, SeveralOptimizersSkipOnlyTheOneWithInf) {
+  auto a = torch::ones({2}, torch::requires_grad()), b = torch::ones({2}, torch::requires_grad());
+  perf::optim::SGD fused({a}, perf::optim::SGDOptions(0.5));
+  torch::optim::SGD plain({b}, torch::optim::SGDOptions(0.5));
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(8));
+  const float inf = std::numeric_limits<float>::infinity();
+  scaler.scale((a * torch::tensor({1.f, inf})).sum() + b.sum()).backward();
+  scaler.step(fused);  // inf in a's gradient: skipped on the device
+  scaler.step(plain);  // b's gradients are finite: steps
+  scaler.update();
+  EXPECT_TRUE(torch::equal(a.detach(), torch::ones({2})));
+  EXPECT_TRUE(torch::equal(b.detach(), torch::full({2}, 0.5f)));
+  EXPECT_EQ(scaler.get_scale(), 4.0) << "one inf anywhere backs the scale off";
+}
+
 TEST(GradScaler, RejectsTheMisusePythonRejects) {
   auto p = torch::ones({2}, torch::requires_grad());
   torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));
