@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PERF_TORCH_PREFIX=$(bash scripts/bootstrap.sh | tail -n 1)
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}  # relative paths: a new clone hits the same cache
 
 perf_configure() {  # <build dir> [extra cmake args...]
   local dir=$1
