@@ -12,15 +12,6 @@
 
 #include "resnet.h"
 
-namespace {
-
-struct Trainer {
-  perf_bench::ResNet net;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
   CLI::App app{"AMP + channels-last training step vs stock fp32 NCHW"};
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";

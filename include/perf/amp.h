@@ -54,6 +54,8 @@ class Autocast {
   c10::ScalarType dtype() const noexcept { return dtype_; }
   /// The dtype Autocast picks for `device` when none is given.
   static c10::ScalarType default_dtype(c10::Device device);
+  /// The dtype an Autocast(device, dtype, enabled) would use; throws what its constructor would.
+  static c10::ScalarType resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled = true);
 
  private:
   c10::DeviceType type_;
@@ -151,23 +153,27 @@ inline c10::ScalarType Autocast::default_dtype(c10::Device device) {
   return at::kBFloat16;
 }
 
-inline Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled, bool cache_enabled)
-    : type_(device.type()), dtype_(at::kBFloat16) {
+inline c10::ScalarType Autocast::resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled) {
   TORCH_CHECK(device.is_cuda() || device.is_cpu(), "perf::Autocast: device must be cpu or cuda, got ", device);
-  dtype_ = dtype.value_or(default_dtype(device));
-  TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kHalf, "perf::Autocast: dtype ", dtype_,
+  const auto t = dtype.value_or(default_dtype(device));
+  TORCH_CHECK(t == at::kBFloat16 || t == at::kHalf, "perf::Autocast: dtype ", t,
               " is not an autocast dtype; valid values: torch::kBFloat16, torch::kHalf");
   if (enabled && device.is_cuda()) {
 #if PERF_WITH_CUDA
     TORCH_CHECK(c10::cuda::device_count() > 0, "perf::Autocast: ", device,
                 " requested but no CUDA device is available");
-    TORCH_CHECK(dtype_ != at::kBFloat16 || detail::cuda_bf16_supported(),
-                "perf::Autocast: the current CUDA device (sm_", at::cuda::getCurrentDeviceProperties()->major,
-                at::cuda::getCurrentDeviceProperties()->minor, ") does not support bfloat16; use torch::kHalf");
+    TORCH_CHECK(t != at::kBFloat16 || detail::cuda_bf16_supported(), "perf::Autocast: the current CUDA device (sm_",
+                at::cuda::getCurrentDeviceProperties()->major, at::cuda::getCurrentDeviceProperties()->minor,
+                ") does not support bfloat16; use torch::kHalf");
 #else
     TORCH_CHECK(false, "perf::Autocast: ", device, " requested but perf was built without CUDA (PERF_WITH_CUDA=0)");
 #endif
   }
+  return t;
+}
+
+inline Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled, bool cache_enabled)
+    : type_(device.type()), dtype_(resolve_dtype(device, dtype, enabled)) {
   prev_enabled_ = at::autocast::is_autocast_enabled(type_);
   prev_dtype_ = at::autocast::get_autocast_dtype(type_);
   prev_cache_ = at::autocast::is_autocast_cache_enabled();

@@ -141,7 +141,7 @@ Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::mo
     const auto params = module_->parameters();
     if (!params.empty()) device_ = params.front().device();
   }
-  if (options_.autocast()) Autocast check(device_, options_.autocast_dtype(), true);  // validates dtype/device
+  if (options_.autocast()) Autocast::resolve_dtype(device_, options_.autocast_dtype());  // fail at construction
   if (options_.channels_last()) to_channels_last(*module_);
 }
 
