@@ -70,7 +70,7 @@ TEST(LoaderOptions, DefaultsAndOverrides) {
   EXPECT_EQ(o.workers(), expect_workers);
   ASSERT_TRUE(o.max_jobs().has_value());
   EXPECT_EQ(*o.max_jobs(), expect_workers * 2);
-  EXPECT_TRUE(o.drop_last());
+  EXPECT_FALSE(o.drop_last()) << "PyTorch's default: every sample, every epoch";
   EXPECT_TRUE(o.enforce_ordering());
   const auto c = perf::loader_options(
       8, perf::LoaderTuning().workers(3).prefetch_factor(4).drop_last(false).enforce_ordering(false).timeout(
@@ -162,7 +162,8 @@ TEST(Prefetch, ConversionsEqualDoingItByHand) {
     return ((x.to(torch::kFloat) - m) / s).contiguous(torch::MemoryFormat::ChannelsLast);
   };
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      ImageDataset().map(torch::data::transforms::Stack<>()), perf::loader_options(4, perf::LoaderTuning().workers(1)));
+      ImageDataset().map(torch::data::transforms::Stack<>()),
+      perf::loader_options(4, perf::LoaderTuning().workers(1).drop_last(true)));
   const auto opts = perf::PrefetchOptions().dtype(torch::kFloat).mean(mean).std(stdv).channels_last(true);
   int batches = 0;
   std::vector<torch::Tensor> raw;
@@ -179,7 +180,7 @@ TEST(Prefetch, ConversionsEqualDoingItByHand) {
 
 TEST(Prefetch, VectorOfExamplesBeforeStacking) {
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      ImageDataset(), perf::loader_options(3, perf::LoaderTuning().workers(1)));
+      ImageDataset(), perf::loader_options(3, perf::LoaderTuning().workers(1).drop_last(true)));
   size_t samples = 0;
   for (auto& batch : perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().mean({10, 20, 30}).std({2, 4, 8}))) {
     for (auto& ex : batch) {

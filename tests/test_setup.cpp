@@ -313,9 +313,26 @@ TEST(Setup, PerfVerbosePrintsTheReportToStderr) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), r.to_string());
 }
 
-TEST(Setup, ReportPrintsAnAlignedTable) {
+TEST(Setup, DefaultReportShowsOnlyWhatChangedOrWasSkipped) {
   const auto r = perf::setup(perf::Settings().num_threads(1));
   const std::string text = r.to_string();
+  size_t unchanged = 0;
+  for (const auto& row : r.rows) {
+    const bool listed = text.find("\n" + row.setting + " ") != std::string::npos;
+    EXPECT_EQ(listed, row.status != perf::Status::unchanged) << row.setting << "\n" << text;
+    unchanged += row.status == perf::Status::unchanged;
+  }
+  ASSERT_GT(unchanged, 0u);
+  EXPECT_NE(text.find("(" + std::to_string(unchanged) + " more settings unchanged"), std::string::npos) << text;
+  std::ostringstream os;
+  os << r;
+  EXPECT_EQ(os.str(), text);
+  EXPECT_GT(r.to_string(true).size(), text.size());
+}
+
+TEST(Setup, ReportPrintsAnAlignedTable) {
+  const auto r = perf::setup(perf::Settings().num_threads(1));
+  const std::string text = r.to_string(/*all=*/true);
   std::istringstream in(text);
   std::string line;
   std::getline(in, line);  // title

@@ -4,28 +4,50 @@
 //   auto g = perf::graph(model, x_example, perf::GraphOptions().batch_sizes({1, 2, 4, 8, 16, 32}));
 //   torch::Tensor y = g(x);           // x copied into a static buffer (padded to a bucket), graph replayed
 //
-//   perf::TrainStep step(*model, [&](const torch::Tensor& x, const torch::Tensor& t) {
+//   perf::TrainStep step(model, [&](const torch::Tensor& x, const torch::Tensor& t) {
 //     return torch::nn::functional::cross_entropy(model->forward(x), t);
-//   }, optimizer, x_example, t_example);            // optimizer from perf/optim.h (capturable)
-//   torch::Tensor loss = step.step(x, t);           // forward + backward + update, one replay, no host sync
+//   }, optimizer, first_batch);                     // first_batch: a torch::data::Example (or input, target)
+//   torch::Tensor loss = step.step(batch);          // forward + backward + update, one replay, no host sync
 //
 // Without CUDA (or for CPU tensors) the same API runs eagerly on the same static
 // buffers, so semantics (buckets, padding, views) are identical; graphed() says which.
+//
+// What makes a capture safe here:
+//  - the last warm-up step runs with CUDA's sync-debug mode set to "error", so a
+//    host sync (.item(), .cpu(), printing a CUDA tensor) is reported before any
+//    capture begins (GraphOptions::check_syncs);
+//  - captures use thread-local capture mode by default, so other threads (a
+//    perf::prefetch producer pinning memory) keep working during a capture;
+//  - the autocast weight cache is off during warm-up and capture (cached casts
+//    would be baked into the graph);
+//  - if a capture fails anyway, the CUDA generator and caching allocator are put
+//    back as a successful capture would leave them (LibTorch 2.11's
+//    CUDAGraph::capture_end throws before doing so), so RNG ops and memory
+//    reuse keep working, and eager_fallback continues in a healthy process;
+//  - errors keep their type (c10::OutOfMemoryError stays one) with perf's
+//    context added.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
 #include <perf/config.h>
+#include <perf/detail/rng.h>
+#include <perf/module.h>
 #include <perf/optim.h>
 #include <torch/arg.h>
+#include <torch/data/example.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #if PERF_WITH_CUDA
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -46,10 +68,18 @@ namespace perf {
 /// What a call with a batch larger than every bucket does.
 enum class OutOfBucket { eager, error };
 
+/// Which CUDA calls other code may make while a capture is under way, as the
+/// capture_error_mode of Python's torch.cuda.graph: global (no thread may make
+/// unsafe calls), thread_local_ (only the capturing thread: the default here,
+/// so a prefetching thread keeps pinning memory), relaxed (no checks).
+enum class CaptureErrorMode { global, thread_local_, relaxed };
+
 struct GraphOptions {
   /// Eager calls on a side stream before capture (autotuners, lazy init, allocator).
   TORCH_ARG(int, warmup) = 3;
-  /// Return copies instead of views of the static outputs (which the next call overwrites).
+  /// Return copies instead of views of the static outputs. Views are valid
+  /// until the next call of the same graph, whatever its bucket: the buckets
+  /// share one memory pool, so replaying one may overwrite another's outputs.
   TORCH_ARG(bool, clone_outputs) = false;
   /// One graph per batch size (dim 0 of every input), sharing one memory pool.
   /// A call is padded to the next bucket and its outputs sliced back. Empty:
@@ -58,8 +88,15 @@ struct GraphOptions {
   TORCH_ARG(OutOfBucket, out_of_bucket) = OutOfBucket::eager;
   /// Share a memory pool with other graphs (perf::graph_pool_handle()).
   TORCH_ARG(std::optional<c10::MempoolId_t>, pool);
-  /// On a failed capture: warn and run eagerly instead of throwing.
+  /// On a failed capture (or a host sync found before it): warn and run
+  /// eagerly instead of throwing.
   TORCH_ARG(bool, eager_fallback) = false;
+  TORCH_ARG(CaptureErrorMode, capture_error_mode) = CaptureErrorMode::thread_local_;
+  /// Run the last warm-up call with CUDA sync-debug mode "error", so host syncs
+  /// fail there, before capture, with a clear message. The mode is
+  /// process-wide for that one call: turn this off if other threads
+  /// legitimately sync at the same time.
+  TORCH_ARG(bool, check_syncs) = true;
 };
 
 /// A fresh memory-pool handle to share among captures ({0, 0} without CUDA).
@@ -84,7 +121,7 @@ class Graphed {
  private:
   struct Bucket;
   Out call_eager(const std::vector<at::Tensor>& inputs);
-  void capture(Bucket& b, const c10::MempoolId_t& pool);
+  bool capture(Bucket& b, const c10::MempoolId_t& pool);
 
   Fn fn_;
   GraphOptions options_;
@@ -96,54 +133,109 @@ class Graphed {
 
 /// Graphs `fn(inputs)` for the example inputs (any callable taking a
 /// std::vector<at::Tensor>), or `fn(input)` for a single example tensor (any
-/// callable taking a tensor, torch::nn::Module holders included). Inference:
-/// forward runs under at::NoGradGuard; use TrainStep for training.
-template <typename Fn, std::enable_if_t<std::is_invocable_v<Fn&, const std::vector<at::Tensor>&>, int> = 0>
+/// callable taking a tensor, module holders, std::shared_ptr to a module and
+/// plain modules, by reference, included). Inference: forward runs under
+/// at::NoGradGuard; use TrainStep for training.
+namespace detail {
+// Module holders first: asking whether one is invocable with the wrong
+// argument is a hard error inside LibTorch's ModuleHolder::operator().
+template <typename Fn>
+using is_holder = std::is_base_of<torch::detail::ModuleHolderIndicator, Fn>;
+template <typename Fn>
+constexpr bool takes_tensor_list_v =
+    std::conjunction_v<std::negation<is_holder<Fn>>, std::is_invocable<Fn&, const std::vector<at::Tensor>&>>;
+template <typename Fn>
+constexpr bool takes_tensor_v = std::disjunction_v<is_holder<Fn>, std::is_invocable<Fn&, const at::Tensor&>>;
+}  // namespace detail
+
+template <typename Fn, std::enable_if_t<detail::takes_tensor_list_v<Fn>, int> = 0>
 auto graph(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options = GraphOptions());
-template <typename Fn, std::enable_if_t<std::is_invocable_v<Fn&, const at::Tensor&> ||
-                                            std::is_base_of_v<torch::detail::ModuleHolderIndicator, Fn>,
-                                        int> = 0>
+template <typename Fn, std::enable_if_t<detail::takes_tensor_v<Fn>, int> = 0>
 auto graph(Fn fn, const at::Tensor& example, const GraphOptions& options = GraphOptions());
+template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int> = 0>
+auto graph(std::shared_ptr<M> module, const at::Tensor& example, const GraphOptions& options = GraphOptions());
+template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int> = 0>
+auto graph(M& module, const at::Tensor& example, const GraphOptions& options = GraphOptions());
 
 using GradScalerPtr = GradScaler*;  // TORCH_ARG needs one token
 
 struct TrainStepOptions {
-  /// Eager steps before capture (state is restored afterwards: they do not train).
+  /// Eager steps before capture, with the optimizer update skipped on the
+  /// device (they do not train); buffers (BatchNorm statistics), RNG and the
+  /// scaler are restored afterwards.
   TORCH_ARG(int, warmup) = 3;
   /// Optional loss scaling inside the captured step (device-side, no sync).
   TORCH_ARG(GradScalerPtr, scaler) = nullptr;
+  /// Clip the total gradient norm before the update (perf::clip_grad_norm_;
+  /// unscaled first when a scaler is set).
+  TORCH_ARG(std::optional<double>, max_grad_norm);
+  /// Gradient accumulation: every batch tensor is split in k equal chunks
+  /// along dim 0, the gradients of loss/k accumulate, one update per step().
+  TORCH_ARG(int64_t, accumulation_steps) = 1;
   TORCH_ARG(std::optional<c10::MempoolId_t>, pool);
+  /// On a failed capture, or an optimizer that cannot be captured (torch::optim),
+  /// warn and run eagerly instead of throwing.
   TORCH_ARG(bool, eager_fallback) = false;
+  TORCH_ARG(CaptureErrorMode, capture_error_mode) = CaptureErrorMode::thread_local_;
+  TORCH_ARG(bool, check_syncs) = true;
 };
 
-/// A whole training step — forward, loss, backward, optimizer update (and
-/// GradScaler) — captured once for static shapes and replayed per call, like
-/// PyTorch's whole-network capture example. The warm-up steps before capture
-/// are undone (parameters, buffers, optimizer and scaler state), so training
-/// matches the eager loop. Eager on the CPU.
+/// A whole training step — zero_grad, forward and loss (over k micro-batches),
+/// backward, optional clipping, optimizer update (and GradScaler) — captured
+/// once for static shapes and replayed per call, like PyTorch's whole-network
+/// capture example. Warm-up skips the update on the device, so a resumed
+/// checkpoint's parameters and optimizer state are exactly what the first
+/// step() trains from. Learning-rate changes (schedulers) take effect at the
+/// next step() through the optimizer's lr tensors. Eager on the CPU, and with a
+/// torch::optim optimizer (CUDA: only with eager_fallback(true)).
+///
+/// The batch is any number of tensors with fixed shapes. A smaller last batch
+/// of an epoch (dim 0 only) is trained eagerly by step() and counted in
+/// eager_steps(), so no sample is lost; drop_last(true) avoids it.
 class TrainStep {
  public:
   using LossFn = std::function<at::Tensor(const at::Tensor& input, const at::Tensor& target)>;
-  TrainStep(torch::nn::Module& module, LossFn loss_fn, optim::FusedOptimizer& optimizer,
-            const at::Tensor& example_input, const at::Tensor& example_target,
-            const TrainStepOptions& options = TrainStepOptions());
+  using BatchLossFn = std::function<at::Tensor(const std::vector<at::Tensor>& batch)>;
+  using Example = torch::data::Example<at::Tensor, at::Tensor>;
 
-  /// Runs one step on (input, target); returns the loss (0-dim, on the device;
-  /// reading it is the only sync).
-  at::Tensor step(const at::Tensor& input, const at::Tensor& target);
+  TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const at::Tensor& example_input,
+            const at::Tensor& example_target, const TrainStepOptions& options = TrainStepOptions());
+  /// The example is the first batch of the loader (its values do not train).
+  TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const Example& first_batch,
+            const TrainStepOptions& options = TrainStepOptions());
+  TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
+            std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
+
+  /// Runs one step; returns the loss (0-dim, on the device; reading it is the
+  /// only sync). Graphed: the returned tensor is the graph's static loss,
+  /// overwritten by the next step (clone it to keep it); no allocation per call.
+  at::Tensor step(const std::vector<at::Tensor>& batch);
+  at::Tensor step(const at::Tensor& input, const at::Tensor& target) { return step(std::vector<at::Tensor>{input, target}); }
+  at::Tensor step(const Example& batch) { return step(batch.data, batch.target); }
+  /// The same step run eagerly, for batches of another shape (an epoch's last
+  /// partial batch); same optimizer, scaler and options.
+  at::Tensor step_eager(const std::vector<at::Tensor>& batch);
+  at::Tensor step_eager(const Example& batch) { return step_eager(std::vector<at::Tensor>{batch.data, batch.target}); }
   bool graphed() const noexcept { return graphed_; }
+  /// Steps that ran eagerly because the batch was smaller than the example's
+  /// (the last batch of an epoch without drop_last).
+  int64_t eager_steps() const noexcept { return eager_steps_; }
 
  private:
-  at::Tensor run_eager(const at::Tensor& input, const at::Tensor& target);
-  // The body of a step after zero_grad: loss, (scaled) backward, update (and scaler update).
-  at::Tensor loss_backward_update(const at::Tensor& input, const at::Tensor& target);
+  void init(std::vector<at::Tensor> example);
+  bool is_partial_batch(const std::vector<at::Tensor>& batch) const;
+  at::Tensor body(const std::vector<at::Tensor>& batch);
+  void check_batch(const std::vector<at::Tensor>& batch, bool shapes) const;
 
-  torch::nn::Module& module_;
-  LossFn loss_fn_;
-  optim::FusedOptimizer& opt_;
+  ModuleRef module_;
+  BatchLossFn loss_fn_;
+  torch::optim::Optimizer& opt_;
+  optim::FusedOptimizer* fused_ = nullptr;
   TrainStepOptions options_;
-  at::Tensor static_input_, static_target_, static_loss_;
+  std::vector<at::Tensor> static_batch_;
+  at::Tensor static_loss_;
   bool graphed_ = false;
+  int64_t eager_steps_ = 0;
 #if PERF_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 #endif
@@ -191,12 +283,86 @@ inline std::string shape_str(const at::Tensor& t) {
   return os.str();
 }
 
+inline std::string first_line(const std::exception& e) {
+  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+  const std::string what = c10e ? c10e->what_without_backtrace() : e.what();
+  return what.substr(0, what.find('\n'));
+}
+
 inline const char* capture_hint() {
   return "Likely causes: a host sync inside the captured code (.item(), .cpu(), printing or branching on a CUDA "
          "tensor), a CPU tensor or a host-to-device copy from pageable memory, an allocation outside the graph's "
          "memory pool, or shapes that change between calls. Set eager_fallback(true) to run eagerly with a warning "
          "instead.";
 }
+
+// Adds perf's context to a c10::Error and rethrows the same object (its type,
+// e.g. c10::OutOfMemoryError, is kept); other exceptions pass unchanged.
+[[noreturn]] inline void rethrow_with_context(const std::string& context) {
+  try {
+    throw;
+  } catch (c10::Error& e) {
+    e.add_context(context);
+    throw;
+  }
+}
+
+// Turns the autocast weight cache off for a scope (and empties it): cached
+// low-precision copies made during capture would be baked into the graph.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : prev_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::clear_cache();
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(prev_); }
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// Keeps an optimizer's updates skipped on the device for a scope.
+class SkipUpdates {
+ public:
+  explicit SkipUpdates(optim::FusedOptimizer* opt) : opt_(opt) {
+    if (opt_) opt_->skip_updates(true);
+  }
+  ~SkipUpdates() {
+    if (opt_) opt_->skip_updates(false);
+  }
+  SkipUpdates(const SkipUpdates&) = delete;
+  SkipUpdates& operator=(const SkipUpdates&) = delete;
+
+ private:
+  optim::FusedOptimizer* opt_;
+};
+
+// What a forward pass mutates outside the parameters: buffers (BatchNorm
+// running statistics, counters) and the default generators. Small next to a
+// copy of the parameters and optimizer state.
+class ForwardSnapshot {
+ public:
+  ForwardSnapshot(torch::nn::Module& module, const std::vector<at::Tensor>& on_devices) {
+    at::NoGradGuard no_grad;
+    for (auto& b : module.buffers()) {
+      if (!b.defined()) continue;
+      live_.push_back(b);
+      saved_.push_back(b.detach().clone());
+    }
+    rng_ = current_rng(on_devices);
+  }
+  void restore() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < live_.size(); ++i) live_[i].detach().copy_(saved_[i]);
+    swap_rng(rng_);
+  }
+
+ private:
+  std::vector<at::Tensor> live_, saved_;
+  RngStates rng_;
+};
 
 #if PERF_WITH_CUDA
 // `waiter` waits for the work queued so far on `on`, without a host sync.
@@ -206,36 +372,151 @@ inline void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CU
   e.block(waiter);
 }
 
-// Captures `body` into `graph` on a side stream after `warmup` eager runs of
-// `warm`. On failure the capture is ended and the error rethrown.
-inline void capture_on_side_stream(at::cuda::CUDAGraph& graph, const c10::Device& device, int warmup,
-                                   const std::function<void()>& warm, const std::function<void()>& body,
-                                   const std::optional<c10::MempoolId_t>& pool) {
+inline cudaStreamCaptureMode to_cuda(CaptureErrorMode m) {
+  switch (m) {
+    case CaptureErrorMode::global:
+      return cudaStreamCaptureModeGlobal;
+    case CaptureErrorMode::thread_local_:
+      return cudaStreamCaptureModeThreadLocal;
+    case CaptureErrorMode::relaxed:
+      return cudaStreamCaptureModeRelaxed;
+  }
+  return cudaStreamCaptureModeThreadLocal;
+}
+
+class SyncDebugGuard {
+ public:
+  explicit SyncDebugGuard(c10::cuda::SyncDebugMode mode) : prev_(c10::cuda::warning_state().get_sync_debug_mode()) {
+    c10::cuda::warning_state().set_sync_debug_mode(mode);
+  }
+  ~SyncDebugGuard() { c10::cuda::warning_state().set_sync_debug_mode(prev_); }
+  SyncDebugGuard(const SyncDebugGuard&) = delete;
+  SyncDebugGuard& operator=(const SyncDebugGuard&) = delete;
+
+ private:
+  c10::cuda::SyncDebugMode prev_;
+};
+
+// at::cuda::CUDAGraph that can abandon a failed capture. In LibTorch 2.11,
+// capture_end() throws at cudaStreamEndCapture before it ends the allocator's
+// routing to the graph's pool and the generator's capture, which leaves every
+// later RNG op failing ("Offset increment outside graph capture") and the
+// caching allocator deferring cross-stream frees forever. abandon() finishes
+// those steps from the state the base class keeps (protected members).
+class SafeCUDAGraph : public at::cuda::CUDAGraph {
+ public:
+  // Call once after capture_begin() succeeded and the body or capture_end() threw.
+  // Returns false when CUDA is left in a state perf cannot repair.
+  bool abandon() noexcept {
+    if (capture_ended_) return true;  // failed after a complete capture: ~CUDAGraph cleans up
+    bool healthy = true;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(capture_stream_.stream(), &status) == cudaSuccess &&
+        status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t partial = nullptr;
+      (void)cudaStreamEndCapture(capture_stream_.stream(), &partial);  // ends an invalidated capture too
+      if (partial != nullptr) (void)cudaGraphDestroy(partial);
+    }
+    (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+    // What CUDAGeneratorState::capture_epilogue() does (it is not exported):
+    // the generator leaves capture mode; the graph's offset increment is moot.
+    for (auto& entry : captured_generator_states_) entry.first->capturing_ = false;
+    try {  // throws if capture_end() already stopped the routing
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
+    } catch (const std::exception&) {
+    }
+    try {
+      c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_);  // capture_begin's reference
+    } catch (const std::exception&) {
+      healthy = false;
+    }
+    try {  // pinned-memory pool: release only if the capture was still routing to it
+      auto* host = at::getHostAllocator(at::kCUDA);
+      host->end_allocate_to_pool(mempool_id_);
+      host->release_pool(mempool_id_);
+    } catch (const std::exception&) {
+    }
+    status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(capture_stream_.stream(), &status) != cudaSuccess ||
+        status != cudaStreamCaptureStatusNone)
+      healthy = false;
+    for (auto& entry : captured_generator_states_) healthy = healthy && !entry.first->capturing_;
+    return healthy;
+  }
+};
+
+// How a capture ended: captured, or failed in a way eager_fallback may cover.
+enum class CaptureResult { captured, fell_back };
+
+// Warm-up calls of `warm` on a side stream (the last one with host syncs
+// reported as errors), then `after_warmup` (if any, outside any capture), then
+// captures `body` into `graph`. `who` names the
+// caller in errors. Errors in warm-up are the function's own and always
+// propagate; a host sync found in warm-up, or a failed capture, propagates
+// unless `eager_fallback`, in which case it warns and returns fell_back.
+inline CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10::Device& device, int warmup,
+                                            bool check_syncs, CaptureErrorMode mode,
+                                            const std::optional<c10::MempoolId_t>& pool, bool eager_fallback,
+                                            const std::string& who, const std::function<void()>& warm,
+                                            const std::function<void()>& body,
+                                            const std::function<void()>& after_warmup = nullptr) {
   c10::cuda::CUDAGuard device_guard(device.index());
   const auto main = c10::cuda::getCurrentCUDAStream(device.index());
   const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  AutocastCacheOff no_cache;
+  auto fallback = [&](const std::string& what) {
+    TORCH_WARN(who, ": ", what, "; running eagerly as eager_fallback(true) asks");
+    return CaptureResult::fell_back;
+  };
   stream_wait(side, main);
   {
     c10::cuda::CUDAStreamGuard g(side);
-    for (int i = 0; i < warmup; ++i) warm();
+    for (int i = 0; i < warmup; ++i) {
+      const bool checked = check_syncs && i + 1 == warmup;
+      try {
+        std::optional<SyncDebugGuard> sync_errors;
+        if (checked) sync_errors.emplace(c10::cuda::SyncDebugMode::L_ERROR);
+        warm();
+      } catch (const std::exception& e) {
+        const bool sync = checked && first_line(e).find("synchronizing CUDA operation") != std::string::npos;
+        if (sync && eager_fallback) {
+          stream_wait(main, side);
+          return fallback("a host-device sync in the captured code (" + first_line(e) + ")");
+        }
+        rethrow_with_context(sync ? who +
+                                        ": the code to capture makes a host-device sync, which a CUDA graph cannot "
+                                        "contain (found in the last warm-up call, before capture, with sync-debug "
+                                        "mode \"error\"). " +
+                                        capture_hint()
+                                  : who + ": failed in warm-up call " + std::to_string(i + 1) + " of " +
+                                        std::to_string(warmup) + ", before capture (an error of the code itself)");
+      }
+    }
   }
   stream_wait(main, side);
   c10::cuda::device_synchronize();
+  if (after_warmup) after_warmup();
+  const c10::MempoolId_t pool_id = pool.value_or(at::cuda::graph_pool_handle());  // explicit: abandon() knows it
   {
     c10::cuda::CUDAStreamGuard g(side);
-    graph.capture_begin(pool.value_or(c10::MempoolId_t{0, 0}));
+    graph.capture_begin(pool_id, to_cuda(mode));
     try {
       body();
-    } catch (...) {
-      try {
-        graph.capture_end();
-      } catch (...) {
+      graph.capture_end();
+    } catch (const std::exception& e) {
+      const std::string what = first_line(e);
+      TORCH_CHECK(graph.abandon(), who, ": CUDA graph capture failed (", what,
+                  ") and left CUDA in a state perf could not repair (stream still capturing or generator still in "
+                  "capture); the process must restart before it uses CUDA again");
+      if (eager_fallback) {
+        stream_wait(main, side);
+        return fallback("CUDA graph capture failed (" + what + ")");
       }
-      throw;
+      rethrow_with_context(who + ": CUDA graph capture failed. " + capture_hint());
     }
-    graph.capture_end();
   }
   stream_wait(main, side);
+  return CaptureResult::captured;
 }
 #endif
 
@@ -248,7 +529,7 @@ struct Graphed<Out>::Bucket {
   int64_t batch = -1;
   std::vector<at::Tensor> in, out;
 #if PERF_WITH_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  std::unique_ptr<detail::SafeCUDAGraph> graph;
 #endif
 };
 
@@ -310,11 +591,20 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
   // Capture the largest bucket first; the smaller ones reuse its pool memory.
   graphed_ = cuda;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
-    if (graphed_) {
-      capture(**it, pool);
-    } else {
+    if (graphed_ && !capture(**it, pool)) {
+      graphed_ = false;  // eager_fallback: every bucket runs eagerly
+#if PERF_WITH_CUDA
+      for (auto& b : buckets_) b->graph.reset();
+#endif
+    }
+    if (!graphed_) {
       at::NoGradGuard no_grad;
-      (*it)->out = detail::to_vec<Out>(fn_((*it)->in));
+      detail::AutocastCacheOff no_cache;
+      try {
+        (*it)->out = detail::to_vec<Out>(fn_((*it)->in));
+      } catch (const std::exception&) {
+        detail::rethrow_with_context("perf::graph: the function failed on the example inputs");
+      }
     }
     if (bucketed_) {
       for (size_t k = 0; k < (*it)->out.size(); ++k) {
@@ -328,27 +618,21 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
 }
 
 template <typename Out>
-void Graphed<Out>::capture(Bucket& b, const c10::MempoolId_t& pool) {
+bool Graphed<Out>::capture(Bucket& b, const c10::MempoolId_t& pool) {
 #if PERF_WITH_CUDA
   at::NoGradGuard no_grad;
-  b.graph = std::make_unique<at::cuda::CUDAGraph>();
-  try {
-    detail::capture_on_side_stream(
-        *b.graph, b.in[0].device(), options_.warmup(), [&] { fn_(b.in); },
-        [&] { b.out = detail::to_vec<Out>(fn_(b.in)); }, pool);
-  } catch (const std::exception& e) {
-    b.graph.reset();
-    const std::string what = e.what();
-    TORCH_CHECK(options_.eager_fallback(), "perf::graph: CUDA graph capture failed: ", what.substr(0, what.find('\n')),
-                ". ", detail::capture_hint());
-    TORCH_WARN("perf::graph: CUDA graph capture failed (", what.substr(0, what.find('\n')),
-               "); running eagerly as GraphOptions().eager_fallback(true) asks");
-    graphed_ = false;
-    b.out = detail::to_vec<Out>(fn_(b.in));
-  }
+  b.graph = std::make_unique<detail::SafeCUDAGraph>();
+  const auto result = detail::capture_on_side_stream(
+      *b.graph, b.in[0].device(), options_.warmup(), options_.check_syncs(), options_.capture_error_mode(),
+      pool, options_.eager_fallback(), "perf::graph", [&] { fn_(b.in); },
+      [&] { b.out = detail::to_vec<Out>(fn_(b.in)); });
+  if (result == detail::CaptureResult::captured) return true;
+  b.graph.reset();
+  return false;
 #else
   (void)b;
   (void)pool;
+  return false;
 #endif
 }
 
@@ -427,7 +711,7 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
   return detail::from_vec<Out>(std::move(outs));
 }
 
-template <typename Fn, std::enable_if_t<std::is_invocable_v<Fn&, const std::vector<at::Tensor>&>, int>>
+template <typename Fn, std::enable_if_t<detail::takes_tensor_list_v<Fn>, int>>
 auto graph(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options) {
   using R = std::invoke_result_t<Fn&, const std::vector<at::Tensor>&>;
   using Out = detail::graph_out_t<R>;
@@ -436,9 +720,7 @@ auto graph(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options)
                       std::move(examples), options);
 }
 
-template <typename Fn, std::enable_if_t<std::is_invocable_v<Fn&, const at::Tensor&> ||
-                                            std::is_base_of_v<torch::detail::ModuleHolderIndicator, Fn>,
-                                        int>>
+template <typename Fn, std::enable_if_t<detail::takes_tensor_v<Fn>, int>>
 auto graph(Fn fn, const at::Tensor& example, const GraphOptions& options) {
   using R = decltype(detail::call_with_tensor(std::declval<Fn&>(), std::declval<const at::Tensor&>()));
   using Out = detail::graph_out_t<R>;
@@ -450,125 +732,218 @@ auto graph(Fn fn, const at::Tensor& example, const GraphOptions& options) {
       std::vector<at::Tensor>{example}, options);
 }
 
+template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int>>
+auto graph(std::shared_ptr<M> module, const at::Tensor& example, const GraphOptions& options) {
+  TORCH_CHECK(module, "perf::graph: null module");
+  return graph([m = std::move(module)](const at::Tensor& x) { return m->forward(x); }, example, options);
+}
+
+template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int>>
+auto graph(M& module, const at::Tensor& example, const GraphOptions& options) {
+  // By reference: the module must outlive the returned Graphed.
+  return graph([m = &module](const at::Tensor& x) { return m->forward(x); }, example, options);
+}
+
 // --------------------------------------------------------------------------- TrainStep
 
-namespace detail {
-
-// Every tensor of the optimizer's per-parameter state, for undoing warm-up steps.
-inline std::vector<at::Tensor> optimizer_state_tensors(optim::FusedOptimizer& opt) {
-  std::vector<at::Tensor> out;
-  for (auto& group : opt.param_groups()) {
-    for (auto& p : group.params()) {
-      auto it = opt.state().find(p.unsafeGetTensorImpl());
-      if (it == opt.state().end()) continue;
-      if (auto* a = dynamic_cast<optim::AdamParamState*>(it->second.get())) {
-        for (auto* t : {&a->step(), &a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()})
-          if (t->defined()) out.push_back(*t);
-      } else if (auto* s = dynamic_cast<optim::SGDParamState*>(it->second.get())) {
-        if (s->momentum_buffer().defined()) out.push_back(s->momentum_buffer());
-      }
-    }
-  }
-  return out;
-}
-
-}  // namespace detail
-
-inline TrainStep::TrainStep(torch::nn::Module& module, LossFn loss_fn, optim::FusedOptimizer& optimizer,
+inline TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
                             const at::Tensor& example_input, const at::Tensor& example_target,
                             const TrainStepOptions& options)
-    : module_(module), loss_fn_(std::move(loss_fn)), opt_(optimizer), options_(options) {
-  TORCH_CHECK(loss_fn_, "perf::TrainStep: empty loss function");
-  TORCH_CHECK(options_.warmup() >= 1,
-              "perf::TrainStepOptions::warmup: must be >= 1 (the optimizer state must "
-              "exist before capture), got ",
-              options_.warmup());
+    : module_(std::move(module)), opt_(optimizer), options_(options) {
+  TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
   TORCH_CHECK(example_input.defined() && example_target.defined(), "perf::TrainStep: undefined example tensors");
-  static_input_ = example_input.clone();
-  static_target_ = example_target.clone();
-  if (!example_input.is_cuda()) return;  // eager: nothing to capture
-#if PERF_WITH_CUDA
-  TORCH_CHECK(example_target.device() == example_input.device(), "perf::TrainStep: input is on ",
-              example_input.device(), " but target is on ", example_target.device());
-  // Snapshot what warm-up steps change, to undo them after capture.
-  std::vector<at::Tensor> live, saved;
-  for (auto& t : module_.parameters()) live.push_back(t);
-  for (auto& t : module_.buffers()) live.push_back(t);
-  const auto state_before = detail::optimizer_state_tensors(opt_);
-  for (auto& t : state_before) live.push_back(t);
-  for (auto& t : live) saved.push_back(t.detach().clone());
-  std::optional<std::pair<double, int64_t>> scaler_before;
-  if (auto* s = options_.scaler()) scaler_before = std::make_pair(s->get_scale(), s->growth_tracker());
+  loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) { return f(b[0], b[1]); };
+  init({example_input, example_target});
+}
 
-  // Undo what the warm-up steps changed (capture itself records, it does not run).
-  auto restore = [&] {
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < saved.size(); ++i) live[i].detach().copy_(saved[i]);
-    for (const auto& t : detail::optimizer_state_tensors(opt_)) {
-      const bool existed =
-          std::any_of(state_before.begin(), state_before.end(), [&](const at::Tensor& b) { return b.is_same(t); });
-      if (!existed) t.detach().zero_();  // state created by the warm-up: as a fresh optimizer's
+inline TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
+                            const Example& first_batch, const TrainStepOptions& options)
+    : TrainStep(std::move(module), std::move(loss_fn), optimizer, first_batch.data, first_batch.target, options) {}
+
+inline TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
+                            std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
+    : module_(std::move(module)), loss_fn_(std::move(loss_fn)), opt_(optimizer), options_(options) {
+  TORCH_CHECK(loss_fn_, "perf::TrainStep: empty loss function");
+  init(std::move(example_batch));
+}
+
+inline void TrainStep::check_batch(const std::vector<at::Tensor>& batch, bool shapes) const {
+  TORCH_CHECK(batch.size() == static_batch_.size(), "perf::TrainStep::step: expected ", static_batch_.size(),
+              " batch tensors like the example, got ", batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& x = batch[i];
+    const auto& fixed = static_batch_[i];
+    TORCH_CHECK(x.defined() && x.scalar_type() == fixed.scalar_type() &&
+                    (!shapes || x.sizes() == fixed.sizes()) && (shapes || x.dim() == fixed.dim()),
+                "perf::TrainStep::step: batch tensor ", i, " must be ", fixed.scalar_type(), " ",
+                detail::shape_str(fixed), " like the example (static shapes), got ",
+                x.defined() ? std::string(c10::toString(x.scalar_type())) + " " + detail::shape_str(x)
+                            : std::string("undefined"),
+                shapes ? "; use step_eager() for a batch of another size (e.g. an epoch's last)" : "");
+  }
+}
+
+inline bool TrainStep::is_partial_batch(const std::vector<at::Tensor>& batch) const {
+  if (batch.size() != static_batch_.size()) return false;
+  const int64_t full = static_batch_[0].dim() >= 1 ? static_batch_[0].size(0) : -1;
+  const int64_t n = batch[0].defined() && batch[0].dim() >= 1 ? batch[0].size(0) : -1;
+  if (full < 1 || n < 1 || n >= full) return false;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& x = batch[i];
+    const auto& e = static_batch_[i];
+    if (!x.defined() || x.dim() != e.dim() || e.size(0) != full || x.size(0) != n ||
+        x.sizes().slice(1) != e.sizes().slice(1) || x.scalar_type() != e.scalar_type())
+      return false;
+  }
+  return true;
+}
+
+inline void TrainStep::init(std::vector<at::Tensor> example) {
+  TORCH_CHECK(!example.empty(), "perf::TrainStep: the example batch is empty");
+  TORCH_CHECK(options_.warmup() >= 1,
+              "perf::TrainStepOptions::warmup: must be >= 1 (the optimizer state must exist before capture), got ",
+              options_.warmup());
+  const int64_t k = options_.accumulation_steps();
+  TORCH_CHECK(k >= 1, "perf::TrainStepOptions::accumulation_steps: must be >= 1, got ", k);
+  if (options_.max_grad_norm()) {
+    TORCH_CHECK(*options_.max_grad_norm() > 0, "perf::TrainStepOptions::max_grad_norm: must be > 0, got ",
+                *options_.max_grad_norm());
+  }
+  const auto device = example[0].device();
+  for (size_t i = 0; i < example.size(); ++i) {
+    TORCH_CHECK(example[i].defined(), "perf::TrainStep: example batch tensor ", i, " is undefined");
+    TORCH_CHECK(example[i].device() == device, "perf::TrainStep: example batch tensor ", i, " is on ",
+                example[i].device(), " but tensor 0 is on ", device);
+    if (k > 1) {
+      TORCH_CHECK(example[i].dim() >= 1 && example[i].size(0) % k == 0, "perf::TrainStep: accumulation_steps(", k,
+                  ") needs every batch tensor's dim 0 divisible by ", k, "; tensor ", i, " has shape ",
+                  detail::shape_str(example[i]));
     }
-    if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
-  };
-  graph_ = std::make_unique<at::cuda::CUDAGraph>();
-  try {
-    detail::capture_on_side_stream(
-        *graph_, example_input.device(), options_.warmup(), [&] { run_eager(static_input_, static_target_); },
-        [&] {
-          opt_.zero_grad();  // set to none: backward allocates the static grads in the graph's pool
-          static_loss_ = loss_backward_update(static_input_, static_target_);
-        },
-        options_.pool());
-    graphed_ = true;
-  } catch (const std::exception& e) {
-    graph_.reset();
-    restore();
-    const std::string what = e.what();
-    TORCH_CHECK(options_.eager_fallback(),
-                "perf::TrainStep: CUDA graph capture failed: ", what.substr(0, what.find('\n')), ". ",
-                detail::capture_hint());
-    TORCH_WARN("perf::TrainStep: CUDA graph capture failed (", what.substr(0, what.find('\n')),
-               "); running eagerly as TrainStepOptions().eager_fallback(true) asks");
+    static_batch_.push_back(example[i].clone());
+  }
+  fused_ = dynamic_cast<optim::FusedOptimizer*>(&opt_);
+
+  if (!device.is_cuda()) {
+    // Eager. Run the loss once now, so a wrong target dtype or shape fails here
+    // rather than at the first step(); the forward's side effects are undone.
+    detail::ForwardSnapshot snapshot(*module_, static_batch_);
+    try {
+      at::NoGradGuard no_grad;
+      const auto loss = loss_fn_(std::vector<at::Tensor>(static_batch_));
+      TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()),
+                  "perf::TrainStep: the loss function must return a floating-point scalar, got ",
+                  loss.defined() ? std::string(c10::toString(loss.scalar_type())) + " " + detail::shape_str(loss)
+                                 : std::string("undefined"));
+    } catch (const std::exception&) {
+      snapshot.restore();
+      detail::rethrow_with_context("perf::TrainStep: the loss function failed on the example batch");
+    }
+    snapshot.restore();
     return;
   }
-  restore();
+#if PERF_WITH_CUDA
+  if (fused_ == nullptr) {
+    TORCH_CHECK(options_.eager_fallback(),
+                "perf::TrainStep: a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step "
+                "count and bias corrections on the host, so every replay would repeat the captured step); use "
+                "perf::optim::AdamW, Adam or SGD, or TrainStepOptions().eager_fallback(true) to run eagerly");
+    TORCH_WARN("perf::TrainStep: torch::optim optimizer: running eagerly as eager_fallback(true) asks");
+    return;
+  }
+  // Warm-up with the update skipped on the device: optimizer state and lr
+  // tensors are created, nothing trains. Then undo what the forward changed.
+  detail::ForwardSnapshot snapshot(*module_, static_batch_);
+  std::optional<std::pair<double, int64_t>> scaler_before;
+  if (auto* s = options_.scaler()) scaler_before = std::make_pair(s->get_scale(), s->growth_tracker());
+  auto restore = [&] {
+    snapshot.restore();
+    if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
+  };
+  auto graph = std::make_unique<detail::SafeCUDAGraph>();
+  detail::CaptureResult result{};
+  try {
+    result = detail::capture_on_side_stream(
+        *graph, device, options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), options_.pool(),
+        options_.eager_fallback(), "perf::TrainStep",
+        [&] {
+          detail::SkipUpdates skip(fused_);
+          body(static_batch_);
+        },
+        [&] { static_loss_ = body(static_batch_); },  // capture records kernels, runs none
+        restore);
+  } catch (const std::exception&) {
+    restore();
+    throw;
+  }
+  if (result == detail::CaptureResult::captured) {
+    graph_ = std::move(graph);
+    graphed_ = true;
+  } else {
+    restore();  // fell back (maybe before warm-up finished): eager from the original state
+  }
 #endif
 }
 
-inline at::Tensor TrainStep::run_eager(const at::Tensor& input, const at::Tensor& target) {
-  opt_.zero_grad();
-  return loss_backward_update(input, target);
-}
-
-inline at::Tensor TrainStep::loss_backward_update(const at::Tensor& input, const at::Tensor& target) {
-  at::Tensor loss = loss_fn_(input, target);
-  if (auto* s = options_.scaler()) {
-    s->scale(loss).backward();
-    s->step(opt_);
-    s->update();
+inline at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
+  opt_.zero_grad();  // set to none: in a capture, backward allocates the static grads in the graph's pool
+  const int64_t k = options_.accumulation_steps();
+  auto* scaler = options_.scaler();
+  at::Tensor total;
+  for (int64_t i = 0; i < k; ++i) {
+    std::vector<at::Tensor> micro = batch;
+    if (k > 1) {
+      for (auto& t : micro) t = t.chunk(k, 0)[static_cast<size_t>(i)];
+    }
+    at::Tensor loss = loss_fn_(micro);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
+    at::Tensor part = k > 1 ? loss / static_cast<double>(k) : loss;
+    (scaler ? scaler->scale(part) : part).backward();
+    total = total.defined() ? total + part.detach() : part.detach();
+  }
+  if (options_.max_grad_norm()) {
+    std::vector<at::Tensor> params;
+    for (auto& g : opt_.param_groups())
+      for (auto& p : g.params()) params.push_back(p);
+    if (scaler) scaler->unscale_(opt_);
+    clip_grad_norm_(params, *options_.max_grad_norm());
+  }
+  if (scaler) {
+    scaler->step(opt_);
+    scaler->update();
   } else {
-    loss.backward();
     opt_.step();
   }
-  return loss.detach();
+  return total;
 }
 
-inline at::Tensor TrainStep::step(const at::Tensor& input, const at::Tensor& target) {
-  auto check = [](const char* what, const at::Tensor& x, const at::Tensor& fixed) {
-    TORCH_CHECK(x.sizes() == fixed.sizes() && x.scalar_type() == fixed.scalar_type(), "perf::TrainStep::step: ", what,
-                " must be ", fixed.scalar_type(), " ", detail::shape_str(fixed),
-                " like the example (static shapes), got ", x.scalar_type(), " ", detail::shape_str(x));
-  };
-  check("input", input, static_input_);
-  check("target", target, static_target_);
-  if (!graphed_) return run_eager(input.to(static_input_.device()), target.to(static_target_.device()));
+inline at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
+  bool same = batch.size() == static_batch_.size();
+  for (size_t i = 0; same && i < batch.size(); ++i)
+    same = batch[i].defined() && batch[i].sizes() == static_batch_[i].sizes();
+  if (!same && is_partial_batch(batch)) {  // an epoch's last batch: trained eagerly, counted
+    ++eager_steps_;
+    return step_eager(batch);
+  }
+  check_batch(batch, /*shapes=*/true);
+  if (!graphed_) return step_eager(batch);
 #if PERF_WITH_CUDA
-  static_input_.copy_(input, /*non_blocking=*/true);
-  static_target_.copy_(target, /*non_blocking=*/true);
+  for (size_t i = 0; i < batch.size(); ++i) static_batch_[i].copy_(batch[i], /*non_blocking=*/true);
+  fused_->sync_lr();  // outside the graph: the scheduler's current lr
   graph_->replay();
 #endif
-  return static_loss_.clone();
+  return static_loss_;
+}
+
+inline at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batch) {
+  check_batch(batch, /*shapes=*/false);
+  const int64_t k = options_.accumulation_steps();
+  std::vector<at::Tensor> on_device;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TORCH_CHECK(k == 1 || batch[i].size(0) % k == 0, "perf::TrainStep::step_eager: accumulation_steps(", k,
+                ") needs dim 0 divisible by ", k, "; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
+    on_device.push_back(batch[i].to(static_batch_[i].device(), /*non_blocking=*/true));
+  }
+  return body(on_device);
 }
 
 }  // namespace perf

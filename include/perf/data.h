@@ -51,9 +51,10 @@ struct LoaderTuning {
   TORCH_ARG(std::optional<size_t>, workers);
   /// Batches each worker may have in flight (max_jobs = workers x prefetch_factor).
   TORCH_ARG(size_t, prefetch_factor) = 2;
-  /// Drop the last incomplete batch: static shapes keep cuDNN benchmark's
-  /// algorithm choice and CUDA graphs valid for every batch.
-  TORCH_ARG(bool, drop_last) = true;
+  /// Drop the last incomplete batch. Off, as in PyTorch and LibTorch, so an
+  /// epoch sees every sample; turn it on for static shapes (cuDNN benchmark,
+  /// CUDA graphs), or let perf::TrainStep run that last batch eagerly.
+  TORCH_ARG(bool, drop_last) = false;
   /// Deliver batches in sampler order (LibTorch's default).
   TORCH_ARG(bool, enforce_ordering) = true;
   TORCH_ARG(std::optional<std::chrono::milliseconds>, timeout);
@@ -62,8 +63,18 @@ struct LoaderTuning {
 /// DataLoaderOptions with perf's defaults for `batch_size`.
 torch::data::DataLoaderOptions loader_options(size_t batch_size, const LoaderTuning& tuning = LoaderTuning());
 
-/// "batch_size=64 workers=4 max_jobs=8 drop_last=true enforce_ordering=true timeout=none".
+/// The program's own options, tuned where they are at LibTorch's defaults:
+/// workers(0) gets perf's worker count, an unset max_jobs gets workers x
+/// prefetch_factor; batch size, drop_last, enforce_ordering, timeout and every
+/// non-default value are kept. describe(tuned, existing) says what changed.
+/// Values set in `tuning` win over both.
+torch::data::DataLoaderOptions loader_options(const torch::data::DataLoaderOptions& existing,
+                                              const LoaderTuning& tuning = LoaderTuning());
+
+/// "batch_size=64 workers=4 max_jobs=8 drop_last=false enforce_ordering=true timeout=none".
 std::string describe(const torch::data::DataLoaderOptions& options);
+/// What differs from `before`: "workers 0 -> 4, max_jobs default -> 8" ("unchanged" if nothing).
+std::string describe(const torch::data::DataLoaderOptions& options, const torch::data::DataLoaderOptions& before);
 
 // --------------------------------------------------------------------------- prefetch
 
@@ -185,7 +196,7 @@ class Prefetcher {
     std::optional<Batch> batch;
     std::exception_ptr error;
 #if PERF_WITH_CUDA
-    std::optional<at::cuda::CUDAEvent> ready;
+    std::unique_ptr<at::cuda::CUDAEvent> ready;
 #endif
   };
 
@@ -211,6 +222,22 @@ class Prefetcher {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Slot>> queue_;
   bool stop_ = false, producer_done_ = false;
+#if PERF_WITH_CUDA
+  // Events recorded after each staged batch, reused once the consumer's stream
+  // has been made to wait on them (a wait captures the event's state then).
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> free_events_;
+  size_t events_created_ = 0;
+#endif
+
+ public:
+  /// CUDA events created so far (a small pool, reused across batches).
+  size_t events_created() const noexcept {
+#if PERF_WITH_CUDA
+    return events_created_;
+#else
+    return 0;
+#endif
+  }
 };
 
 template <typename Loader>
@@ -253,6 +280,51 @@ inline torch::data::DataLoaderOptions loader_options(size_t batch_size, const Lo
   return o;
 }
 
+inline torch::data::DataLoaderOptions loader_options(const torch::data::DataLoaderOptions& existing,
+                                                     const LoaderTuning& tuning) {
+  TORCH_CHECK(tuning.prefetch_factor() >= 1, "perf::LoaderTuning::prefetch_factor: must be >= 1, got ",
+              tuning.prefetch_factor());
+  auto o = existing;
+  if (tuning.workers()) {
+    o.workers(*tuning.workers());
+  } else if (existing.workers() == 0) {
+    o.workers(detail::default_workers());
+  }
+  if (!existing.max_jobs() || tuning.workers()) {
+    if (o.workers() > 0) o.max_jobs(o.workers() * tuning.prefetch_factor());
+  }
+  // drop_last, enforce_ordering, timeout: the program's choice unless tuning differs from its own default.
+  if (tuning.drop_last()) o.drop_last(true);
+  if (!tuning.enforce_ordering()) o.enforce_ordering(false);
+  if (tuning.timeout()) o.timeout(tuning.timeout());
+  return o;
+}
+
+inline std::string describe(const torch::data::DataLoaderOptions& o, const torch::data::DataLoaderOptions& before) {
+  std::vector<std::string> changes;
+  auto opt_str = [](const std::optional<size_t>& v) { return v ? std::to_string(*v) : std::string("default"); };
+  auto ms_str = [](const std::optional<std::chrono::milliseconds>& v) {
+    return v ? std::to_string(v->count()) + "ms" : std::string("none");
+  };
+  auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  if (o.batch_size() != before.batch_size())
+    changes.push_back("batch_size " + std::to_string(before.batch_size()) + " -> " + std::to_string(o.batch_size()));
+  if (o.workers() != before.workers())
+    changes.push_back("workers " + std::to_string(before.workers()) + " -> " + std::to_string(o.workers()));
+  if (o.max_jobs() != before.max_jobs())
+    changes.push_back("max_jobs " + opt_str(before.max_jobs()) + " -> " + opt_str(o.max_jobs()));
+  if (o.drop_last() != before.drop_last())
+    changes.push_back("drop_last " + b(before.drop_last()) + " -> " + b(o.drop_last()));
+  if (o.enforce_ordering() != before.enforce_ordering())
+    changes.push_back("enforce_ordering " + b(before.enforce_ordering()) + " -> " + b(o.enforce_ordering()));
+  if (o.timeout() != before.timeout())
+    changes.push_back("timeout " + ms_str(before.timeout()) + " -> " + ms_str(o.timeout()));
+  if (changes.empty()) return "unchanged";
+  std::string out;
+  for (size_t i = 0; i < changes.size(); ++i) out += (i ? ", " : "") + changes[i];
+  return out;
+}
+
 inline std::string describe(const torch::data::DataLoaderOptions& o) {
   std::ostringstream os;
   os << "batch_size=" << o.batch_size() << " workers=" << o.workers() << " max_jobs=";
@@ -288,6 +360,9 @@ Prefetcher<Loader>::Prefetcher(Loader& loader, c10::Device device, PrefetchOptio
     TORCH_CHECK(c10::cuda::device_count() > 0, "perf::prefetch: ", device_,
                 " requested but no CUDA device is available");
     if (!device_.has_index()) device_ = c10::Device(c10::kCUDA, c10::cuda::current_device());
+    TORCH_CHECK(device_.index() < c10::cuda::device_count(), "perf::prefetch: ", device_,
+                ": no such CUDA device (this process sees ", static_cast<int>(c10::cuda::device_count()),
+                "; valid: cuda:0 to cuda:", static_cast<int>(c10::cuda::device_count()) - 1, ")");
     async_ = true;
   }
 #else
@@ -346,11 +421,6 @@ typename Prefetcher<Loader>::iterator Prefetcher<Loader>::begin() {
 
 template <typename Loader>
 void Prefetcher<Loader>::produce() {
-#if PERF_WITH_CUDA
-  c10::cuda::CUDAGuard device_guard(device_.index());
-  const auto copy_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
-  c10::cuda::CUDAStreamGuard stream_guard(copy_stream);
-#endif
   auto push = [&](std::shared_ptr<Slot> slot) {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return stop_ || queue_.size() < options_.depth(); });
@@ -359,12 +429,28 @@ void Prefetcher<Loader>::produce() {
     cv_.notify_all();
     return true;
   };
+  // Everything in the thread, its CUDA setup included, reports errors to the
+  // consumer: an exception escaping a std::thread would call std::terminate.
   try {
+#if PERF_WITH_CUDA
+    c10::cuda::CUDAGuard device_guard(device_.index());
+    const auto copy_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
+    c10::cuda::CUDAStreamGuard stream_guard(copy_stream);
+#endif
     for (auto it = loader_.begin(); it != loader_.end(); ++it) {
       auto slot = std::make_shared<Slot>();
       slot->batch = stage(std::move(*it), /*non_blocking=*/true);
 #if PERF_WITH_CUDA
-      slot->ready.emplace();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!free_events_.empty()) {
+          slot->ready = std::move(free_events_.back());
+          free_events_.pop_back();
+        } else {
+          ++events_created_;
+        }
+      }
+      if (!slot->ready) slot->ready = std::make_unique<at::cuda::CUDAEvent>();
       slot->ready->record(copy_stream);
 #endif
       if (!push(std::move(slot))) return;
@@ -401,6 +487,10 @@ std::optional<typename Prefetcher<Loader>::Batch> Prefetcher<Loader>::next() {
 #if PERF_WITH_CUDA
   const auto consumer = c10::cuda::getCurrentCUDAStream(device_.index());
   slot->ready->block(consumer);  // the consumer's stream waits for the copy; the host does not
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_events_.push_back(std::move(slot->ready));
+  }
   return BatchTraits<Batch>::map(std::move(*slot->batch), [&](const at::Tensor& t, bool) {
     if (t.defined() && t.is_cuda()) t.record_stream(consumer);
     return t;

@@ -1,17 +1,29 @@
 // perf/memory_format.h — channels-last for modules and tensors.
 //
 //   perf::to_channels_last(*model);          // 4-D weights -> channels_last, 5-D -> channels_last_3d, in place
+//   perf::to_channels_last(*model, opt);     // ... and the optimizer's per-parameter state (resumed training)
 //   auto x = perf::channels_last(images);    // NCHW tensor in NHWC memory order
 //
 // Tensor cores and cuDNN's fastest convolution kernels want NHWC; oneDNN on the
-// CPU too. Conversion keeps parameter identity, so optimizers that already hold
-// the parameters keep working, and converts existing gradients alike.
+// CPU too. Conversion keeps parameter identity, so an optimizer that holds the
+// parameters keeps them, and existing gradients are converted alike. An
+// optimizer that already has state (moments, momentum buffers) must be passed
+// too: fused CUDA kernels require state strides to match the parameter's.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/optim.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <optional>
+#include <vector>
 
 namespace perf {
 
@@ -40,6 +52,55 @@ inline int64_t to_channels_last(torch::nn::Module& module) {
   };
   for (auto& p : module.parameters(/*recurse=*/true)) convert(p);
   for (auto& b : module.buffers(/*recurse=*/true)) convert(b);
+  return changed;
+}
+
+namespace detail {
+// The per-parameter state tensors of the optimizers perf knows; nullopt for an
+// unknown state type (the caller refuses rather than guess).
+inline std::optional<std::vector<at::Tensor*>> state_tensors(torch::optim::OptimizerParamState& s) {
+  using V = std::vector<at::Tensor*>;
+  if (auto* a = dynamic_cast<optim::AdamParamState*>(&s))
+    return V{&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()};
+  if (auto* g = dynamic_cast<optim::SGDParamState*>(&s)) return V{&g->momentum_buffer()};
+  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&s))
+    return V{&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()};
+  if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(&s))
+    return V{&a->exp_avg(), &a->exp_avg_sq(), &a->max_exp_avg_sq()};
+  if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(&s)) return V{&g->momentum_buffer()};
+  if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(&s))
+    return V{&r->square_avg(), &r->momentum_buffer(), &r->grad_avg()};
+  if (auto* a = dynamic_cast<torch::optim::AdagradParamState*>(&s)) return V{&a->sum()};
+  return std::nullopt;
+}
+}  // namespace detail
+
+/// to_channels_last(module), plus every per-parameter state tensor of
+/// `optimizer` shaped like its parameter (Adam/AdamW moments, SGD/RMSprop
+/// buffers, of perf::optim and torch::optim), so the next step runs on
+/// matching strides. An unknown state type is refused before anything changes.
+inline int64_t to_channels_last(torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor*> states;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end() || !it->second) continue;
+      auto ts = detail::state_tensors(*it->second);
+      TORCH_CHECK(ts.has_value(),
+                  "perf::to_channels_last: the optimizer has state of a type perf does not know, so it cannot convert "
+                  "it; convert the model before the first optimizer step, or create the optimizer after conversion. "
+                  "Nothing was changed.");
+      for (auto* t : *ts)
+        if (t->defined() && t->sizes() == p.sizes()) states.push_back(t);
+    }
+  }
+  const int64_t changed = to_channels_last(module);
+  at::NoGradGuard no_grad;
+  for (auto* t : states) {
+    if (t->dim() != 4 && t->dim() != 5) continue;
+    const auto fmt = channels_last_format(t->dim());
+    if (!t->is_contiguous(fmt)) *t = t->contiguous(fmt);
+  }
   return changed;
 }
 

@@ -11,24 +11,23 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
 #include <perf/config.h>
+#include <perf/detail/rng.h>
 #include <perf/memory_format.h>
+#include <perf/module.h>
 #include <torch/arg.h>
 #include <torch/autograd.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#endif
-
 #include <functional>
+#include <memory>
+#include <string>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -49,28 +48,40 @@ struct ModelOptions {
   TORCH_ARG(bool, float_outputs) = false;
 };
 
+namespace detail {
+template <typename T>
+struct is_shared_ptr : std::false_type {};
+template <typename T>
+struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+template <typename T>
+constexpr bool is_shared_ptr_v = is_shared_ptr<T>::value;
+}  // namespace detail
+
 /// eval() + c10::InferenceMode for a scope; restores the training mode.
+/// Takes a plain module, a module holder or a std::shared_ptr to a module.
 class InferenceScope {
  public:
-  explicit InferenceScope(torch::nn::Module& module) : module_(module), was_training_(module.is_training()) {
-    module_.eval();
+  explicit InferenceScope(ModuleRef module) : module_(std::move(module)), was_training_(module_->is_training()) {
+    module_->eval();
   }
-  ~InferenceScope() { module_.train(was_training_); }
+  ~InferenceScope() { module_->train(was_training_); }
   InferenceScope(const InferenceScope&) = delete;
   InferenceScope& operator=(const InferenceScope&) = delete;
 
  private:
-  torch::nn::Module& module_;
+  ModuleRef module_;
   bool was_training_;
   c10::InferenceMode inference_;
 };
 
-/// A module holder (e.g. `Net`, `torch::nn::Sequential`) behind the options of
-/// ModelOptions. The module stays reachable: `->`, module().
-template <typename ModuleHolder>
+/// A module behind the options of ModelOptions. `Stored` is the holder type
+/// (e.g. `Net` from TORCH_MODULE, `torch::nn::Sequential`) or a
+/// std::shared_ptr to a plain module. The module stays reachable: `->`, module().
+template <typename Stored>
 class Optimized {
  public:
-  Optimized(ModuleHolder module, const ModelOptions& options);
+  using ModuleHolder = Stored;
+  Optimized(Stored module, const ModelOptions& options);
 
   template <typename... Args>
   auto forward(Args&&... args);
@@ -107,10 +118,27 @@ class Optimized {
 };
 
 /// Moves `module` to the device, converts it to channels-last, and wraps its
-/// forward with input conversion and autocast, as ModelOptions says.
-template <typename ModuleHolder>
-Optimized<ModuleHolder> optimize(ModuleHolder module, const ModelOptions& options = ModelOptions()) {
-  return Optimized<ModuleHolder>(std::move(module), options);
+/// forward with input conversion and autocast, as ModelOptions says. `module`:
+/// a module holder (kept by value, sharing the module), a std::shared_ptr to a
+/// module, a plain module passed as a temporary (moved in) or by reference
+/// (not owned: it must outlive the result).
+template <typename M>
+auto optimize(M&& module, const ModelOptions& options = ModelOptions()) {
+  using D = std::decay_t<M>;
+  if constexpr (std::is_base_of_v<torch::detail::ModuleHolderIndicator, D>) {
+    return Optimized<D>(std::forward<M>(module), options);
+  } else if constexpr (detail::is_shared_ptr_v<D>) {
+    static_assert(std::is_base_of_v<torch::nn::Module, typename D::element_type>,
+                  "perf::optimize: a std::shared_ptr to a torch::nn::Module");
+    return Optimized<D>(std::forward<M>(module), options);
+  } else {
+    static_assert(std::is_base_of_v<torch::nn::Module, D>, "perf::optimize: needs a torch::nn::Module");
+    if constexpr (std::is_lvalue_reference_v<M>) {
+      return Optimized<std::shared_ptr<D>>(std::shared_ptr<D>(std::shared_ptr<D>(), &module), options);  // not owned
+    } else {
+      return Optimized<std::shared_ptr<D>>(std::make_shared<D>(std::move(module)), options);
+    }
+  }
 }
 
 /// A Conv2d computing conv followed by bn (both in eval mode) in one
@@ -133,7 +161,11 @@ at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inp
 
 template <typename M>
 Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::move(module)), options_(options) {
-  TORCH_CHECK(!module_.is_empty(), "perf::optimize: the module holder is empty");
+  if constexpr (detail::is_shared_ptr_v<M>) {
+    TORCH_CHECK(module_ != nullptr, "perf::optimize: null std::shared_ptr to a module");
+  } else {
+    TORCH_CHECK(!module_.is_empty(), "perf::optimize: the module holder is empty");
+  }
   if (options_.device()) {
     device_ = *options_.device();
     module_->to(device_);
@@ -158,7 +190,24 @@ template <typename... Args>
 auto Optimized<M>::forward(Args&&... args) {
   std::optional<Autocast> ac;
   if (options_.autocast()) ac.emplace(device_, options_.autocast_dtype());
-  auto out = module_->forward(prepare_arg(std::forward<Args>(args))...);
+  auto run = [&] { return module_->forward(prepare_arg(std::forward<Args>(args))...); };
+  decltype(run()) out;
+  if (!options_.channels_last()) {
+    out = run();
+  } else {
+    try {
+      out = run();
+    } catch (c10::Error& e) {
+      // .view() after a convolution needs NCHW-contiguous activations.
+      if (std::string(e.what_without_backtrace()).find("view size is not compatible") != std::string::npos) {
+        e.add_context(
+            "perf::optimize: the model runs in channels-last, where activations are not NCHW-contiguous, and its "
+            "forward calls .view(); use .reshape(...) or .flatten(1) there instead, or "
+            "perf::ModelOptions().channels_last(false)");
+      }
+      throw;
+    }
+  }
   if constexpr (std::is_same_v<std::decay_t<decltype(out)>, at::Tensor>) {
     if (options_.float_outputs() && out.defined() && at::isFloatingType(out.scalar_type()) &&
         out.scalar_type() != at::kFloat) {
@@ -248,70 +297,11 @@ class AutocastStateGuard {
   AutocastState prev_;
 };
 
-using RngStates = std::pair<at::Tensor, std::vector<std::pair<c10::DeviceIndex, at::Tensor>>>;  // CPU, CUDA
-
 struct CheckpointState : torch::CustomClassHolder {
   CheckpointFn fn;
   bool preserve_rng = true;
   RngStates rng;
   AutocastState autocast;
-};
-
-// Sets the given RNG states; returns the ones it replaced.
-inline RngStates swap_rng(const RngStates& states) {
-  RngStates prev;
-  auto cpu_gen = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(cpu_gen.mutex());
-    prev.first = cpu_gen.get_state();
-    cpu_gen.set_state(states.first);
-  }
-#if PERF_WITH_CUDA
-  for (const auto& [idx, state] : states.second) {
-    auto gen = at::cuda::detail::getDefaultCUDAGenerator(idx);
-    std::lock_guard<std::mutex> l(gen.mutex());
-    prev.second.emplace_back(idx, gen.get_state());
-    gen.set_state(state);
-  }
-#endif
-  return prev;
-}
-
-// The CPU RNG state and that of each CUDA device among `inputs`.
-inline RngStates current_rng(const std::vector<at::Tensor>& inputs) {
-  RngStates now;
-  auto cpu_gen = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(cpu_gen.mutex());
-    now.first = cpu_gen.get_state();
-  }
-#if PERF_WITH_CUDA
-  for (const auto& x : inputs) {
-    if (!x.defined() || !x.is_cuda()) continue;
-    const auto idx = x.device().index();
-    bool seen = false;
-    for (const auto& s : now.second) seen = seen || s.first == idx;
-    if (seen) continue;
-    auto gen = at::cuda::detail::getDefaultCUDAGenerator(idx);
-    std::lock_guard<std::mutex> l(gen.mutex());
-    now.second.emplace_back(idx, gen.get_state());
-  }
-#else
-  (void)inputs;
-#endif
-  return now;
-}
-
-// Forks the RNG for a scope: the saved states now, the current ones after.
-class RngFork {
- public:
-  explicit RngFork(const RngStates& states) : prev_(swap_rng(states)) {}
-  ~RngFork() { swap_rng(prev_); }
-  RngFork(const RngFork&) = delete;
-  RngFork& operator=(const RngFork&) = delete;
-
- private:
-  RngStates prev_;
 };
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {

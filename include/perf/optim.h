@@ -13,6 +13,14 @@
 // makes no host sync, so a whole training step can be captured in a CUDA graph.
 // step_scaled(grad_scale, found_inf) hands perf::GradScaler's device tensors to
 // the fused kernels: unscale and skip-on-inf happen on the device.
+//
+// On CUDA the learning rate reaches the kernels as a 0-dim device tensor per
+// param group, refreshed from the options outside any graph capture (sync_lr()),
+// so schedulers keep working when a step is replayed from a CUDA graph.
+// Checkpoints are interchangeable with torch::optim's Adam/AdamW/SGD in both
+// directions (torch::save with one, torch::load with the other).
+//
+//   torch::Tensor norm = perf::clip_grad_norm_(model->parameters(), 1.0);  // device tensor, no host sync
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +31,13 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
+#if PERF_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
+#include <cmath>
+#include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -115,11 +130,37 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// "cpu Float: foreach".
   const std::vector<std::string>& kernels() const noexcept { return kernels_; }
 
+  /// Copies each group's lr option into its CUDA lr tensor where it changed
+  /// (one small kernel, no sync). step() does it itself, except while a CUDA
+  /// graph is being captured; perf::TrainStep calls it before each replay.
+  void sync_lr();
+
+  /// While set, every update is skipped on the device as if found_inf were 1
+  /// (state is created, nothing moves): how TrainStep warms up without training.
+  void skip_updates(bool skip) noexcept { skip_updates_ = skip; }
+  bool skipping_updates() const noexcept { return skip_updates_; }
+
  protected:
   virtual void update(const std::optional<torch::Tensor>& grad_scale,
                       const std::optional<torch::Tensor>& found_inf) = 0;
+  // The lr of group `g` as a 0-dim float tensor on `device` (CUDA kernels).
+  const torch::Tensor& lr_tensor(size_t g, const c10::Device& device, double lr);
+  // found_inf to hand to a fused kernel: the caller's, or 1 while skipping.
+  std::optional<torch::Tensor> effective_found_inf(const std::optional<torch::Tensor>& found_inf,
+                                                   const c10::Device& device);
+
   std::vector<std::string> kernels_;
+  bool skip_updates_ = false;
+
+ private:
+  struct LrSlot {
+    torch::Tensor value;
+    double host = std::numeric_limits<double>::quiet_NaN();
+  };
+  std::map<std::pair<size_t, std::string>, LrSlot> lr_tensors_;  // (group, device)
+  std::map<std::string, torch::Tensor> ones_;                   // device -> 1.0f
 };
+
 
 /// A FusedOptimizer whose state and options serialize as ParamState / Options,
 /// in LibTorch's format (torch::save / torch::load).
@@ -258,6 +299,14 @@ void AdamOptionsT<D>::serialize(torch::serialize::OutputArchive& archive) const 
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(fused);
 }
 
+namespace detail {
+// Options torch::optim does not write (maximize, fused) keep their defaults.
+inline void read_bool_if_present(torch::serialize::InputArchive& archive, const char* key, bool& out) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) out = v.toBool();
+}
+}  // namespace detail
+
 template <bool D>
 void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
@@ -265,19 +314,28 @@ void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);
+  detail::read_bool_if_present(archive, "maximize", maximize_);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
 }
 
+// `step` is written as torch::optim::AdamParamState writes it (an integer; one
+// host read per parameter at save time) and read in either form, so
+// checkpoints move between perf::optim and torch::optim both ways.
 inline void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  if (step().defined()) archive.write("step", c10::IValue(static_cast<int64_t>(step().item<double>())));
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
   _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
 }
 
 inline void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, step);
+  c10::IValue v;
+  if (archive.try_read("step", v)) {
+    TORCH_CHECK(v.isInt() || v.isTensor() || v.isDouble(),
+                "perf::optim::Adam: checkpoint entry \"step\" must be an integer or a tensor, got ", v.tagKind());
+    step(v.isTensor() ? v.toTensor().detach().to(at::kFloat).reshape({})
+                      : at::scalar_tensor(v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble(), at::kFloat));
+  }
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
@@ -299,7 +357,7 @@ inline void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, maximize);
+  detail::read_bool_if_present(archive, "maximize", maximize_);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
 }
 
@@ -328,6 +386,56 @@ inline void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>& grad
                                         const torch::Tensor& found_inf) {
   at::NoGradGuard no_grad;
   update(grad_scale, found_inf);
+}
+
+namespace detail {
+inline bool capturing_cuda_graph() {
+#if PERF_WITH_CUDA
+  if (!at::hasCUDA()) return false;
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
+}  // namespace detail
+
+inline const torch::Tensor& FusedOptimizer::lr_tensor(size_t g, const c10::Device& device, double lr) {
+  auto& slot = lr_tensors_[{g, device.str()}];
+  if (!slot.value.defined()) {
+    TORCH_CHECK(!detail::capturing_cuda_graph(),
+                "perf::optim: the first step of an optimizer cannot be captured in a CUDA graph (its state and lr "
+                "tensors must exist first); run one eager step (perf::TrainStep warms up for you)");
+    slot.value = at::full({}, lr, at::device(device).dtype(at::kFloat));
+    slot.host = lr;
+  } else if (slot.host != lr && !detail::capturing_cuda_graph()) {
+    slot.value.fill_(lr);  // outside capture only: a captured fill would freeze this value
+    slot.host = lr;
+  }
+  return slot.value;
+}
+
+inline void FusedOptimizer::sync_lr() {
+  at::NoGradGuard no_grad;
+  for (auto& [key, slot] : lr_tensors_) {
+    const double lr = param_groups_.at(key.first).options().get_lr();
+    if (slot.host != lr) {
+      slot.value.fill_(lr);
+      slot.host = lr;
+    }
+  }
+}
+
+inline std::optional<torch::Tensor> FusedOptimizer::effective_found_inf(const std::optional<torch::Tensor>& found_inf,
+                                                                       const c10::Device& device) {
+  if (!skip_updates_) {
+    if (!found_inf) return std::nullopt;
+    // The fused kernels skip only when found_inf == 1 exactly; a sum over
+    // several devices can be 2.
+    return found_inf->clamp_max(1.0f);
+  }
+  auto& one = ones_[device.str()];
+  if (!one.defined()) one = at::ones({}, at::device(device).dtype(at::kFloat));
+  return one;
 }
 
 // --------------------------------------------------------------------------- Adam / AdamW
@@ -398,10 +506,19 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
       const bool fused = detail::use_fused(o.fused(), b, name);
       this->kernels_.push_back(detail::kernel_line(b, fused));
       const auto gs = detail::on_device(grad_scale, b.device);
-      const auto fi = detail::on_device(found_inf, b.device);
+      const auto fi = this->effective_found_inf(detail::on_device(found_inf, b.device), b.device);
       if (fused) {
         at::_foreach_add_(b.steps, 1);
-        if constexpr (D) {
+        if (b.device.is_cuda()) {  // lr as a device tensor: replayed graphs see the scheduler's value
+          const auto& lr = this->lr_tensor(g, b.device, o.lr());
+          if constexpr (D) {
+            at::_fused_adamw_(b.params, b.grads, b.a, b.b, b.c, b.steps, lr, beta1, beta2, o.weight_decay(), o.eps(),
+                              o.amsgrad(), o.maximize(), gs, fi);
+          } else {
+            at::_fused_adam_(b.params, b.grads, b.a, b.b, b.c, b.steps, lr, beta1, beta2, o.weight_decay(), o.eps(),
+                             o.amsgrad(), o.maximize(), gs, fi);
+          }
+        } else if constexpr (D) {
           at::_fused_adamw_(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(),
                             o.amsgrad(), o.maximize(), gs, fi);
         } else {
@@ -413,7 +530,7 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
         continue;
       }
       // _foreach_ path: Python's capturable multi-tensor Adam (no host sync).
-      if (!detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
+      if (this->skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
       at::_foreach_add_(b.steps, 1);
       auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
       if (o.weight_decay() != 0) {
@@ -495,7 +612,9 @@ inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const st
       b.params.push_back(p);
       b.grads.push_back(p.grad());
       if (momentum) {
-        if (first) s->momentum_buffer(at::empty_like(p.grad()));  // the fused kernel fills it
+        // Zeros, not empty: a first step skipped on inf (found_inf) returns before
+        // the kernel writes the buffer, and must leave it as if never called.
+        if (first) s->momentum_buffer(at::zeros_like(p.grad()));
         b.a.push_back(s->momentum_buffer());
       }
     }
@@ -503,14 +622,19 @@ inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const st
       const bool fused = detail::use_fused(o.fused(), b, name);
       kernels_.push_back(detail::kernel_line(b, fused));
       const auto gs = detail::on_device(grad_scale, b.device);
-      const auto fi = detail::on_device(found_inf, b.device);
+      const auto fi = effective_found_inf(detail::on_device(found_inf, b.device), b.device);
       if (fused) {
-        at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
-                        o.maximize(), b.first, gs, fi);
+        if (b.device.is_cuda()) {
+          at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), lr_tensor(g, b.device, o.lr()),
+                          o.dampening(), o.nesterov(), o.maximize(), b.first, gs, fi);
+        } else {
+          at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                          o.maximize(), b.first, gs, fi);
+        }
         continue;
       }
       // _foreach_ path: Python's multi-tensor SGD.
-      if (!detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
+      if (skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
       auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
       if (o.weight_decay() != 0) grads = at::_foreach_add(grads, b.params, o.weight_decay());
       if (momentum) {
@@ -528,3 +652,45 @@ inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const st
 }
 
 }  // namespace perf::optim
+
+namespace perf {
+
+/// Clips the gradient norm of `parameters` in place, like
+/// torch.nn.utils.clip_grad_norm_ (foreach implementation), and returns the
+/// total norm as a 0-dim float tensor on the first gradient's device. No host
+/// sync (LibTorch's torch::nn::utils::clip_grad_norm_ returns a double, which
+/// syncs), so it runs inside perf::TrainStep's captured step and after
+/// GradScaler::unscale_. norm_type: p > 0 or infinity. Parameters without a
+/// gradient are ignored; none at all returns 0.
+torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+
+inline torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type) {
+  TORCH_CHECK(max_norm >= 0, "perf::clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
+  TORCH_CHECK(norm_type > 0, "perf::clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
+  at::NoGradGuard no_grad;
+  std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> groups;
+  std::optional<c10::Device> first;
+  for (const auto& p : parameters) {
+    if (!p.defined() || !p.grad().defined()) continue;
+    const auto& g = p.grad();
+    TORCH_CHECK(!g.is_sparse(), "perf::clip_grad_norm_: sparse gradients are not supported");
+    if (!first) first = g.device();
+    groups[{g.device().str(), g.scalar_type()}].push_back(g);
+  }
+  if (!first) return at::zeros({}, at::kFloat);
+  const bool inf = std::isinf(norm_type);
+  std::vector<at::Tensor> norms;
+  for (auto& [key, grads] : groups) {
+    for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat)) norms.push_back(n.to(*first, /*non_blocking=*/true));
+  }
+  const auto stacked = at::stack(norms);
+  const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
+  const auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (auto& [key, grads] : groups) {
+    const auto c = coef.to(grads.front().device(), /*non_blocking=*/true);
+    at::_foreach_mul_(grads, c);
+  }
+  return total;
+}
+
+}  // namespace perf

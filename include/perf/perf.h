@@ -9,6 +9,7 @@
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>
+#include <perf/module.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>

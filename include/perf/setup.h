@@ -116,7 +116,10 @@ struct Report {
   bool disabled = false;
   /// The row of `setting`; throws if there is none.
   const ReportRow& at(const std::string& setting) const;
-  std::string to_string() const;
+  /// The rows that were applied or skipped, with reasons, and a count of the
+  /// unchanged rest; every row when `all` (or PERF_VERBOSE=1). operator<<
+  /// prints the same.
+  std::string to_string(bool all = false) const;
 };
 
 std::ostream& operator<<(std::ostream& os, const Report& r);
@@ -740,7 +743,7 @@ inline Report setup_locked(const Settings& settings) {
 }
 
 inline void maybe_print(const Report& r) {
-  if (env_flag("PERF_VERBOSE")) std::cerr << r;
+  if (env_flag("PERF_VERBOSE")) std::cerr << r.to_string(true);
 }
 
 }  // namespace detail
@@ -753,30 +756,35 @@ inline const ReportRow& Report::at(const std::string& setting) const {
   return *it;
 }
 
-inline std::string Report::to_string() const {
+inline std::string Report::to_string(bool all) const {
+  all = all || detail::env_flag("PERF_VERBOSE") || disabled;
+  std::vector<const ReportRow*> shown;
+  for (const auto& row : rows)
+    if (all || row.status != Status::unchanged) shown.push_back(&row);
+  size_t w0 = 7, w1 = 9, w2 = 9, w3 = 6;
+  for (const auto* row : shown) {
+    w0 = std::max(w0, row->setting.size());
+    w1 = std::max(w1, row->requested.size());
+    w2 = std::max(w2, row->read_back.size());
+    w3 = std::max(w3, std::string(perf::to_string(row->status)).size());
+  }
+  using detail::pad;
   std::ostringstream os;
-  os << *this;
+  os << "perf::setup" << (disabled ? " (disabled by PERF_DISABLE=1)" : "") << "\n";
+  os << pad("setting", w0) << "  " << pad("requested", w1) << "  " << pad("read back", w2) << "  " << pad("status", w3)
+     << "  reason\n";
+  for (const auto* row : shown) {
+    os << pad(row->setting, w0) << "  " << pad(row->requested, w1) << "  " << pad(row->read_back, w2) << "  "
+       << pad(perf::to_string(row->status), w3) << "  " << row->reason << "\n";
+  }
+  if (shown.size() < rows.size()) {
+    os << "(" << rows.size() - shown.size()
+       << " more settings unchanged; report.to_string(true) or PERF_VERBOSE=1 shows every row)\n";
+  }
   return os.str();
 }
 
-inline std::ostream& operator<<(std::ostream& os, const Report& r) {
-  size_t w0 = 7, w1 = 9, w2 = 9, w3 = 6;
-  for (const auto& row : r.rows) {
-    w0 = std::max(w0, row.setting.size());
-    w1 = std::max(w1, row.requested.size());
-    w2 = std::max(w2, row.read_back.size());
-    w3 = std::max(w3, std::string(perf::to_string(row.status)).size());
-  }
-  using detail::pad;
-  os << "perf::setup" << (r.disabled ? " (disabled by PERF_DISABLE=1)" : "") << "\n";
-  os << pad("setting", w0) << "  " << pad("requested", w1) << "  " << pad("read back", w2) << "  " << pad("status", w3)
-     << "  reason\n";
-  for (const auto& row : r.rows) {
-    os << pad(row.setting, w0) << "  " << pad(row.requested, w1) << "  " << pad(row.read_back, w2) << "  "
-       << pad(perf::to_string(row.status), w3) << "  " << row.reason << "\n";
-  }
-  return os;
-}
+inline std::ostream& operator<<(std::ostream& os, const Report& r) { return os << r.to_string(); }
 
 inline Report setup(const Settings& settings) {
   Report r;

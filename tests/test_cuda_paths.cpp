@@ -1,0 +1,554 @@
+// Tests for the CUDA-path defects of issue 10: what the CPU can show runs here;
+// the GPU tests run the program a user would write, in one process, and skip
+// with a reason where there is no GPU.
+#include <gtest/gtest.h>
+#include <perf/amp.h>
+#include <perf/cuda_graph.h>
+#include <perf/data.h>
+#include <perf/memory.h>
+#include <perf/memory_format.h>
+#include <perf/optim.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <filesystem>
+#include <chrono>
+#include <thread>
+
+#include "test_util.h"
+
+namespace {
+
+bool has_cuda() { return torch::cuda::is_available(); }
+
+torch::nn::Sequential mlp(int64_t width = 32) {
+  torch::nn::Sequential m;
+  m->push_back(torch::nn::Linear(16, width));
+  m->push_back(torch::nn::ReLU());
+  m->push_back(torch::nn::Linear(width, width));
+  m->push_back(torch::nn::ReLU());
+  m->push_back(torch::nn::Linear(width, 4));
+  return m;
+}
+
+std::vector<torch::Tensor> flat_params(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().cpu().flatten());
+  return out;
+}
+
+torch::Tensor cat_params(torch::nn::Module& m) { return torch::cat(flat_params(m)); }
+
+struct Data {
+  std::vector<torch::Tensor> xs, ts;
+};
+
+Data make_data(int steps, int64_t batch, torch::Device device) {
+  torch::manual_seed(1);
+  Data d;
+  for (int i = 0; i < steps; ++i) {
+    d.xs.push_back(torch::randn({batch, 16}).to(device));
+    d.ts.push_back(d.xs.back().narrow(1, 0, 4).argmax(1));
+  }
+  return d;
+}
+
+}  // namespace
+
+// --------------------------------------------------------------------------- 5. SGD momentum buffers
+
+TEST(CudaPaths, SgdSkippedFirstStepLeavesTheOptimizerAsIfNeverCalled) {
+  // Poison freed memory so that an uninitialised buffer would show as NaN.
+  for (int i = 0; i < 8; ++i) {
+    auto junk = torch::full({64, 64}, std::nan(""));
+    auto junk2 = torch::full({64}, std::nan(""));
+  }
+  torch::manual_seed(0);
+  auto a = torch::nn::Linear(64, 64), b = torch::nn::Linear(64, 64);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  const auto opts = perf::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3);
+  perf::optim::SGD perf_sgd(a->parameters(), opts);
+  torch::optim::SGD ref(b->parameters(),
+                        torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3));
+  // First step: gradients are inf, the scaler flags it; the update is skipped on the device.
+  for (auto& p : a->parameters()) p.mutable_grad() = torch::full_like(p, std::numeric_limits<float>::infinity());
+  perf_sgd.step_scaled(torch::ones({}), torch::ones({}));
+  const auto before = cat_params(*b);
+  EXPECT_TRUE(torch::equal(cat_params(*a), before)) << "a skipped step moves nothing";
+  torch::manual_seed(3);
+  for (int k = 0; k < 20; ++k) {
+    const auto x = torch::randn({8, 64});
+    for (auto* m : {&a, &b}) {
+      (*m)->zero_grad();
+      (*m)->forward(x).pow(2).mean().backward();
+    }
+    perf_sgd.step();
+    ref.step();
+  }
+  const auto got = cat_params(*a), want = cat_params(*b);
+  EXPECT_FALSE(torch::isnan(got).any().item<bool>()) << "momentum buffers started from garbage";
+  EXPECT_LE((got - want).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((want - before).abs().max().item<double>(), 1e-3) << "it trained";
+}
+
+TEST(CudaPaths, SkipUpdatesCreatesStateButMovesNothing) {
+  torch::manual_seed(0);
+  auto m = mlp();
+  perf::optim::AdamW opt(m->parameters(), perf::optim::AdamWOptions(1e-2));
+  const auto before = cat_params(*m);
+  m->forward(torch::randn({4, 16})).sum().backward();
+  opt.skip_updates(true);
+  opt.step();
+  opt.skip_updates(false);
+  EXPECT_TRUE(torch::equal(cat_params(*m), before));
+  ASSERT_EQ(opt.state().size(), m->parameters().size()) << "state exists (a capture needs it)";
+  for (auto& [key, st] : opt.state()) {
+    auto& s = static_cast<perf::optim::AdamParamState&>(*st);
+    EXPECT_EQ(s.step().item<float>(), 0.f) << "step count undone";
+    EXPECT_EQ(s.exp_avg().abs().sum().item<float>(), 0.f);
+  }
+  opt.step();
+  EXPECT_FALSE(torch::equal(cat_params(*m), before)) << "and the next step trains";
+}
+
+TEST(CudaPaths, FoundInfSummedOverDevicesStillSkips) {
+  // GradScaler sums one flag per device; the fused kernels skip only on exactly 1.
+  auto p = torch::ones({4}).requires_grad_(true);
+  perf::optim::AdamW opt({p}, perf::optim::AdamWOptions(0.1));
+  p.mutable_grad() = torch::ones({4});
+  opt.step_scaled(std::nullopt, torch::full({}, 2.0f));
+  EXPECT_TRUE(torch::equal(p.detach(), torch::ones({4})));
+}
+
+// --------------------------------------------------------------------------- 3. learning-rate schedulers
+
+namespace {
+
+torch::Tensor train_with_scheduler(bool trainstep, torch::Device device, std::vector<double>* lrs) {
+  torch::manual_seed(0);
+  auto model = mlp();
+  model->to(device);
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  torch::optim::StepLR sched(opt, /*step_size=*/3, /*gamma=*/0.5);
+  auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(model->forward(x), t);
+  };
+  const auto d = make_data(12, 16, device);
+  std::optional<perf::TrainStep> step;
+  if (trainstep) step.emplace(model, loss_fn, opt, d.xs[0], d.ts[0]);
+  for (size_t i = 0; i < d.xs.size(); ++i) {
+    if (step) {
+      step->step(d.xs[i], d.ts[i]);
+    } else {
+      opt.zero_grad();
+      loss_fn(d.xs[i], d.ts[i]).backward();
+      opt.step();
+    }
+    sched.step();
+    if (lrs) lrs->push_back(opt.param_groups()[0].options().get_lr());
+  }
+  return cat_params(*model);
+}
+
+}  // namespace
+
+TEST(CudaPaths, SchedulerUnderTrainStepEqualsTheEagerLoop) {
+  std::vector<double> lrs;
+  const auto eager = train_with_scheduler(false, torch::kCPU, &lrs);
+  const auto stepped = train_with_scheduler(true, torch::kCPU, nullptr);
+  EXPECT_TRUE(torch::equal(eager, stepped));
+  EXPECT_DOUBLE_EQ(lrs.back(), 1e-2 / 8) << "the scheduler did change the lr";
+  // A frozen lr would train differently: the same loop without the scheduler.
+  torch::manual_seed(0);
+  auto model = mlp();
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  const auto d = make_data(12, 16, torch::kCPU);
+  for (size_t i = 0; i < d.xs.size(); ++i) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(d.xs[i]), d.ts[i]).backward();
+    opt.step();
+  }
+  EXPECT_FALSE(torch::equal(cat_params(*model), eager));
+}
+
+// --------------------------------------------------------------------------- 4. autocast cache
+
+TEST(CudaPaths, GraphConstructionRunsWithTheAutocastCacheOff) {
+  std::vector<bool> cache_seen;
+  auto fn = [&](const torch::Tensor& x) {
+    cache_seen.push_back(at::autocast::is_autocast_cache_enabled());
+    return x * 2;
+  };
+  {
+    perf::Autocast ac(torch::kCPU);
+    ASSERT_TRUE(at::autocast::is_autocast_cache_enabled());
+    auto g = perf::graph(fn, torch::ones({4}));
+    EXPECT_TRUE(at::autocast::is_autocast_cache_enabled()) << "restored after construction";
+  }
+  ASSERT_FALSE(cache_seen.empty());
+  for (bool c : cache_seen) EXPECT_FALSE(c) << "cached casts would be baked into the graph";
+}
+
+// --------------------------------------------------------------------------- 7. exception types
+
+TEST(CudaPaths, ErrorsKeepTheirTypeWithPerfContext) {
+  auto oom = [](const torch::Tensor& x) -> torch::Tensor {
+    if (x.size(0) > 4) TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (simulated)");
+    return x + 1;
+  };
+  try {
+    perf::graph(oom, torch::ones({8}));
+    ADD_FAILURE() << "expected an OutOfMemoryError";
+  } catch (const c10::OutOfMemoryError& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("simulated"), std::string::npos) << what;
+    EXPECT_NE(what.find("perf::graph"), std::string::npos) << what;
+  }
+  // find_max_batch_size sees the OOM through perf::graph and bisects.
+  const int64_t best = perf::find_max_batch_size(
+      [&](int64_t b) { perf::graph(oom, torch::ones({b})); }, 1, 64);
+  EXPECT_EQ(best, 4);
+  // A loss function that cannot run on the example fails at construction, named.
+  auto model = mlp();
+  perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+  PERF_EXPECT_THROW_MSG(perf::TrainStep(
+                            model,
+                            [&](const torch::Tensor& x, const torch::Tensor& t) {
+                              return torch::nn::functional::cross_entropy(model->forward(x), t);
+                            },
+                            opt, torch::randn({4, 16}), torch::randn({4, 3})),
+                        "the loss function failed on the example batch");
+}
+
+// --------------------------------------------------------------------------- 8. channels-last with state
+
+TEST(CudaPaths, ChannelsLastConvertsOptimizerStateToo) {
+  torch::manual_seed(0);
+  auto conv = torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3));
+  auto twin = torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3));
+  {
+    torch::NoGradGuard ng;
+    twin->weight.copy_(conv->weight);
+    twin->bias.copy_(conv->bias);
+  }
+  perf::optim::Adam opt(conv->parameters(), perf::optim::AdamOptions(1e-2));
+  perf::optim::Adam opt_twin(twin->parameters(), perf::optim::AdamOptions(1e-2));
+  const auto x = torch::randn({2, 3, 8, 8});
+  for (auto* pair : {&conv, &twin}) (*pair)->forward(x).sum().backward();
+  opt.step();
+  opt_twin.step();
+  EXPECT_EQ(perf::to_channels_last(*conv, opt), 1);
+  auto& st = static_cast<perf::optim::AdamParamState&>(*opt.state().at(conv->weight.unsafeGetTensorImpl()));
+  EXPECT_TRUE(st.exp_avg().is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(st.exp_avg_sq().is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_FALSE(st.exp_avg().is_contiguous()) << "really converted";
+  conv->zero_grad();
+  twin->zero_grad();
+  conv->forward(perf::channels_last(x)).sum().backward();
+  twin->forward(x).sum().backward();
+  opt.step();
+  opt_twin.step();
+  EXPECT_LE((conv->weight - twin->weight).abs().max().item<double>(), 1e-6);
+  // torch::optim state converts too.
+  torch::optim::SGD sgd(twin->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  twin->forward(x).sum().backward();
+  sgd.step();
+  perf::to_channels_last(*twin, sgd);
+  auto& buf = static_cast<torch::optim::SGDParamState&>(*sgd.state().at(twin->weight.unsafeGetTensorImpl()));
+  EXPECT_TRUE(buf.momentum_buffer().is_contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+// --------------------------------------------------------------------------- clip_grad_norm_
+
+TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
+  const std::string out = test_util::python(
+      "import torch, math\n"
+      "for nt in (2.0, 1.0, 3.0, math.inf):\n"
+      "  torch.manual_seed(0)\n"
+      "  ps=[torch.nn.Parameter(torch.randn(s)) for s in [(5,3),(7,),(2,2,2)]]\n"
+      "  for p in ps: p.grad=torch.randn(p.shape)*3\n"
+      "  n=torch.nn.utils.clip_grad_norm_(ps, 1.5, norm_type=nt)\n"
+      "  print(repr(n.item()), ' '.join(repr(x) for x in torch.cat([p.grad.flatten() for p in ps]).tolist()))\n");
+  const auto lines = test_util::lines(out);
+  ASSERT_EQ(lines.size(), 4u);
+  const double types[] = {2.0, 1.0, 3.0, std::numeric_limits<double>::infinity()};
+  for (size_t k = 0; k < 4; ++k) {
+    torch::manual_seed(0);
+    std::vector<torch::Tensor> ps;
+    for (auto s : std::vector<std::vector<int64_t>>{{5, 3}, {7}, {2, 2, 2}}) ps.push_back(torch::randn(s).requires_grad_());
+    for (auto& p : ps) p.mutable_grad() = torch::randn(p.sizes()) * 3;
+    const auto norm = perf::clip_grad_norm_(ps, 1.5, types[k]);
+    EXPECT_EQ(norm.dim(), 0);
+    const auto v = test_util::parse_numbers(lines[k]);
+    EXPECT_NEAR(norm.item<double>(), v[0], 1e-5) << "norm_type " << types[k];
+    std::vector<torch::Tensor> g;
+    for (auto& p : ps) g.push_back(p.grad().flatten());
+    const auto want = torch::tensor(std::vector<float>(v.begin() + 1, v.end()));
+    EXPECT_LE((torch::cat(g) - want).abs().max().item<double>(), 1e-6) << "norm_type " << types[k];
+  }
+  PERF_EXPECT_THROW_MSG(perf::clip_grad_norm_({}, -1.0), "max_norm must be >= 0");
+  EXPECT_EQ(perf::clip_grad_norm_({torch::ones({2})}, 1.0).item<float>(), 0.f) << "no gradients: norm 0";
+}
+
+TEST(CudaPaths, ClipGradNormAfterGradScalerUnscale) {
+  torch::manual_seed(0);
+  auto a = mlp(), b = mlp();
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  perf::optim::SGD oa(a->parameters(), perf::optim::SGDOptions(0.1)), ob(b->parameters(), perf::optim::SGDOptions(0.1));
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024));
+  const auto x = torch::randn({8, 16});
+  scaler.scale(a->forward(x).pow(2).sum()).backward();
+  scaler.unscale_(oa);
+  const auto na = perf::clip_grad_norm_(a->parameters(), 0.5);
+  scaler.step(oa);
+  scaler.update();
+  b->forward(x).pow(2).sum().backward();
+  const double nb = torch::nn::utils::clip_grad_norm_(b->parameters(), 0.5);
+  ob.step();
+  EXPECT_NEAR(na.item<double>(), nb, 1e-3 * nb);
+  EXPECT_LE((cat_params(*a) - cat_params(*b)).abs().max().item<double>(), 1e-6);
+}
+
+// --------------------------------------------------------------------------- TrainStep: batches, accumulation
+
+TEST(CudaPaths, TrainStepWithAccumulationAndClippingEqualsTheEagerLoop) {
+  auto run = [](bool trainstep) {
+    torch::manual_seed(0);
+    auto model = mlp();
+    perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1).momentum(0.9));
+    // Three batch tensors: input, target, per-sample weight.
+    auto loss_fn = [&](const std::vector<torch::Tensor>& b) {
+      auto per = torch::nn::functional::cross_entropy(
+          model->forward(b[0]), b[1], torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+      return (per * b[2]).mean();
+    };
+    torch::manual_seed(1);
+    std::vector<std::vector<torch::Tensor>> batches;
+    for (int i = 0; i < 10; ++i) {
+      auto x = torch::randn({16, 16});
+      batches.push_back({x, x.narrow(1, 0, 4).argmax(1), torch::rand({16})});
+    }
+    std::vector<float> losses;
+    if (trainstep) {
+      perf::TrainStep step(model, loss_fn, opt, batches[0],
+                           perf::TrainStepOptions().accumulation_steps(4).max_grad_norm(0.25));
+      for (auto& b : batches) losses.push_back(step.step(b).item<float>());
+    } else {
+      for (auto& b : batches) {
+        opt.zero_grad();
+        torch::Tensor total;
+        for (int k = 0; k < 4; ++k) {
+          std::vector<torch::Tensor> micro;
+          for (auto& t : b) micro.push_back(t.chunk(4, 0)[static_cast<size_t>(k)]);
+          auto part = loss_fn(micro) / 4.0;
+          part.backward();
+          total = total.defined() ? total + part.detach() : part.detach();
+        }
+        torch::nn::utils::clip_grad_norm_(model->parameters(), 0.25);
+        opt.step();
+        losses.push_back(total.item<float>());
+      }
+    }
+    return std::make_pair(losses, cat_params(*model));
+  };
+  const auto eager = run(false), stepped = run(true);
+  ASSERT_EQ(eager.first.size(), stepped.first.size());
+  for (size_t i = 0; i < eager.first.size(); ++i) EXPECT_NEAR(eager.first[i], stepped.first[i], 1e-6) << i;
+  EXPECT_LE((eager.second - stepped.second).abs().max().item<double>(), 1e-6);
+  auto model = mlp();
+  perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+  PERF_EXPECT_THROW_MSG(
+      perf::TrainStep(
+          model, [&](const std::vector<torch::Tensor>& b) { return model->forward(b[0]).sum(); }, opt,
+          std::vector<torch::Tensor>{torch::randn({6, 16})}, perf::TrainStepOptions().accumulation_steps(4)),
+      "divisible by 4");
+}
+
+// --------------------------------------------------------------------------- GPU: the programs a user runs
+
+namespace {
+
+struct TensorDataset : torch::data::datasets::Dataset<TensorDataset> {
+  torch::Tensor x, t;
+  TensorDataset(int64_t n) : x(torch::randn({n, 16})), t(torch::randint(0, 4, {n})) {}
+  torch::data::Example<> get(size_t i) override {
+    return {x[static_cast<int64_t>(i)], t[static_cast<int64_t>(i)]};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
+};
+
+int64_t cuda_allocated() {
+  return perf::memory_stats(torch::Device(torch::kCUDA, 0)).allocated.value_or(-1);
+}
+
+}  // namespace
+
+TEST(CudaPaths, OnGpuAFailedCaptureLeavesTheProcessHealthy) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto bad = [](const torch::Tensor& t) {
+    if (t.sum().item<float>() > 1e30f) return t * 2;  // host sync inside the captured region
+    return t + 1;
+  };
+  const auto x = torch::ones({8}, torch::kCUDA);
+  // Found before capture, by the checked warm-up call.
+  PERF_EXPECT_THROW_MSG(perf::graph(bad, x), "host-device sync");
+  // A real failed capture (the check off): the generator and allocator must be put back.
+  PERF_EXPECT_THROW_MSG(perf::graph(bad, x, perf::GraphOptions().check_syncs(false)), "CUDA graph capture failed");
+  auto fallback = perf::graph(bad, x, perf::GraphOptions().check_syncs(false).eager_fallback(true));
+  EXPECT_FALSE(fallback.graphed());
+  EXPECT_TRUE(torch::equal(fallback(x), x + 1));
+  // RNG ops work ("Offset increment outside graph capture" before the fix).
+  const auto d = torch::dropout(torch::ones({1024}, torch::kCUDA), 0.5, true);
+  EXPECT_GT(d.sum().item<float>(), 0.f);
+  EXPECT_NO_THROW(torch::randn({16}, torch::kCUDA));
+  // Cross-stream frees are reclaimed again: 50 prefetched batches, memory back to its level.
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      TensorDataset(50 * 64).map(torch::data::transforms::Stack<>()), perf::loader_options(64));
+  torch::cuda::synchronize();
+  const int64_t base = cuda_allocated();
+  int64_t n = 0;
+  {
+    auto prefetcher = perf::prefetch(*loader, torch::kCUDA);
+    for (auto& batch : prefetcher) {
+      n += batch.data.size(0);
+      (void)batch.data.sum();
+    }
+    EXPECT_LE(prefetcher.events_created(), 4u) << "events come from a small pool, not one per batch";
+  }
+  torch::cuda::synchronize();
+  EXPECT_EQ(n, 50 * 64);
+  EXPECT_LE(cuda_allocated(), base + (1 << 20)) << "prefetched batches were not reclaimed";
+  // And a capture still works afterwards, replaying dropout with fresh masks.
+  auto drop = perf::graph([](const torch::Tensor& t) { return torch::dropout(t, 0.5, true); },
+                          torch::ones({1024}, torch::kCUDA));
+  EXPECT_TRUE(drop.graphed());
+  const auto m1 = drop(torch::ones({1024}, torch::kCUDA)).clone();
+  EXPECT_FALSE(torch::equal(m1, drop(torch::ones({1024}, torch::kCUDA))));
+}
+
+TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  torch::manual_seed(0);
+  auto model = mlp(256);
+  model->to(torch::kCUDA);
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(model->forward(x), t);
+  };
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      TensorDataset(40 * 64).map(torch::data::transforms::Stack<>()),
+      perf::loader_options(64, perf::LoaderTuning().drop_last(true)));
+  std::optional<perf::TrainStep> step;
+  int64_t steps = 0;
+  for (auto& batch : perf::prefetch(*loader, torch::kCUDA, perf::PrefetchOptions().depth(4))) {
+    if (!step) step.emplace(model, loss_fn, opt, batch);  // the prefetcher keeps pinning meanwhile
+    step->step(batch);
+    ++steps;
+  }
+  EXPECT_TRUE(step->graphed());
+  EXPECT_EQ(steps, 40);
+  EXPECT_TRUE(torch::isfinite(cat_params(*model)).all().item<bool>());
+}
+
+TEST(CudaPaths, OnGpuSchedulerChangesTheReplayedLearningRate) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  std::vector<double> lrs;
+  const auto eager = train_with_scheduler(false, torch::kCUDA, &lrs);
+  const auto graphed = train_with_scheduler(true, torch::kCUDA, nullptr);
+  EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
+}
+
+TEST(CudaPaths, OnGpuCaptureInsideAutocastSeesUpdatedWeights) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  torch::manual_seed(0);
+  auto lin = torch::nn::Linear(64, 64);
+  lin->to(torch::kCUDA);
+  const auto x = torch::randn({8, 64}, torch::kCUDA);
+  perf::Autocast ac(torch::kCUDA, torch::kHalf);  // outer region, cache on
+  auto g = perf::graph(lin, x);
+  {
+    torch::NoGradGuard ng;
+    lin->weight.mul_(2);  // a weight update after capture
+  }
+  torch::NoGradGuard ng;
+  const auto want = lin->forward(x);
+  EXPECT_LE((g(x).to(torch::kFloat) - want.to(torch::kFloat)).abs().max().item<double>(), 1e-2)
+      << "a cached fp16 copy of the old weight was baked into the graph";
+}
+
+TEST(CudaPaths, OnGpuResumedCheckpointFirstStepEqualsEager) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto path = std::filesystem::temp_directory_path() / "perf_resume_test.pt";
+  const auto d = make_data(6, 16, torch::kCUDA);
+  auto make = [] {
+    torch::manual_seed(0);
+    auto m = mlp();
+    m->push_back(torch::nn::BatchNorm1d(4));
+    m->to(torch::kCUDA);
+    return m;
+  };
+  auto loss_of = [](torch::nn::Sequential& m) {
+    return [&m](const torch::Tensor& x, const torch::Tensor& t) {
+      return torch::nn::functional::cross_entropy(m->forward(x), t);
+    };
+  };
+  {  // train a little and save, as a resumed run's earlier process did
+    auto m = make();
+    perf::optim::Adam opt(m->parameters(), perf::optim::AdamOptions(1e-2));
+    for (int i = 0; i < 3; ++i) {
+      opt.zero_grad();
+      loss_of(m)(d.xs[i], d.ts[i]).backward();
+      opt.step();
+    }
+    torch::save(m, (path.string() + ".model"));
+    torch::save(opt, path.string());
+  }
+  auto resume = [&](bool trainstep) {
+    auto m = make();
+    torch::load(m, path.string() + ".model");
+    perf::optim::Adam opt(m->parameters(), perf::optim::AdamOptions(1e-2));
+    torch::load(opt, path.string());
+    if (trainstep) {
+      perf::TrainStep step(m, loss_of(m), opt, d.xs[3], d.ts[3]);
+      EXPECT_TRUE(step.graphed());
+      step.step(d.xs[3], d.ts[3]);
+    } else {
+      opt.zero_grad();
+      loss_of(m)(d.xs[3], d.ts[3]).backward();
+      opt.step();
+    }
+    std::vector<torch::Tensor> all = flat_params(*m);
+    for (auto& b : m->buffers()) all.push_back(b.detach().cpu().flatten().to(torch::kFloat));
+    return torch::cat(all);
+  };
+  EXPECT_LE((resume(true) - resume(false)).abs().max().item<double>(), 1e-5)
+      << "warm-up changed the resumed parameters, Adam moments, step counts or BatchNorm statistics";
+}
+
+TEST(CudaPaths, OnGpuChannelsLastFusedAdamWithLiveState) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto conv = torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3));
+  conv->to(torch::kCUDA);
+  perf::optim::Adam opt(conv->parameters(), perf::optim::AdamOptions(1e-2));
+  const auto x = torch::randn({2, 3, 8, 8}, torch::kCUDA);
+  conv->forward(x).sum().backward();
+  opt.step();
+  perf::to_channels_last(*conv, opt);
+  conv->zero_grad();
+  conv->forward(perf::channels_last(x)).sum().backward();
+  EXPECT_NO_THROW(opt.step()) << "fused Adam checks that param, grad and state strides match";
+}
+
+TEST(CudaPaths, OnGpuPrefetchToAMissingDeviceIsAClearError) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      TensorDataset(8).map(torch::data::transforms::Stack<>()), perf::loader_options(4));
+  const auto n = static_cast<c10::DeviceIndex>(torch::cuda::device_count());
+  PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::Device(torch::kCUDA, n)), "no such CUDA device");
+}
