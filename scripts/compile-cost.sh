@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What each perf header adds to a translation unit's compile time, over
+# `#include <torch/torch.h>` alone (what a LibTorch program already pays), and
+# over an empty file. Compiles one small TU per header with the flags of a
+# Release build (-O3), best of N runs each, and prints a markdown table.
+#   bash scripts/compile-cost.sh [runs]     (default 2)
+source "$(dirname "$0")/common.sh"
+runs=${1:-2}
+inc=$("$PERF_TORCH_PREFIX/../../../../../bin/python" - <<'PY' 2>/dev/null || true
+import torch, os
+r = os.path.dirname(torch.__file__)
+print(f"-isystem {r}/include -isystem {r}/include/torch/csrc/api/include")
+PY
+)
+[ -n "$inc" ] || inc="-isystem $PERF_TORCH_PREFIX/../../include -isystem $PERF_TORCH_PREFIX/../../include/torch/csrc/api/include"
+cxx=${CXX:-c++}
+flags="-std=c++17 -O3 -DNDEBUG -DPERF_WITH_CUDA=1 -Iinclude $inc -isystem /usr/local/cuda/include -w"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+measure() {  # file -> best wall seconds
+  local best=999
+  for ((i = 0; i < runs; i++)); do
+    local t0 t1
+    t0=$(date +%s.%N)
+    $cxx $flags -c "$1" -o "$tmp/o.o" || { echo "compile failed: $1" >&2; exit 1; }
+    t1=$(date +%s.%N)
+    best=$(python3 -c "print(min($best, $t1 - $t0))")
+  done
+  echo "$best"
+}
+printf 'int main() { return 0; }\n' >"$tmp/empty.cpp"
+printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
+base=$(measure "$tmp/empty.cpp")
+torch=$(measure "$tmp/torch.cpp")
+echo "| header | alone (s) | with torch/torch.h (s) | added over torch/torch.h (s) |"
+echo "| --- | --- | --- | --- |"
+printf '| (torch/torch.h only) | - | %.1f | - |\n' "$torch"
+for h in include/perf/*.h; do
+  name=${h#include/}
+  printf '#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/alone.cpp"
+  printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
+  a=$(measure "$tmp/alone.cpp")
+  w=$(measure "$tmp/with.cpp")
+  printf '| `%s` | %.1f | %.1f | %+.1f |\n' "$name" "$(python3 -c "print($a - $base)")" "$w" "$(python3 -c "print($w - $torch)")"
+done

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prepares, on a connected Debian/Ubuntu machine, the folder that
+# scripts/gpu-check.sh builds perf's tests and benchmarks from on a GPU machine
+# without internet or a package manager:
+#
+#   bash scripts/gpu-deps.sh DIR        # then copy DIR to the GPU machine
+#   PERF_DEPS_DIR=DIR bash scripts/gpu-check.sh
+#
+# DIR gets: googletest/ (sources, as Debian's googletest package ships them),
+# CLI11/CLI/ (header-only), benchmark-prefix/ (Debian's Google Benchmark
+# headers, static library and CMake package; optional: without it only
+# bench_setup is left out). Installs the Debian packages if missing (apt-get).
+set -euo pipefail
+dir=${1:?usage: scripts/gpu-deps.sh DIR}
+need=()
+for p in googletest libcli11-dev libbenchmark-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if ((${#need[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+mkdir -p "$dir/CLI11" "$dir/benchmark-prefix/include"
+rm -rf "$dir/googletest" "$dir/CLI11/CLI"
+cp -r /usr/src/googletest "$dir/googletest"
+cp -r /usr/include/CLI "$dir/CLI11/CLI"
+cp -r /usr/include/benchmark "$dir/benchmark-prefix/include/"
+multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
+mkdir -p "$dir/benchmark-prefix/lib/$multiarch/cmake"
+cp /usr/lib/"$multiarch"/libbenchmark*.a "$dir/benchmark-prefix/lib/$multiarch/"
+cp -r /usr/lib/"$multiarch"/cmake/benchmark "$dir/benchmark-prefix/lib/$multiarch/cmake/"
+du -sh "$dir"
+echo "gpu-deps: ready in $dir; on the GPU machine: PERF_DEPS_DIR=$dir bash scripts/gpu-check.sh"
