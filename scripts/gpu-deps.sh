@@ -27,7 +27,7 @@ cp -r /usr/include/CLI "$dir/CLI11/CLI"
 cp -r /usr/include/benchmark "$dir/benchmark-prefix/include/"
 multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
 mkdir -p "$dir/benchmark-prefix/lib/$multiarch/cmake"
-cp /usr/lib/"$multiarch"/libbenchmark*.a "$dir/benchmark-prefix/lib/$multiarch/"
+cp -P /usr/lib/"$multiarch"/libbenchmark* "$dir/benchmark-prefix/lib/$multiarch/"  # .a and .so: the CMake package names both
 cp -r /usr/lib/"$multiarch"/cmake/benchmark "$dir/benchmark-prefix/lib/$multiarch/cmake/"
 du -sh "$dir"
 echo "gpu-deps: ready in $dir; on the GPU machine: PERF_DEPS_DIR=$dir bash scripts/gpu-check.sh"
