@@ -6,13 +6,8 @@
 #   bash scripts/compile-cost.sh [runs]     (default 2)
 source "$(dirname "$0")/common.sh"
 runs=${1:-2}
-inc=$("$PERF_TORCH_PREFIX/../../../../../bin/python" - <<'PY' 2>/dev/null || true
-import torch, os
-r = os.path.dirname(torch.__file__)
-print(f"-isystem {r}/include -isystem {r}/include/torch/csrc/api/include")
-PY
-)
-[ -n "$inc" ] || inc="-isystem $PERF_TORCH_PREFIX/../../include -isystem $PERF_TORCH_PREFIX/../../include/torch/csrc/api/include"
+torch_root=$(cd "$PERF_TORCH_PREFIX/../.." && pwd)  # .../site-packages/torch
+inc="-isystem $torch_root/include -isystem $torch_root/include/torch/csrc/api/include"
 cxx=${CXX:-c++}
 flags="-std=c++17 -O3 -DNDEBUG -DPERF_WITH_CUDA=1 -Iinclude $inc -isystem /usr/local/cuda/include -w"
 tmp=$(mktemp -d)

@@ -23,19 +23,59 @@ bool has_cuda() { return torch::cuda::is_available(); }
 
 // --------------------------------------------------------------------------- Autocast
 
-TEST(Autocast, CpuDefaultsToBf16AndRestoresOnExit) {
+namespace {
+// Plays a CPU with (or without) native bf16 for one scope.
+class ScopedCpuBf16 {
+ public:
+  explicit ScopedCpuBf16(bool native) : saved_(perf::detail::cpu_bf16()) {
+    perf::detail::cpu_bf16().avx512_bf16 = native;
+    perf::detail::cpu_bf16().amx_bf16 = false;
+  }
+  ~ScopedCpuBf16() { perf::detail::cpu_bf16() = saved_; }
+
+ private:
+  perf::detail::CpuBf16 saved_;
+};
+}  // namespace
+
+TEST(Autocast, CpuDefaultIsBf16WithNativeBf16AndRestoresOnExit) {
+  const ScopedCpuBf16 cpu(/*native=*/true);
   const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   const auto dtype_before = at::autocast::get_autocast_dtype(at::kCPU);
   {
     perf::Autocast ac(torch::kCPU);
     EXPECT_EQ(ac.dtype(), torch::kBFloat16);
+    EXPECT_TRUE(ac.enabled());
     EXPECT_TRUE(at::autocast::is_autocast_enabled(at::kCPU));
     EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
   }
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
   EXPECT_EQ(at::autocast::get_autocast_dtype(at::kCPU), dtype_before);
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+}
+
+// Emulated bf16 is slower than fp32: without AVX-512-BF16/AMX the CPU default is off.
+TEST(Autocast, CpuDefaultIsOffWithoutNativeBf16ButAnExplicitDtypeIsHonoured) {
+  const ScopedCpuBf16 cpu(/*native=*/false);
+  const auto a = torch::randn({4, 4}), b = torch::randn({4, 4});
+  EXPECT_FALSE(perf::Autocast::default_enabled(torch::kCPU));
+  EXPECT_TRUE(perf::Autocast::default_enabled(torch::kCUDA));
+  {
+    perf::Autocast ac(torch::kCPU);
+    EXPECT_FALSE(ac.enabled());
+    EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+  }
+  {
+    perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+    EXPECT_TRUE(ac.enabled());
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+  }
+  // perf::optimize follows the same default, and the report says why.
+  auto model = perf::optimize(torch::nn::Linear(4, 4), perf::ModelOptions().device(torch::kCPU));
+  EXPECT_EQ(model(a).scalar_type(), torch::kFloat);
+  EXPECT_EQ(perf::detail::cpu_bf16().autocast_choice(), "off (fp32): avx512_bf16=no amx_bf16=no");
 }
 
 TEST(Autocast, NestsLikeTorchAutocast) {
@@ -325,6 +365,7 @@ TORCH_MODULE(Probe);
 }  // namespace
 
 TEST(Optimize, ConvertsInputsRunsAutocastKeepsTheModule) {
+  const ScopedCpuBf16 cpu(/*native=*/true);
   torch::manual_seed(0);
   Probe plain;
   const auto x = torch::randn({2, 3, 8, 8});

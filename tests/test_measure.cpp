@@ -144,6 +144,25 @@ TEST(Compare, AlternatesAndReportsTheRatioOfMedians) {
   EXPECT_NE(text.find("ratio of medians"), std::string::npos);
 }
 
+TEST(Compare, SeveralConfigurationsRoundRobin) {
+  std::string order;
+  const auto stats = perf::compare({{"a", [&] { order += 'A'; }},
+                                    {"b", [&] {
+                                       order += 'B';
+                                       sleep_ms(3);
+                                     }},
+                                    {"c", [&] { order += 'C'; }}},
+                                   perf::BenchOptions().warmup(1).iters(3).items_per_call(10));
+  EXPECT_EQ(order, "ABCABCABCABC");
+  ASSERT_EQ(stats.size(), 3u);
+  EXPECT_EQ(stats[1].name, "b");
+  for (const auto& st : stats) EXPECT_EQ(st.iterations, 3);
+  EXPECT_GT(stats[1].median_ms, stats[0].median_ms);
+  EXPECT_GT(stats[0].items_per_second, stats[1].items_per_second);
+  PERF_EXPECT_THROW_MSG(perf::compare({}), "no configurations");
+  PERF_EXPECT_THROW_MSG(perf::compare({{"empty", std::function<void()>()}}), "\"empty\" has no function");
+}
+
 TEST(Memory, CpuReportsRssAndSaysWhatIsMissing) {
   const auto before = perf::memory_stats();
   ASSERT_TRUE(before.rss && before.peak_rss);

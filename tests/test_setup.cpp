@@ -1,10 +1,12 @@
 // Tests for perf/setup.h: every setting is read back from LibTorch itself.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <perf/environment.h>
 #include <perf/setup.h>
 
 #include <array>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <thread>
 
@@ -108,22 +110,75 @@ TEST(Setup, ExplicitCpuSettingsApply) {
     volatile float tiny = 1e-40f;
     EXPECT_EQ(tiny * 1.0f, 0.0f);
   }
-  perf::setup(perf::Settings().flush_denormal(false));
+  perf::setup(perf::Settings().flush_denormal(false).deterministic(false));
   if (auto fd = perf::detail::flush_denormal_state()) {
     EXPECT_FALSE(*fd);
   }
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
 }
 
 TEST(Setup, DeterministicTurnsBenchmarkOffAndSaysWhy) {
+  const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  const std::optional<std::string> ws_before = ws ? std::optional<std::string>(ws) : std::nullopt;
   const auto r = perf::setup(perf::Settings().deterministic(true));
   EXPECT_EQ(r.at("cudnn_benchmark").requested, "false");
-  if (has_cuda()) {
-    EXPECT_EQ(r.at("cudnn_benchmark").reason, "off because deterministic(true)");
-    EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
-    EXPECT_NE(r.at("cublas_workspace_config").reason.find("before the first cuBLAS call"), std::string::npos);
-  } else {
-    EXPECT_EQ(r.at("cublas_workspace_config").status, perf::Status::skipped);
+  // perf never writes the environment: another thread may be reading it.
+  const char* ws_after = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  EXPECT_EQ(ws_before.has_value(), ws_after != nullptr);
+  if (ws_before && ws_after) {
+    EXPECT_EQ(*ws_before, ws_after);
   }
+  const auto& cublas = r.at("cublas_workspace_config");
+  if (!has_cuda()) {
+    EXPECT_EQ(cublas.status, perf::Status::skipped);
+    EXPECT_NE(cublas.reason.find("no CUDA device"), std::string::npos);
+  } else if (!perf::detail::valid_cublas_workspace(ws_after)) {
+    EXPECT_EQ(r.at("cudnn_benchmark").reason, "off because deterministic(true)");
+    EXPECT_EQ(cublas.status, perf::Status::skipped);
+    EXPECT_NE(cublas.reason.find("not effective"), std::string::npos) << cublas.reason;
+    EXPECT_NE(cublas.reason.find("before the program starts"), std::string::npos) << cublas.reason;
+  } else {
+    EXPECT_EQ(cublas.reason, "set in the environment");
+  }
+  perf::setup(perf::Settings().deterministic(false));
+}
+
+// A setting the caller did not set never undoes the program's earlier choice.
+TEST(Setup, DefaultsNeverUndoDeterminism) {
+  auto& ctx = at::globalContext();
+  ctx.setDeterministicAlgorithms(true, /*warn_only=*/false);
+  ctx.setDeterministicCuDNN(true);
+  ctx.setBenchmarkCuDNN(false);
+  const auto r = perf::setup(perf::Settings().num_threads(1));
+  EXPECT_TRUE(ctx.deterministicAlgorithms()) << "setup() without deterministic() must leave it on";
+  EXPECT_TRUE(ctx.deterministicCuDNN());
+  EXPECT_FALSE(ctx.benchmarkCuDNN()) << "the cudnn_benchmark default yields to determinism";
+  EXPECT_EQ(r.at("deterministic").requested, "-");
+  EXPECT_EQ(r.at("deterministic").read_back, "true");
+  const auto& bench = r.at("cudnn_benchmark");
+  EXPECT_EQ(bench.status, perf::Status::skipped);
+  if (has_cuda()) {
+    EXPECT_NE(bench.reason.find("yields: deterministic algorithms are on"), std::string::npos) << bench.reason;
+  }
+  // The same decision where there is no CUDA device to hide it behind.
+  const perf::Settings defaults;
+  auto plan = perf::detail::make_plan(defaults);
+  ASSERT_TRUE(plan.det_before);
+  const auto& table = perf::detail::entries();
+  const auto entry = std::find_if(table.begin(), table.end(),
+                                  [](const perf::detail::Entry& e) { return std::string(e.name) == "cudnn_benchmark"; });
+  ASSERT_NE(entry, table.end());
+  EXPECT_NE(entry->request(plan).skip.find("yields"), std::string::npos);
+  const auto explicit_on = perf::Settings().cudnn_benchmark(true);
+  const auto on = entry->request(perf::detail::make_plan(explicit_on));
+  EXPECT_TRUE(on.skip.empty()) << "an explicit cudnn_benchmark(true) is honoured";
+  EXPECT_NE(on.note.find("may differ between runs"), std::string::npos) << on.note;
+  // deterministic(false), set explicitly, turns it off and the fast default returns.
+  const auto off = perf::setup(perf::Settings().deterministic(false));
+  EXPECT_FALSE(ctx.deterministicAlgorithms());
+  EXPECT_FALSE(ctx.deterministicCuDNN());
+  EXPECT_EQ(off.at("deterministic").status, perf::Status::applied);
+  EXPECT_EQ(off.at("cudnn_benchmark").requested, "true");
 }
 
 TEST(Setup, SecondCallIsUnchanged) {
@@ -178,7 +233,8 @@ TEST(ScopedSettings, RestoresEveryValueExactly) {
   at::set_num_threads(1);
   const auto before = flags();
   const auto fp32_before = fp32_entries();
-  const auto ws_before = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  const std::string ws_before = ws ? ws : "(unset)";
   {
     perf::ScopedSettings guard(perf::Settings()
                                    .matmul_precision("medium")
@@ -199,7 +255,8 @@ TEST(ScopedSettings, RestoresEveryValueExactly) {
   }
   EXPECT_EQ(flags(), before);
   EXPECT_EQ(fp32_entries(), fp32_before);
-  EXPECT_EQ(ws_before == nullptr, std::getenv("CUBLAS_WORKSPACE_CONFIG") == nullptr);
+  ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  EXPECT_EQ(ws_before, ws ? ws : "(unset)");
   EXPECT_EQ(ctx.allowFP16ReductionCuBLAS(), at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK);
 }
 
@@ -242,16 +299,20 @@ TEST(Setup, InvalidValuesThrowAndApplyNothing) {
       {perf::Settings(base).matmul_precision("ultra"), {"matmul_precision", "\"highest\", \"high\", \"medium\""}},
       {perf::Settings(base).matmul_precision("High"), {"matmul_precision", "valid values"}},
       {perf::Settings(base).sync_debug("loud"), {"sync_debug", "\"off\", \"warn\", \"error\""}},
-      {perf::Settings(base).allocator(""), {"allocator", "valid keys"}},
-      {perf::Settings(base).allocator("expandable_segments"), {"allocator", "malformed", "key:value"}},
-      {perf::Settings(base).allocator("foo:1"), {"allocator", "unknown key \"foo\"", "expandable_segments"}},
-      {perf::Settings(base).allocator("expandable_segments:yes"), {"expandable_segments", "True or False"}},
-      {perf::Settings(base).allocator("max_split_size_mb:-5"), {"max_split_size_mb", "positive integer"}},
-      {perf::Settings(base).allocator("garbage_collection_threshold:1.5"), {"garbage_collection_threshold", "(0, 1)"}},
-      {perf::Settings(base).allocator("roundup_power2_divisions:[256:1"), {"allocator", "unbalanced"}},
+      {perf::Settings(base).memory_fraction_device(-1), {"memory_fraction_device", "valid values"}},
+      // LibTorch's own parser judges allocator strings; perf names the setting.
+      {perf::Settings(base).allocator("expandable_segments"), {"perf::Settings::allocator", "rejected", "key:value"}},
+      {perf::Settings(base).allocator("foo:1"), {"perf::Settings::allocator", "foo"}},
+      {perf::Settings(base).allocator("expandable_segments:True,foo:1"), {"perf::Settings::allocator", "foo"}},
+      {perf::Settings(base).allocator("max_split_size_mb:128,expandable_segments:yes"),
+       {"perf::Settings::allocator", "True", "False"}},
+      {perf::Settings(base).allocator("garbage_collection_threshold:1.5"), {"allocator", "garbage_collect"}},
+      {perf::Settings(base).allocator("roundup_power2_divisions:[256:1"), {"allocator", "rejected"}},
       {perf::Settings(base).allocator("backend:cudaMallocAsync"), {"allocator", "PYTORCH_ALLOC_CONF"}},
       {perf::Settings(base).sdpa_math(false).sdpa_mem_efficient(false).sdpa_cudnn(false), {"sdpa", "at least one"}},
   };
+  const bool expandable = c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+  const size_t max_split = c10::CachingAllocator::AcceleratorAllocatorConfig::max_split_size();
   for (const auto& c : cases) {
     try {
       perf::setup(c.settings);
@@ -261,12 +322,20 @@ TEST(Setup, InvalidValuesThrowAndApplyNothing) {
       for (const auto& w : c.words) EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' not in: " << msg;
     }
     EXPECT_EQ(flags(), before) << "half-applied after error about " << c.words.front();
+    // Keys LibTorch parsed before it met the bad one are put back too.
+    EXPECT_EQ(c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments(), expandable);
+    EXPECT_EQ(c10::CachingAllocator::AcceleratorAllocatorConfig::max_split_size(), max_split);
   }
-  // Valid allocator strings pass validation.
+  // Valid allocator strings pass LibTorch's parser (applied only with a CUDA device).
+  const auto restore = perf::detail::save_allocator();
   for (const char* ok : {"expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
                          "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False"}) {
-    EXPECT_NO_THROW(perf::detail::validate_allocator(ok)) << ok;
+    EXPECT_NO_THROW(perf::setup(perf::Settings().allocator(ok))) << ok;
+    if (!has_cuda()) {
+      EXPECT_EQ(flags().at("allocator"), before.at("allocator")) << "skipped means untouched";
+    }
   }
+  restore();
 }
 
 TEST(Setup, InteropThreadsOnceThenClearError) {
@@ -283,6 +352,20 @@ TEST(Setup, InteropThreadsOnceThenClearError) {
                         "num_interop_threads: LibTorch accepts it once per process");
   EXPECT_EQ(flags(), before);
   EXPECT_EQ(at::get_num_interop_threads(), 3u);
+}
+
+// A later setting that throws puts back the earlier ones of the same call
+// (the allocator is applied, then rolled back, where there is a CUDA device).
+TEST(Setup, AFailedCallRollsBackTheAllocator) {
+  const int other = static_cast<int>(at::get_num_interop_threads()) + 1;
+  at::parallel_for(0, 1, 1, [](int64_t, int64_t) {});
+  at::launch([] {});  // inter-op pool started: the count is fixed now
+  const auto before = flags();
+  const size_t max_split = c10::CachingAllocator::AcceleratorAllocatorConfig::max_split_size();
+  PERF_EXPECT_THROW_MSG(perf::setup(perf::Settings().allocator("max_split_size_mb:64").num_interop_threads(other)),
+                        "num_interop_threads");
+  EXPECT_EQ(flags(), before);
+  EXPECT_EQ(c10::CachingAllocator::AcceleratorAllocatorConfig::max_split_size(), max_split);
 }
 
 TEST(Setup, PerfDisableMakesItAReportedNoOp) {
@@ -341,6 +424,10 @@ TEST(Setup, ReportPrintsAnAlignedTable) {
   ASSERT_NE(status_col, std::string::npos);
   size_t n = 0;
   while (std::getline(in, line)) {
+    if (line.rfind("CPU autocast default: ", 0) == 0) {
+      EXPECT_EQ(line, "CPU autocast default: " + perf::detail::cpu_bf16().autocast_choice());
+      continue;
+    }
     const auto& row = r.rows.at(n++);
     EXPECT_EQ(line.rfind(row.setting, 0), 0u) << line;
     EXPECT_EQ(line.substr(status_col, std::string(perf::to_string(row.status)).size()), perf::to_string(row.status))
@@ -378,21 +465,29 @@ TEST(Setup, OnGpuCudaSettingsApply) {
       perf::Settings().sync_debug("warn").memory_fraction(0.5).fp16_reduced_precision_reduction(false).allocator(
           "expandable_segments:True"));
   EXPECT_EQ(c10::cuda::warning_state().get_sync_debug_mode(), c10::cuda::SyncDebugMode::L_WARN);
-  EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(0), 0.5);
+  const auto dev = c10::cuda::current_device();
+  EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(dev), 0.5);
+  EXPECT_EQ(r.at("memory_fraction").reason, "cuda:" + std::to_string(dev));
+  // Only that device: the others get no cap (and no CUDA context from perf).
+  for (int d = 0; d < perf::detail::cuda_device_count(); ++d) {
+    if (d != dev) {
+      EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(d), 1.0) << d;
+    }
+  }
   EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(),
             at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK);
   EXPECT_TRUE(c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments());
   EXPECT_EQ(r.at("allocator").status, perf::Status::applied);
   EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
   EXPECT_TRUE(at::globalContext().allowTF32CuDNN());
-  const int cc = perf::detail::min_compute_capability();
+  const int cc = perf::detail::compute_capability(dev);
   const bool note = r.at("tf32").reason.find("no effect on sm_") != std::string::npos;
   EXPECT_EQ(note, cc < 80) << "cc=" << cc << " reason=" << r.at("tf32").reason;
   // Too late: memory is reserved now, and the report says so.
   auto t = at::zeros({1 << 20}, at::device(at::kCUDA));
   const auto late = perf::setup(perf::Settings().allocator("expandable_segments:True"));
   EXPECT_NE(late.at("allocator").reason.find("too late"), std::string::npos);
-  perf::setup(perf::Settings().sync_debug("off"));
+  perf::setup(perf::Settings().sync_debug("off").memory_fraction(1.0));
 #endif
 }
 
@@ -412,6 +507,8 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
   os << e;
   EXPECT_NE(os.str().find("LibTorch " + e.torch_version), std::string::npos);
   EXPECT_NE(os.str().find("matmul_precision"), std::string::npos);
+  EXPECT_EQ(e.cpu_autocast, perf::detail::cpu_bf16().autocast_choice());
+  EXPECT_NE(os.str().find("autocast default " + e.cpu_autocast), std::string::npos);
   if (e.devices.empty()) {
     EXPECT_NE(os.str().find("CUDA devices: none"), std::string::npos);
   } else {
@@ -423,4 +520,22 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
   const std::string py_cuda = test_util::python("import torch; print(torch.version.cuda)");
   EXPECT_EQ(py_cuda.rfind(std::to_string(e.cuda_runtime_version / 1000) + ".", 0), 0u) << py_cuda;
 #endif
+}
+
+// perf reads the CPU's bf16 features from ATen; on Linux they match /proc/cpuinfo.
+TEST(Environment, CpuBf16FeaturesMatchTheKernel) {
+  std::ifstream in("/proc/cpuinfo");
+  if (!in) GTEST_SKIP() << "skipped: no /proc/cpuinfo on this system";
+  std::string line, flags_line;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0) {
+      flags_line = line + " ";
+      break;
+    }
+  if (flags_line.empty()) GTEST_SKIP() << "skipped: /proc/cpuinfo has no flags line (not x86)";
+  const auto& c = perf::detail::cpu_bf16();
+  EXPECT_EQ(c.avx512_bf16, flags_line.find(" avx512_bf16 ") != std::string::npos) << flags_line;
+  EXPECT_EQ(c.amx_bf16, flags_line.find(" amx_bf16 ") != std::string::npos) << flags_line;
+  EXPECT_EQ(perf::setup().cpu_autocast, c.autocast_choice());
+  EXPECT_EQ(c.autocast_choice().rfind(c.native() ? "bf16: " : "off (fp32): ", 0), 0u);
 }

@@ -20,6 +20,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/cpu.h>
 #include <perf/optim.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -45,21 +46,30 @@ class TrainStep;
 /// exit, and clears the autocast cache when the outermost region ends.
 class Autocast {
  public:
-  /// dtype unset: bfloat16 where the device supports it (CPU, CUDA sm_80+), else float16.
+  /// dtype unset: on CUDA bfloat16 on sm_80+, else float16; on the CPU bfloat16
+  /// where the CPU computes it natively (AVX-512-BF16 or AMX-BF16), else the
+  /// region stays fp32 (autocast off: emulated bf16 is slower than fp32), see
+  /// default_enabled(). An explicit dtype is always honoured.
   explicit Autocast(c10::Device device, std::optional<c10::ScalarType> dtype = std::nullopt, bool enabled = true,
                     bool cache_enabled = true);
   ~Autocast();
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;
   c10::ScalarType dtype() const noexcept { return dtype_; }
+  /// Whether this region casts at all (false: disabled, or a CPU without native bf16).
+  bool enabled() const noexcept { return enabled_; }
   /// The dtype Autocast picks for `device` when none is given.
   static c10::ScalarType default_dtype(c10::Device device);
+  /// Whether an Autocast on `device` without a dtype casts: always on CUDA; on
+  /// the CPU only with native bf16 (perf::setup()'s report says which features decided).
+  static bool default_enabled(c10::Device device);
   /// The dtype an Autocast(device, dtype, enabled) would use; throws what its constructor would.
   static c10::ScalarType resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled = true);
 
  private:
   c10::DeviceType type_;
   c10::ScalarType dtype_;
+  bool enabled_;
   bool prev_enabled_, prev_cache_;
   c10::ScalarType prev_dtype_;
 };
@@ -153,6 +163,10 @@ inline c10::ScalarType Autocast::default_dtype(c10::Device device) {
   return at::kBFloat16;
 }
 
+inline bool Autocast::default_enabled(c10::Device device) {
+  return !device.is_cpu() || detail::cpu_bf16().native();
+}
+
 inline c10::ScalarType Autocast::resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled) {
   TORCH_CHECK(device.is_cuda() || device.is_cpu(), "perf::Autocast: device must be cpu or cuda, got ", device);
   const auto t = dtype.value_or(default_dtype(device));
@@ -173,11 +187,13 @@ inline c10::ScalarType Autocast::resolve_dtype(c10::Device device, std::optional
 }
 
 inline Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled, bool cache_enabled)
-    : type_(device.type()), dtype_(resolve_dtype(device, dtype, enabled)) {
+    : type_(device.type()),
+      dtype_(resolve_dtype(device, dtype, enabled)),
+      enabled_(enabled && (dtype.has_value() || default_enabled(device))) {
   prev_enabled_ = at::autocast::is_autocast_enabled(type_);
   prev_dtype_ = at::autocast::get_autocast_dtype(type_);
   prev_cache_ = at::autocast::is_autocast_cache_enabled();
-  at::autocast::set_autocast_enabled(type_, enabled);
+  at::autocast::set_autocast_enabled(type_, enabled_);
   at::autocast::set_autocast_dtype(type_, dtype_);
   at::autocast::increment_nesting();
   at::autocast::set_autocast_cache_enabled(cache_enabled);

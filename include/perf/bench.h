@@ -101,6 +101,11 @@ std::ostream& operator<<(std::ostream& os, const Comparison& c);
 Comparison compare(const std::string& name_a, const std::function<void()>& a, const std::string& name_b,
                    const std::function<void()>& b, const BenchOptions& options = BenchOptions());
 
+/// Several configurations measured round-robin (A B C A B C ...), one Stats
+/// each, in order; ratios: stats[0].median_ms / stats[k].median_ms.
+std::vector<Stats> compare(const std::vector<std::pair<std::string, std::function<void()>>>& configurations,
+                           const BenchOptions& options = BenchOptions());
+
 // ---------------------------------------------------------------------------
 namespace detail {
 
@@ -270,6 +275,21 @@ inline Comparison compare(const std::string& name_a, const std::function<void()>
   c.b = Stats::from(std::move(d[1]), name_b, options.items_per_call());
   c.ratio = c.b.median_ms > 0 ? c.a.median_ms / c.b.median_ms : 0;
   return c;
+}
+
+inline std::vector<Stats> compare(const std::vector<std::pair<std::string, std::function<void()>>>& configurations,
+                                  const BenchOptions& options) {
+  TORCH_CHECK(!configurations.empty(), "perf::compare: no configurations given");
+  std::vector<const std::function<void()>*> fns;
+  for (const auto& [name, fn] : configurations) {
+    TORCH_CHECK(fn, "perf::compare: configuration \"", name, "\" has no function");
+    fns.push_back(&fn);
+  }
+  auto d = detail::time_round_robin(fns, options);
+  std::vector<Stats> out;
+  for (size_t k = 0; k < d.size(); ++k)
+    out.push_back(Stats::from(std::move(d[k]), configurations[k].first, options.items_per_call()));
+  return out;
 }
 
 inline std::string Comparison::to_string() const {

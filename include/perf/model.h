@@ -40,7 +40,8 @@ struct ModelOptions {
   TORCH_ARG(std::optional<c10::Device>, device);
   /// Convert 4-D/5-D parameters, buffers and inputs to channels-last.
   TORCH_ARG(bool, channels_last) = true;
-  /// Run forward under perf::Autocast.
+  /// Run forward under perf::Autocast with its defaults (CUDA: on; CPU: on only
+  /// where the CPU computes bf16 natively, see Autocast::default_enabled).
   TORCH_ARG(bool, autocast) = true;
   /// Autocast dtype. Unset: perf::Autocast's default for the device.
   TORCH_ARG(std::optional<c10::ScalarType>, autocast_dtype);

@@ -12,4 +12,5 @@
 #include <perf/module.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
+#include <perf/environment.h>
 #include <perf/setup.h>

@@ -2,12 +2,17 @@
 //
 //   perf::Report r = perf::setup();                       // the fast defaults
 //   perf::setup(perf::Settings().tf32(false).num_threads(8));
-//   std::cout << r;                                       // what was asked, read back, applied
+//   std::cout << r;                                       // what was applied or skipped, and why
 //   { perf::ScopedSettings guard(perf::Settings().deterministic(true)); ... }  // restored here
-//   std::cout << perf::environment();                     // versions, devices, every flag
+//
+// A setting left unset never undoes the program's own earlier choice: tf32 and
+// cudnn_benchmark are perf's fast defaults, but cudnn_benchmark yields when the
+// program turned deterministic algorithms on; deterministic is untouched unless set.
+// perf never sets environment variables (setenv races with getenv in other threads).
 //
 // Environment variables: PERF_DISABLE=1 makes setup() a reported no-op (A/B runs
 // without recompiling); PERF_VERBOSE=1 prints each report to stderr.
+// perf::environment() (versions, devices, every flag) is in perf/environment.h.
 #pragma once
 
 #include <ATen/Context.h>
@@ -15,6 +20,7 @@
 #include <c10/core/AllocatorConfig.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/cpu.h>
 #include <torch/arg.h>
 #include <torch/version.h>
 
@@ -22,7 +28,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <cuda_runtime_api.h>
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -30,24 +35,23 @@
 #endif
 
 #include <algorithm>
-#include <cctype>
 #include <cstdint>
 #include <cstdlib>
-#include <iomanip>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 namespace perf {
 
 /// What perf::setup() applies. Every setter returns *this (LibTorch options
-/// style). Settings left unset are not touched and are reported as they are.
+/// style). A setting left unset is not touched (tf32 and cudnn_benchmark have
+/// fast defaults, see each).
 struct Settings {
   /// TF32 tensor cores for cuDNN convolutions and RNNs; also picks the default
   /// matmul_precision ("high" when on, "highest" when off). Effect on sm_80+.
@@ -56,13 +60,33 @@ struct Settings {
   /// (also bf16 on oneDNN). Unset: follows tf32.
   TORCH_ARG(std::optional<std::string>, matmul_precision);
   /// cuDNN autotuner: picks the fastest convolution algorithm per shape.
-  TORCH_ARG(bool, cudnn_benchmark) = true;
-  /// Deterministic algorithms + deterministic cuDNN + benchmark off; sets
-  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 when it is unset.
-  TORCH_ARG(bool, deterministic) = false;
+  /// Unset: on, unless deterministic algorithms are on (requested here or set
+  /// earlier by the program), in which case it is left as it is.
+  TORCH_ARG(std::optional<bool>, cudnn_benchmark);
+  /// Deterministic algorithms and deterministic cuDNN (and cudnn_benchmark off
+  /// unless set explicitly). Unset: untouched. On CUDA, cuBLAS also needs
+  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the program
+  /// starts; the report says when it is missing.
+  TORCH_ARG(std::optional<bool>, deterministic);
   /// cuBLAS may reduce fp16 / bf16 GEMMs in reduced precision (PyTorch default: true).
   TORCH_ARG(std::optional<bool>, fp16_reduced_precision_reduction);
   TORCH_ARG(std::optional<bool>, bf16_reduced_precision_reduction);
+  /// Scaled-dot-product-attention backends.
+  TORCH_ARG(std::optional<bool>, sdpa_flash);
+  TORCH_ARG(std::optional<bool>, sdpa_mem_efficient);
+  TORCH_ARG(std::optional<bool>, sdpa_math);
+  TORCH_ARG(std::optional<bool>, sdpa_cudnn);
+  /// Caching-allocator settings in PYTORCH_ALLOC_CONF syntax, e.g.
+  /// "expandable_segments:True,max_split_size_mb:128", checked by LibTorch's
+  /// own parser (the keys of the installed version). Full effect only before
+  /// the first CUDA allocation.
+  TORCH_ARG(std::optional<std::string>, allocator);
+  /// Cap of the CUDA caching allocator, in (0, 1], on memory_fraction_device
+  /// (unset: the current device) only: other GPUs get no CUDA context.
+  TORCH_ARG(std::optional<double>, memory_fraction);
+  TORCH_ARG(std::optional<int>, memory_fraction_device);
+  /// CUDA sync debug mode: "off", "warn" or "error" on host-device syncs.
+  TORCH_ARG(std::optional<std::string>, sync_debug);
   /// Intra-op CPU threads (at::set_num_threads), >= 1.
   TORCH_ARG(std::optional<int>, num_threads);
   /// Inter-op CPU threads, >= 1; LibTorch accepts this once per process, before
@@ -70,19 +94,6 @@ struct Settings {
   TORCH_ARG(std::optional<int>, num_interop_threads);
   /// Flush denormals to zero on the CPU (FTZ/DAZ). Affects the calling thread.
   TORCH_ARG(std::optional<bool>, flush_denormal);
-  /// CUDA sync debug mode: "off", "warn" or "error" on host-device syncs.
-  TORCH_ARG(std::optional<std::string>, sync_debug);
-  /// Cap of the CUDA caching allocator per device, in (0, 1].
-  TORCH_ARG(std::optional<double>, memory_fraction);
-  /// Caching-allocator settings in PYTORCH_ALLOC_CONF syntax, e.g.
-  /// "expandable_segments:True,max_split_size_mb:128". Full effect only
-  /// before the first CUDA allocation.
-  TORCH_ARG(std::optional<std::string>, allocator);
-  /// Scaled-dot-product-attention backends.
-  TORCH_ARG(std::optional<bool>, sdpa_flash);
-  TORCH_ARG(std::optional<bool>, sdpa_mem_efficient);
-  TORCH_ARG(std::optional<bool>, sdpa_math);
-  TORCH_ARG(std::optional<bool>, sdpa_cudnn);
 };
 
 /// Outcome of one setting.
@@ -114,6 +125,9 @@ struct Report {
   std::vector<ReportRow> rows;
   /// True when PERF_DISABLE=1 turned setup() into a no-op.
   bool disabled = false;
+  /// perf's CPU autocast default on this CPU and the features that decided it
+  /// (perf::Autocast and perf::optimize on the CPU), e.g. "bf16: avx512_bf16=yes amx_bf16=no".
+  std::string cpu_autocast;
   /// The row of `setting`; throws if there is none.
   const ReportRow& at(const std::string& setting) const;
   /// The rows that were applied or skipped, with reasons, and a count of the
@@ -141,40 +155,13 @@ class ScopedSettings {
   const Report& report() const noexcept { return report_; }
 
  private:
-  struct Saved;
-  std::unique_ptr<Saved> saved_;
+  std::vector<std::function<void()>> restore_;  // in reverse order of saving
   Report report_;
 };
 
-/// A CUDA device as perf::environment() describes it.
-struct DeviceInfo {
-  int index = 0;
-  std::string name;
-  int major = 0;
-  int minor = 0;
-  int64_t total_memory = 0;
-  int multiprocessors = 0;
-};
-
-/// Versions, devices, threads and the current value of every perf setting.
-struct Environment {
-  std::string perf_version = PERF_VERSION_STRING;
-  std::string torch_version = TORCH_VERSION;
-  bool cuda_compiled = PERF_WITH_CUDA != 0;
-  int cuda_runtime_version = 0;  // e.g. 13000; 0 when unavailable
-  int cuda_driver_version = 0;   // 0 when no driver is installed
-  int64_t cudnn_version = 0;     // 0 when unavailable
-  std::vector<DeviceInfo> devices;
-  unsigned hardware_threads = 0;
-  int intraop_threads = 0;
-  int64_t interop_threads = 0;
-  std::vector<std::pair<std::string, std::string>> flags;  // setting -> current value
-};
-
-Environment environment();
-std::ostream& operator<<(std::ostream& os, const Environment& e);
-
 // ---------------------------------------------------------------------------
+// One entry per setting: validation, the report, apply, ScopedSettings and
+// perf::environment() all walk the same table, so a setting is written once.
 namespace detail {
 
 inline std::mutex& settings_mutex() {
@@ -205,17 +192,15 @@ inline std::string no_cuda_reason() {
 #endif
 }
 
-// Lowest compute capability among visible devices, as major*10+minor; 0 if none.
-inline int min_compute_capability() {
-  int cc = 0;
+// Compute capability of `device` as major*10+minor; 0 without CUDA.
+inline int compute_capability([[maybe_unused]] int device) {
 #if PERF_WITH_CUDA
-  for (int d = 0; d < cuda_device_count(); ++d) {
-    const auto* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(d));
-    const int this_cc = p->major * 10 + p->minor;
-    cc = cc == 0 ? this_cc : std::min(cc, this_cc);
+  if (device >= 0 && device < cuda_device_count()) {
+    const auto* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(device));
+    return p->major * 10 + p->minor;
   }
 #endif
-  return cc;
+  return 0;
 }
 
 inline std::string precision_name(at::Float32Precision p) {
@@ -244,7 +229,7 @@ inline std::string matmul_precision_name(at::Float32MatmulPrecision p) {
   return "?";
 }
 
-// The legacy getter throws when the per-backend API left an unrepresentable state.
+// The legacy getters throw when the per-backend API left an unrepresentable state.
 inline std::optional<at::Float32MatmulPrecision> legacy_matmul_precision() {
   try {
     return at::globalContext().float32MatmulPrecision();
@@ -297,243 +282,79 @@ inline void set_reduction(bool fp16, at::CuBLASReductionOption o) {
   }
 }
 
-inline const std::vector<std::string>& allocator_keys() {
-  static const std::vector<std::string> keys = {"expandable_segments",
-                                                "max_split_size_mb",
-                                                "max_non_split_rounding_mb",
-                                                "large_segment_size_mb",
-                                                "garbage_collection_threshold",
-                                                "roundup_power2_divisions",
-                                                "release_lock_on_cudamalloc",
-                                                "pinned_use_cuda_host_register",
-                                                "pinned_num_register_threads",
-                                                "pinned_use_background_threads",
-                                                "pinned_reserve_segment_size_mb",
-                                                "graph_capture_record_stream_reuse",
-                                                "per_process_memory_fraction"};
-  return keys;
+inline std::string number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
 }
 
-inline std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
-  return out;
-}
+// What one setup() call works with: the settings and the machine as it is now.
+struct Plan {
+  const Settings& s;
+  bool cuda = false;  // a CUDA device is visible
+  int device = -1;    // memory_fraction's device; the current device by default
+  int cc = 0;         // its compute capability (major*10+minor)
+  bool det_before = false;
+  bool determinism() const { return s.deterministic().value_or(det_before); }
+};
 
-inline bool is_uint(const std::string& s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
-}
-
-inline bool is_fraction(const std::string& s) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(s, &used);
-    return used == s.size() && v > 0.0 && v < 1.0;
-  } catch (const std::exception&) {
-    return false;
+inline Plan make_plan(const Settings& s) {
+  Plan p{s};
+  const int n = cuda_device_count();
+  p.cuda = n > 0;
+  if (s.memory_fraction_device()) {
+    const int d = *s.memory_fraction_device();
+    TORCH_CHECK(d >= 0 && (!p.cuda || d < n), "perf::Settings::memory_fraction_device: no CUDA device ", d,
+                "; valid values: 0..", std::max(n - 1, 0), " (", n, " visible)");
   }
-}
-
-// Checks a PYTORCH_ALLOC_CONF-style string without applying it: "key:value"
-// entries separated by commas (commas inside [...] belong to the value).
-inline void validate_allocator(const std::string& conf) {
-  const std::string valid = "valid keys: " + join(allocator_keys());
-  TORCH_CHECK(!conf.empty(), "perf::Settings::allocator: empty string; expected \"key:value[,key:value...]\", ", valid);
-  std::vector<std::string> entries;
-  std::string cur;
-  int depth = 0;
-  for (char c : conf) {
-    if (c == '[') ++depth;
-    if (c == ']') --depth;
-    TORCH_CHECK(depth >= 0, "perf::Settings::allocator: unbalanced ']' in \"", conf, "\"");
-    if (c == ',' && depth == 0) {
-      entries.push_back(cur);
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  TORCH_CHECK(depth == 0, "perf::Settings::allocator: unbalanced '[' in \"", conf, "\"");
-  entries.push_back(cur);
-  for (const auto& e : entries) {
-    const auto colon = e.find(':');
-    TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < e.size(),
-                "perf::Settings::allocator: malformed entry \"", e, "\" in \"", conf, "\"; expected key:value, ",
-                valid);
-    const std::string key = e.substr(0, colon);
-    const std::string value = e.substr(colon + 1);
-    TORCH_CHECK(key != "backend",
-                "perf::Settings::allocator: the allocator backend is chosen when CUDA starts; set "
-                "PYTORCH_ALLOC_CONF=backend:",
-                value, " in the environment before the program starts instead");
-    const auto& keys = allocator_keys();
-    TORCH_CHECK(std::find(keys.begin(), keys.end(), key) != keys.end(), "perf::Settings::allocator: unknown key \"",
-                key, "\"; ", valid);
-    const bool boolean = key == "expandable_segments" || key == "release_lock_on_cudamalloc" ||
-                         key == "pinned_use_cuda_host_register" || key == "pinned_use_background_threads" ||
-                         key == "graph_capture_record_stream_reuse";
-    if (boolean) {
-      TORCH_CHECK(value == "True" || value == "False", "perf::Settings::allocator: ", key,
-                  " must be True or False, got \"", value, "\"");
-    } else if (key == "garbage_collection_threshold" || key == "per_process_memory_fraction") {
-      TORCH_CHECK(is_fraction(value), "perf::Settings::allocator: ", key, " must be a number in (0, 1), got \"", value,
-                  "\"");
-    } else if (key == "roundup_power2_divisions") {
-      TORCH_CHECK(is_uint(value) || (value.front() == '[' && value.back() == ']'), "perf::Settings::allocator: ", key,
-                  " must be an integer or a list like [256:1,512:2], got \"", value, "\"");
-    } else {
-      TORCH_CHECK(is_uint(value) && std::stoll(value) > 0, "perf::Settings::allocator: ", key,
-                  " must be a positive integer, got \"", value, "\"");
-    }
-  }
-}
-
-inline std::string resolved_matmul_precision(const Settings& s) {
-  return s.matmul_precision().value_or(s.tf32() ? "high" : "highest");
-}
-
-inline void validate(const Settings& s) {
-  if (s.matmul_precision()) {
-    const auto& p = *s.matmul_precision();
-    TORCH_CHECK(p == "highest" || p == "high" || p == "medium", "perf::Settings::matmul_precision: invalid value \"", p,
-                "\"; valid values: \"highest\", \"high\", \"medium\"");
-  }
-  if (s.num_threads()) {
-    TORCH_CHECK(*s.num_threads() >= 1, "perf::Settings::num_threads: must be >= 1, got ", *s.num_threads());
-  }
-  if (s.num_interop_threads()) {
-    TORCH_CHECK(*s.num_interop_threads() >= 1, "perf::Settings::num_interop_threads: must be >= 1, got ",
-                *s.num_interop_threads());
-  }
-  if (s.sync_debug()) {
-    const auto& m = *s.sync_debug();
-    TORCH_CHECK(m == "off" || m == "warn" || m == "error", "perf::Settings::sync_debug: invalid value \"", m,
-                "\"; valid values: \"off\", \"warn\", \"error\"");
-  }
-  if (s.memory_fraction()) {
-    const double f = *s.memory_fraction();
-    TORCH_CHECK(f > 0.0 && f <= 1.0, "perf::Settings::memory_fraction: must be in (0, 1], got ", f);
-  }
-  if (s.allocator()) validate_allocator(*s.allocator());
-  auto& ctx = at::globalContext();
-  const bool any_sdpa = s.sdpa_flash().value_or(ctx.userEnabledFlashSDP()) ||
-                        s.sdpa_mem_efficient().value_or(ctx.userEnabledMemEfficientSDP()) ||
-                        s.sdpa_math().value_or(ctx.userEnabledMathSDP()) ||
-                        s.sdpa_cudnn().value_or(ctx.userEnabledCuDNNSDP());
-  TORCH_CHECK(any_sdpa,
-              "perf::Settings::sdpa_*: at least one of sdpa_flash, sdpa_mem_efficient, sdpa_math, sdpa_cudnn must "
-              "stay enabled, or scaled_dot_product_attention has no kernel");
-}
-
-// Current value of every setting, as text, in report order.
-inline std::vector<std::pair<std::string, std::string>> read_flags() {
-  using B = at::Float32Backend;
-  using O = at::Float32Op;
-  auto& ctx = at::globalContext();
-  std::vector<std::pair<std::string, std::string>> f;
-  const auto conv = fp32(B::CUDA, O::CONV);
-  const auto rnn = fp32(B::CUDA, O::RNN);
-  f.emplace_back("tf32", conv == rnn ? bool_str(conv == at::Float32Precision::TF32)
-                                     : "conv=" + precision_name(conv) + " rnn=" + precision_name(rnn));
-  const auto legacy = legacy_matmul_precision();
-  f.emplace_back("matmul_precision", legacy ? matmul_precision_name(*legacy)
-                                            : "inconsistent (cuda.matmul=" + precision_name(fp32(B::CUDA, O::MATMUL)) +
-                                                  " mkldnn.matmul=" + precision_name(fp32(B::MKLDNN, O::MATMUL)) + ")");
-  f.emplace_back("cudnn_benchmark", bool_str(ctx.benchmarkCuDNN()));
-  const bool da = ctx.deterministicAlgorithms();
-  const bool dc = ctx.deterministicCuDNN();
-  f.emplace_back("deterministic", da == dc ? bool_str(da) : "algorithms=" + bool_str(da) + " cudnn=" + bool_str(dc));
-  const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
-  f.emplace_back("cublas_workspace_config", ws ? ws : "(unset)");
-  f.emplace_back("fp16_reduced_precision_reduction", reduction_name(ctx.allowFP16ReductionCuBLAS()));
-  f.emplace_back("bf16_reduced_precision_reduction", reduction_name(ctx.allowBF16ReductionCuBLAS()));
-  f.emplace_back("num_threads", std::to_string(at::get_num_threads()));
-  f.emplace_back("num_interop_threads", std::to_string(at::get_num_interop_threads()));
-  const auto fd = flush_denormal_state();
-  f.emplace_back("flush_denormal", fd ? bool_str(*fd) : "n/a (not x86-64)");
 #if PERF_WITH_CUDA
-  const auto mode = c10::cuda::warning_state().get_sync_debug_mode();
-  f.emplace_back("sync_debug", mode == c10::cuda::SyncDebugMode::L_DISABLED ? "off"
-                               : mode == c10::cuda::SyncDebugMode::L_WARN   ? "warn"
-                                                                            : "error");
-  std::string fractions;
-  for (int d = 0; d < cuda_device_count(); ++d) {
-    std::ostringstream os;
-    os << c10::cuda::CUDACachingAllocator::getMemoryFraction(static_cast<c10::DeviceIndex>(d));
-    fractions += (d ? "," : "") + os.str();
-  }
-  f.emplace_back("memory_fraction", fractions.empty() ? "n/a" : fractions);
-#else
-  f.emplace_back("sync_debug", "n/a");
-  f.emplace_back("memory_fraction", "n/a");
+  if (p.cuda) p.device = s.memory_fraction_device().value_or(static_cast<int>(c10::cuda::current_device()));
 #endif
-  const auto conf = c10::CachingAllocator::getAllocatorSettings();
-  f.emplace_back("allocator", conf.empty() ? "(default)" : conf);
-  f.emplace_back("sdpa_flash", bool_str(ctx.userEnabledFlashSDP()));
-  f.emplace_back("sdpa_mem_efficient", bool_str(ctx.userEnabledMemEfficientSDP()));
-  f.emplace_back("sdpa_math", bool_str(ctx.userEnabledMathSDP()));
-  f.emplace_back("sdpa_cudnn", bool_str(ctx.userEnabledCuDNNSDP()));
-  return f;
+  p.cc = compute_capability(p.device);
+  auto& ctx = at::globalContext();
+  p.det_before = ctx.deterministicAlgorithms() || ctx.deterministicCuDNN();
+  return p;
 }
 
-// What a Settings asks of each row: requested text (nullopt = not requested)
-// and, when the row cannot apply here, why.
+// What a Settings asks of one entry: the requested value as text (nullopt:
+// untouched) and, when it cannot apply here, why.
 struct Request {
   std::optional<std::string> value;
   std::string skip;
   std::string note;
 };
 
-inline std::vector<std::pair<std::string, Request>> requests(const Settings& s) {
-  const bool cuda = cuda_device_count() > 0;
-  const std::string no_cuda = cuda ? "" : no_cuda_reason();
-  auto opt_bool = [](const std::optional<bool>& b) {
-    return b ? std::optional<std::string>(bool_str(*b)) : std::nullopt;
-  };
-  auto opt_int = [](const std::optional<int>& i) {
-    return i ? std::optional<std::string>(std::to_string(*i)) : std::nullopt;
-  };
-  std::vector<std::pair<std::string, Request>> r;
-  std::string tf32_note;
-  const int cc = min_compute_capability();
-  if (cc > 0 && cc < 80) tf32_note = "no effect on sm_" + std::to_string(cc) + " (TF32 needs sm_80+)";
-  r.push_back({"tf32", {bool_str(s.tf32()), no_cuda, tf32_note}});
-  r.push_back({"matmul_precision",
-               {resolved_matmul_precision(s), "",
-                s.matmul_precision() ? tf32_note : (tf32_note.empty() ? "from tf32" : "from tf32; " + tf32_note)}});
-  const bool bench = s.cudnn_benchmark() && !s.deterministic();
-  r.push_back({"cudnn_benchmark",
-               {bool_str(bench), no_cuda, s.cudnn_benchmark() && !bench ? "off because deterministic(true)" : ""}});
-  r.push_back({"deterministic", {bool_str(s.deterministic()), "", ""}});
-  Request ws;
-  if (s.deterministic()) {
-    const char* cur = std::getenv("CUBLAS_WORKSPACE_CONFIG");
-    ws.value = cur ? std::string(cur) : std::string(":4096:8");
-    ws.skip = no_cuda;
-    ws.note = cur ? "kept the user's value" : "must be set before the first cuBLAS call";
-  }
-  r.push_back({"cublas_workspace_config", ws});
-  r.push_back({"fp16_reduced_precision_reduction", {opt_bool(s.fp16_reduced_precision_reduction()), no_cuda, ""}});
-  r.push_back({"bf16_reduced_precision_reduction", {opt_bool(s.bf16_reduced_precision_reduction()), no_cuda, ""}});
-  r.push_back({"num_threads", {opt_int(s.num_threads()), "", ""}});
-  r.push_back({"num_interop_threads", {opt_int(s.num_interop_threads()), "", ""}});
-  r.push_back({"flush_denormal",
-               {opt_bool(s.flush_denormal()), flush_denormal_state() ? "" : "needs x86-64 FTZ/DAZ",
-                s.flush_denormal() ? "calling thread only" : ""}});
-  r.push_back({"sync_debug", {s.sync_debug(), no_cuda, ""}});
-  std::optional<std::string> frac;
-  if (s.memory_fraction()) {
-    std::ostringstream os;
-    os << *s.memory_fraction();
-    frac = os.str();
-  }
-  r.push_back({"memory_fraction", {frac, no_cuda, ""}});
-  r.push_back({"allocator", {s.allocator(), no_cuda, ""}});
-  r.push_back({"sdpa_flash", {opt_bool(s.sdpa_flash()), "", ""}});
-  r.push_back({"sdpa_mem_efficient", {opt_bool(s.sdpa_mem_efficient()), "", ""}});
-  r.push_back({"sdpa_math", {opt_bool(s.sdpa_math()), "", ""}});
-  r.push_back({"sdpa_cudnn", {opt_bool(s.sdpa_cudnn()), "", ""}});
-  return r;
+using Restore = std::function<void()>;
+
+struct Entry {
+  const char* name;
+  bool cuda_only;        // skipped without a CUDA device
+  const char* one_way;   // why ScopedSettings cannot restore it; nullptr if it can
+  bool fallible;         // apply may throw: applied first, rolled back if a later one throws
+  void (*validate)(const Settings&);  // throws c10::Error naming the setting; may be null
+  Request (*request)(const Plan&);
+  std::string (*apply)(const Plan&);  // returns a note for the report ("" keeps the request's)
+  std::string (*read)(const Plan&);   // the current value, as LibTorch reports it
+  Restore (*save)(const Plan&);       // captures the current value; null: nothing to restore
+};
+
+inline std::optional<std::string> opt_text(const std::optional<bool>& b) {
+  return b ? std::optional<std::string>(bool_str(*b)) : std::nullopt;
+}
+inline std::optional<std::string> opt_text(const std::optional<int>& i) {
+  return i ? std::optional<std::string>(std::to_string(*i)) : std::nullopt;
+}
+
+inline std::string resolved_matmul_precision(const Settings& s) {
+  return s.matmul_precision().value_or(s.tf32() ? "high" : "highest");
+}
+
+inline std::string tf32_note(const Plan& p) {
+  return p.cc > 0 && p.cc < 80 ? "no effect on sm_" + std::to_string(p.cc) + " (TF32 needs sm_80+)" : "";
+}
+
+inline bool valid_cublas_workspace(const char* v) {
+  return v != nullptr && (std::string(v) == ":4096:8" || std::string(v) == ":16:8");
 }
 
 inline int64_t cuda_reserved_bytes() {
@@ -547,96 +368,472 @@ inline int64_t cuda_reserved_bytes() {
   return total;
 }
 
-// Applies the rows of `req` that are requested and not skipped. Rows that can
-// fail (interop threads) go first, so a failure leaves nothing applied.
-inline void apply(const Settings& s, std::vector<std::pair<std::string, Request>>& req) {
-  auto& ctx = at::globalContext();
-  auto wants = [&](const char* name) -> Request* {
-    for (auto& [n, r] : req)
-      if (n == name && r.value && r.skip.empty()) return &r;
-    return nullptr;
+// LibTorch's parser applies an allocator string key by key, resetting only some
+// keys to their defaults first; putting back the previous string and the one
+// sticky device key makes a rejected string leave no trace.
+inline Restore save_allocator() {
+  const std::string conf = c10::CachingAllocator::getAllocatorSettings();
+  const bool expandable = c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+  return [conf, expandable] {
+    c10::CachingAllocator::setAllocatorSettings(std::string("expandable_segments:") + (expandable ? "True" : "False"));
+    c10::CachingAllocator::setAllocatorSettings(conf);
   };
-  if (wants("num_interop_threads")) {
-    const int n = *s.num_interop_threads();
-    if (static_cast<int64_t>(at::get_num_interop_threads()) != n) {
-      try {
-        at::set_num_interop_threads(n);
-      } catch (const c10::Error&) {
-        TORCH_CHECK(false,
-                    "perf::Settings::num_interop_threads: LibTorch accepts it once per process, before any "
-                    "inter-op work; it is already fixed at ",
-                    at::get_num_interop_threads(),
-                    ". Call perf::setup() with num_interop_threads first thing in main(), or leave it unset. "
-                    "Nothing was applied.");
-      }
-    }
-  }
-  // Legacy setters keep the legacy and per-backend TF32 views consistent.
-  ctx.setFloat32MatmulPrecision(resolved_matmul_precision(s));
-  if (wants("tf32")) ctx.setAllowTF32CuDNN(s.tf32());
-  if (wants("cudnn_benchmark")) ctx.setBenchmarkCuDNN(s.cudnn_benchmark() && !s.deterministic());
-  ctx.setDeterministicCuDNN(s.deterministic());
-  ctx.setDeterministicAlgorithms(s.deterministic(), /*warn_only=*/false);
-  if (wants("cublas_workspace_config") && std::getenv("CUBLAS_WORKSPACE_CONFIG") == nullptr) {
-    ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 1);
-  }
-  if (wants("fp16_reduced_precision_reduction")) ctx.setAllowFP16ReductionCuBLAS(*s.fp16_reduced_precision_reduction());
-  if (wants("bf16_reduced_precision_reduction")) ctx.setAllowBF16ReductionCuBLAS(*s.bf16_reduced_precision_reduction());
-  if (wants("num_threads")) at::set_num_threads(*s.num_threads());
-  if (auto* r = wants("flush_denormal")) {
-    if (!at::globalContext().setFlushDenormal(*s.flush_denormal())) r->note = "CPU does not support FTZ/DAZ";
-  }
-#if PERF_WITH_CUDA
-  if (wants("sync_debug")) {
-    const auto& m = *s.sync_debug();
-    c10::cuda::warning_state().set_sync_debug_mode(m == "off"    ? c10::cuda::SyncDebugMode::L_DISABLED
-                                                   : m == "warn" ? c10::cuda::SyncDebugMode::L_WARN
-                                                                 : c10::cuda::SyncDebugMode::L_ERROR);
-  }
-  if (wants("memory_fraction")) {
-    for (int d = 0; d < cuda_device_count(); ++d)
-      c10::cuda::CUDACachingAllocator::setMemoryFraction(*s.memory_fraction(), static_cast<c10::DeviceIndex>(d));
-  }
-  if (auto* r = wants("allocator")) {
-    const int64_t reserved = cuda_reserved_bytes();
-    c10::CachingAllocator::setAllocatorSettings(*s.allocator());
-    if (reserved > 0) {
-      r->note = "too late for full effect: " + std::to_string(reserved >> 20) +
-                " MiB already reserved; only new segments follow it. Set it before the first CUDA allocation "
-                "(or PYTORCH_ALLOC_CONF)";
-    } else {
-      r->note = "before the first CUDA allocation: full effect";
-    }
-  }
-#endif
-  if (wants("sdpa_flash")) ctx.setSDPUseFlash(*s.sdpa_flash());
-  if (wants("sdpa_mem_efficient")) ctx.setSDPUseMemEfficient(*s.sdpa_mem_efficient());
-  if (wants("sdpa_math")) ctx.setSDPUseMath(*s.sdpa_math());
-  if (wants("sdpa_cudnn")) ctx.setSDPUseCuDNN(*s.sdpa_cudnn());
 }
 
-inline Report make_report(const std::vector<std::pair<std::string, Request>>& req,
-                          const std::vector<std::pair<std::string, std::string>>& before,
-                          const std::vector<std::pair<std::string, std::string>>& after, const std::string& disabled) {
+inline void parse_allocator(const std::string& conf) {
+  try {
+    c10::CachingAllocator::setAllocatorSettings(conf);
+  } catch (const c10::Error& e) {
+    const bool backend = conf.find("backend") != std::string::npos;
+    TORCH_CHECK(false, "perf::Settings::allocator: LibTorch ", TORCH_VERSION, " rejected \"", conf,
+                "\": ", e.what_without_backtrace(), ". Expected \"key:value[,key:value...]\" with the keys of ",
+                "PYTORCH_ALLOC_CONF (e.g. expandable_segments:True, max_split_size_mb:128)",
+                backend ? "; the allocator backend is chosen when CUDA starts: set PYTORCH_ALLOC_CONF=backend:... in "
+                          "the environment before the program starts instead"
+                        : "");
+  }
+}
+
+// The legacy setter first (it also writes the per-backend entries), then the
+// two per-backend entries exactly as they read before.
+inline Restore save_fp32(bool matmul, std::pair<at::Float32Backend, at::Float32Op> a,
+                         std::pair<at::Float32Backend, at::Float32Op> b) {
+  const auto legacy_matmul = legacy_matmul_precision();
+  const auto legacy_cudnn = legacy_cudnn_tf32();
+  const auto pa = fp32(a.first, a.second), pb = fp32(b.first, b.second);
+  return [matmul, legacy_matmul, legacy_cudnn, a, b, pa, pb] {
+    auto& ctx = at::globalContext();
+    if (matmul && legacy_matmul) ctx.setFloat32MatmulPrecision(matmul_precision_name(*legacy_matmul));
+    if (!matmul && legacy_cudnn) ctx.setAllowTF32CuDNN(*legacy_cudnn);
+    ctx.setFloat32Precision(a.first, a.second, pa);
+    ctx.setFloat32Precision(b.first, b.second, pb);
+  };
+}
+
+inline Restore save_bool(bool (at::Context::*get)() const, void (at::Context::*set)(bool)) {
+  auto& ctx = at::globalContext();
+  const bool v = (ctx.*get)();
+  return [&ctx, set, v] { (ctx.*set)(v); };
+}
+
+inline const std::vector<Entry>& entries() {
+  using B = at::Float32Backend;
+  using O = at::Float32Op;
+  static const std::vector<Entry> table = {
+      {"tf32", true, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{bool_str(p.s.tf32()), "", tf32_note(p)}; },
+       [](const Plan& p) {
+         at::globalContext().setAllowTF32CuDNN(p.s.tf32());
+         return std::string();
+       },
+       [](const Plan&) {
+         const auto conv = fp32(B::CUDA, O::CONV), rnn = fp32(B::CUDA, O::RNN);
+         return conv == rnn ? bool_str(conv == at::Float32Precision::TF32)
+                            : "conv=" + precision_name(conv) + " rnn=" + precision_name(rnn);
+       },
+       [](const Plan&) { return save_fp32(false, {B::CUDA, O::CONV}, {B::CUDA, O::RNN}); }},
+
+      {"matmul_precision", false, nullptr, false,
+       [](const Settings& s) {
+         if (!s.matmul_precision()) return;
+         const auto& v = *s.matmul_precision();
+         TORCH_CHECK(v == "highest" || v == "high" || v == "medium", "perf::Settings::matmul_precision: invalid value \"",
+                     v, "\"; valid values: \"highest\", \"high\", \"medium\"");
+       },
+       [](const Plan& p) {
+         const auto note = tf32_note(p);
+         return Request{resolved_matmul_precision(p.s), "",
+                        p.s.matmul_precision() ? note : (note.empty() ? "from tf32" : "from tf32; " + note)};
+       },
+       [](const Plan& p) {
+         // The legacy setter keeps the legacy and per-backend views consistent.
+         at::globalContext().setFloat32MatmulPrecision(resolved_matmul_precision(p.s));
+         return std::string();
+       },
+       [](const Plan&) {
+         if (const auto legacy = legacy_matmul_precision()) return matmul_precision_name(*legacy);
+         return "inconsistent (cuda.matmul=" + precision_name(fp32(B::CUDA, O::MATMUL)) +
+                " mkldnn.matmul=" + precision_name(fp32(B::MKLDNN, O::MATMUL)) + ")";
+       },
+       [](const Plan&) { return save_fp32(true, {B::CUDA, O::MATMUL}, {B::MKLDNN, O::MATMUL}); }},
+
+      {"cudnn_benchmark", true, nullptr, false, nullptr,
+       [](const Plan& p) {
+         const auto& s = p.s;
+         if (s.cudnn_benchmark()) {
+           return Request{bool_str(*s.cudnn_benchmark()), "",
+                          *s.cudnn_benchmark() && p.determinism()
+                              ? "explicit: with deterministic algorithms cuDNN picks among deterministic ones, but "
+                                "the pick may differ between runs"
+                              : ""};
+         }
+         if (s.deterministic().value_or(false)) return Request{"false", "", "off because deterministic(true)"};
+         if (p.determinism()) {
+           return Request{"true", "yields: deterministic algorithms are on (set earlier by the program); "
+                                  "cudnn_benchmark(true) overrides", ""};
+         }
+         return Request{"true", "", ""};
+       },
+       [](const Plan& p) {
+         at::globalContext().setBenchmarkCuDNN(
+             p.s.cudnn_benchmark().value_or(!p.s.deterministic().value_or(false)));
+         return std::string();
+       },
+       [](const Plan&) { return bool_str(at::globalContext().benchmarkCuDNN()); },
+       [](const Plan&) { return save_bool(&at::Context::benchmarkCuDNN, &at::Context::setBenchmarkCuDNN); }},
+
+      {"deterministic", false, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.deterministic()), "", ""}; },
+       [](const Plan& p) {
+         auto& ctx = at::globalContext();
+         ctx.setDeterministicCuDNN(*p.s.deterministic());
+         ctx.setDeterministicAlgorithms(*p.s.deterministic(), /*warn_only=*/false);
+         return std::string();
+       },
+       [](const Plan&) {
+         auto& ctx = at::globalContext();
+         const bool da = ctx.deterministicAlgorithms(), dc = ctx.deterministicCuDNN();
+         return da == dc ? bool_str(da) : "algorithms=" + bool_str(da) + " cudnn=" + bool_str(dc);
+       },
+       [](const Plan&) -> Restore {
+         auto& ctx = at::globalContext();
+         const bool dc = ctx.deterministicCuDNN(), da = ctx.deterministicAlgorithms(),
+                    warn = ctx.deterministicAlgorithmsWarnOnly();
+         return [&ctx, dc, da, warn] {
+           ctx.setDeterministicCuDNN(dc);
+           ctx.setDeterministicAlgorithms(da, warn);
+         };
+       }},
+
+      // Read only: cuBLAS reads it when it starts, so only the environment the
+      // program starts with counts (see Settings::deterministic).
+      {"cublas_workspace_config", true, nullptr, false, nullptr,
+       [](const Plan& p) {
+         if (!p.determinism()) return Request{};
+         const char* v = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+         if (valid_cublas_workspace(v)) return Request{std::string(v), "", "set in the environment"};
+         return Request{":4096:8",
+                        std::string(v ? "\"" + std::string(v) + "\" is not deterministic" : "not set") +
+                            ": not effective; deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) "
+                            "in the environment before the program starts (perf does not call setenv)",
+                        ""};
+       },
+       [](const Plan&) { return std::string(); },
+       [](const Plan&) {
+         const char* v = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+         return std::string(v ? v : "(unset)");
+       },
+       nullptr},
+
+      {"fp16_reduced_precision_reduction", true, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.fp16_reduced_precision_reduction()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setAllowFP16ReductionCuBLAS(*p.s.fp16_reduced_precision_reduction());
+         return std::string();
+       },
+       [](const Plan&) { return reduction_name(at::globalContext().allowFP16ReductionCuBLAS()); },
+       [](const Plan&) -> Restore {
+         const auto o = at::globalContext().allowFP16ReductionCuBLAS();
+         return [o] { set_reduction(true, o); };
+       }},
+
+      {"bf16_reduced_precision_reduction", true, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.bf16_reduced_precision_reduction()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setAllowBF16ReductionCuBLAS(*p.s.bf16_reduced_precision_reduction());
+         return std::string();
+       },
+       [](const Plan&) { return reduction_name(at::globalContext().allowBF16ReductionCuBLAS()); },
+       [](const Plan&) -> Restore {
+         const auto o = at::globalContext().allowBF16ReductionCuBLAS();
+         return [o] { set_reduction(false, o); };
+       }},
+
+      {"sdpa_flash", false, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.sdpa_flash()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setSDPUseFlash(*p.s.sdpa_flash());
+         return std::string();
+       },
+       [](const Plan&) { return bool_str(at::globalContext().userEnabledFlashSDP()); },
+       [](const Plan&) { return save_bool(&at::Context::userEnabledFlashSDP, &at::Context::setSDPUseFlash); }},
+
+      {"sdpa_mem_efficient", false, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.sdpa_mem_efficient()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setSDPUseMemEfficient(*p.s.sdpa_mem_efficient());
+         return std::string();
+       },
+       [](const Plan&) { return bool_str(at::globalContext().userEnabledMemEfficientSDP()); },
+       [](const Plan&) {
+         return save_bool(&at::Context::userEnabledMemEfficientSDP, &at::Context::setSDPUseMemEfficient);
+       }},
+
+      {"sdpa_math", false, nullptr, false, nullptr,
+       [](const Plan& p) { return Request{opt_text(p.s.sdpa_math()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setSDPUseMath(*p.s.sdpa_math());
+         return std::string();
+       },
+       [](const Plan&) { return bool_str(at::globalContext().userEnabledMathSDP()); },
+       [](const Plan&) { return save_bool(&at::Context::userEnabledMathSDP, &at::Context::setSDPUseMath); }},
+
+      {"sdpa_cudnn", false, nullptr, false,
+       [](const Settings& s) {
+         auto& ctx = at::globalContext();
+         const bool any = s.sdpa_flash().value_or(ctx.userEnabledFlashSDP()) ||
+                          s.sdpa_mem_efficient().value_or(ctx.userEnabledMemEfficientSDP()) ||
+                          s.sdpa_math().value_or(ctx.userEnabledMathSDP()) ||
+                          s.sdpa_cudnn().value_or(ctx.userEnabledCuDNNSDP());
+         TORCH_CHECK(any, "perf::Settings::sdpa_*: at least one of sdpa_flash, sdpa_mem_efficient, sdpa_math, "
+                          "sdpa_cudnn must stay enabled, or scaled_dot_product_attention has no kernel");
+       },
+       [](const Plan& p) { return Request{opt_text(p.s.sdpa_cudnn()), "", ""}; },
+       [](const Plan& p) {
+         at::globalContext().setSDPUseCuDNN(*p.s.sdpa_cudnn());
+         return std::string();
+       },
+       [](const Plan&) { return bool_str(at::globalContext().userEnabledCuDNNSDP()); },
+       [](const Plan&) { return save_bool(&at::Context::userEnabledCuDNNSDP, &at::Context::setSDPUseCuDNN); }},
+
+      // LibTorch's parser is the validator: a trial parse, then the previous
+      // settings back, on every machine (so a bad string fails on a laptop too).
+      {"allocator", true, "allocator settings shape memory already reserved and cannot be restored; set them with "
+                          "perf::setup()",
+       true,
+       [](const Settings& s) {
+         if (!s.allocator()) return;
+         const auto restore = save_allocator();
+         try {
+           parse_allocator(*s.allocator());
+         } catch (...) {
+           restore();
+           throw;
+         }
+         restore();
+       },
+       [](const Plan& p) { return Request{p.s.allocator(), "", ""}; },
+       [](const Plan& p) {
+         const int64_t reserved = cuda_reserved_bytes();
+         parse_allocator(*p.s.allocator());
+         if (reserved == 0) return std::string("before the first CUDA allocation: full effect");
+         return "too late for full effect: " + std::to_string(reserved >> 20) +
+                " MiB already reserved; only new segments follow it. Set it before the first CUDA allocation (or "
+                "PYTORCH_ALLOC_CONF)";
+       },
+       [](const Plan&) {
+         const auto conf = c10::CachingAllocator::getAllocatorSettings();
+         return conf.empty() ? std::string("(default)") : conf;
+       },
+       [](const Plan&) { return save_allocator(); }},
+
+      {"memory_fraction", true, nullptr, false,
+       [](const Settings& s) {
+         if (!s.memory_fraction()) return;
+         const double f = *s.memory_fraction();
+         TORCH_CHECK(f > 0.0 && f <= 1.0, "perf::Settings::memory_fraction: must be in (0, 1], got ", f);
+       },
+       [](const Plan& p) {
+         if (!p.s.memory_fraction()) return Request{};
+         return Request{number(*p.s.memory_fraction()), "", "cuda:" + std::to_string(p.device)};
+       },
+       []([[maybe_unused]] const Plan& p) {
+#if PERF_WITH_CUDA
+         c10::cuda::CUDACachingAllocator::setMemoryFraction(*p.s.memory_fraction(),
+                                                            static_cast<c10::DeviceIndex>(p.device));
+#endif
+         return std::string();
+       },
+       []([[maybe_unused]] const Plan& p) {
+#if PERF_WITH_CUDA
+         if (p.device >= 0) {
+           return number(c10::cuda::CUDACachingAllocator::getMemoryFraction(static_cast<c10::DeviceIndex>(p.device)));
+         }
+#endif
+         return std::string("n/a");
+       },
+       []([[maybe_unused]] const Plan& p) -> Restore {
+#if PERF_WITH_CUDA
+         if (p.device >= 0) {
+           const auto d = static_cast<c10::DeviceIndex>(p.device);
+           const double f = c10::cuda::CUDACachingAllocator::getMemoryFraction(d);
+           return [d, f] { c10::cuda::CUDACachingAllocator::setMemoryFraction(f, d); };
+         }
+#endif
+         return nullptr;
+       }},
+
+      {"sync_debug", true, nullptr, false,
+       [](const Settings& s) {
+         if (!s.sync_debug()) return;
+         const auto& m = *s.sync_debug();
+         TORCH_CHECK(m == "off" || m == "warn" || m == "error", "perf::Settings::sync_debug: invalid value \"", m,
+                     "\"; valid values: \"off\", \"warn\", \"error\"");
+       },
+       [](const Plan& p) { return Request{p.s.sync_debug(), "", ""}; },
+       []([[maybe_unused]] const Plan& p) {
+#if PERF_WITH_CUDA
+         const auto& m = *p.s.sync_debug();
+         c10::cuda::warning_state().set_sync_debug_mode(m == "off"    ? c10::cuda::SyncDebugMode::L_DISABLED
+                                                        : m == "warn" ? c10::cuda::SyncDebugMode::L_WARN
+                                                                      : c10::cuda::SyncDebugMode::L_ERROR);
+#endif
+         return std::string();
+       },
+       [](const Plan&) {
+#if PERF_WITH_CUDA
+         const auto mode = c10::cuda::warning_state().get_sync_debug_mode();
+         return std::string(mode == c10::cuda::SyncDebugMode::L_DISABLED ? "off"
+                            : mode == c10::cuda::SyncDebugMode::L_WARN   ? "warn"
+                                                                         : "error");
+#else
+         return std::string("n/a");
+#endif
+       },
+       [](const Plan&) -> Restore {
+#if PERF_WITH_CUDA
+         const auto mode = c10::cuda::warning_state().get_sync_debug_mode();
+         return [mode] { c10::cuda::warning_state().set_sync_debug_mode(mode); };
+#else
+         return nullptr;
+#endif
+       }},
+
+      {"num_threads", false, nullptr, false,
+       [](const Settings& s) {
+         if (s.num_threads()) {
+           TORCH_CHECK(*s.num_threads() >= 1, "perf::Settings::num_threads: must be >= 1, got ", *s.num_threads());
+         }
+       },
+       [](const Plan& p) { return Request{opt_text(p.s.num_threads()), "", ""}; },
+       [](const Plan& p) {
+         if (at::get_num_threads() != *p.s.num_threads()) at::set_num_threads(*p.s.num_threads());
+         return std::string();
+       },
+       [](const Plan&) { return std::to_string(at::get_num_threads()); },
+       [](const Plan&) -> Restore {
+         const int n = at::get_num_threads();
+         return [n] {
+           if (at::get_num_threads() != n) at::set_num_threads(n);
+         };
+       }},
+
+      {"num_interop_threads", false,
+       "num_interop_threads can be set once per process and cannot be restored; set it with perf::setup()", true,
+       [](const Settings& s) {
+         if (s.num_interop_threads()) {
+           TORCH_CHECK(*s.num_interop_threads() >= 1, "perf::Settings::num_interop_threads: must be >= 1, got ",
+                       *s.num_interop_threads());
+         }
+       },
+       [](const Plan& p) { return Request{opt_text(p.s.num_interop_threads()), "", ""}; },
+       [](const Plan& p) {
+         const int n = *p.s.num_interop_threads();
+         if (static_cast<int64_t>(at::get_num_interop_threads()) == n) return std::string();
+         try {
+           at::set_num_interop_threads(n);
+         } catch (const c10::Error&) {
+           TORCH_CHECK(false,
+                       "perf::Settings::num_interop_threads: LibTorch accepts it once per process, before any "
+                       "inter-op work; it is already fixed at ",
+                       at::get_num_interop_threads(),
+                       ". Call perf::setup() with num_interop_threads first thing in main(), or leave it unset. "
+                       "Nothing was applied.");
+         }
+         return std::string();
+       },
+       [](const Plan&) { return std::to_string(at::get_num_interop_threads()); }, nullptr},
+
+      {"flush_denormal", false, nullptr, false, nullptr,
+       [](const Plan& p) {
+         if (!p.s.flush_denormal()) return Request{};
+         return Request{bool_str(*p.s.flush_denormal()), flush_denormal_state() ? "" : "needs x86-64 FTZ/DAZ",
+                        "calling thread only"};
+       },
+       [](const Plan& p) {
+         return at::globalContext().setFlushDenormal(*p.s.flush_denormal()) ? std::string()
+                                                                             : std::string("CPU does not support FTZ/DAZ");
+       },
+       [](const Plan&) {
+         const auto fd = flush_denormal_state();
+         return fd ? bool_str(*fd) : std::string("n/a (not x86-64)");
+       },
+       [](const Plan&) -> Restore {
+         const auto fd = flush_denormal_state();
+         return [fd] {
+           if (fd && flush_denormal_state() != fd) at::globalContext().setFlushDenormal(*fd);
+         };
+       }},
+  };
+  return table;
+}
+
+inline void validate(const Settings& s) {
+  for (const auto& e : entries())
+    if (e.validate) e.validate(s);
+}
+
+// Current value of every setting, as text, in table order.
+inline std::vector<std::pair<std::string, std::string>> read_flags(const Plan& p) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& e : entries()) out.emplace_back(e.name, e.read(p));
+  return out;
+}
+
+inline std::vector<std::pair<std::string, std::string>> read_flags() {
+  const Settings s;
+  return read_flags(make_plan(s));
+}
+
+inline Request request(const Entry& e, const Plan& p) {
+  Request r = e.request(p);
+  if (r.value && e.cuda_only && !p.cuda) r.skip = no_cuda_reason();
+  return r;
+}
+
+inline bool wanted(const Request& r) { return r.value && r.skip.empty(); }
+
+// Fallible entries first, each saved; if one throws, those already applied are
+// put back, so a failed setup() applies nothing.
+inline void apply(const Plan& p, std::vector<Request>& req) {
+  const auto& table = entries();
+  std::vector<Restore> undo;
+  try {
+    for (size_t i = 0; i < table.size(); ++i) {
+      if (!table[i].fallible || !wanted(req[i])) continue;
+      Restore restore = table[i].save ? table[i].save(p) : nullptr;
+      if (auto note = table[i].apply(p); !note.empty()) req[i].note = std::move(note);
+      if (restore) undo.push_back(std::move(restore));
+    }
+  } catch (...) {
+    for (auto it = undo.rbegin(); it != undo.rend(); ++it) (*it)();
+    throw;
+  }
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (table[i].fallible || !wanted(req[i])) continue;
+    if (auto note = table[i].apply(p); !note.empty()) req[i].note = std::move(note);
+  }
+}
+
+inline Report make_report(const std::vector<Request>& req, const std::vector<std::string>& before,
+                          const std::vector<std::string>& after, const std::string& disabled) {
   Report rep;
   rep.disabled = !disabled.empty();
-  for (size_t i = 0; i < req.size(); ++i) {
-    const auto& [name, r] = req[i];
-    ReportRow row;
-    row.setting = name;
-    row.requested = r.value.value_or("-");
-    row.read_back = after[i].second;
+  rep.cpu_autocast = cpu_bf16().autocast_choice();
+  const auto& table = entries();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const Request& r = req[i];
+    ReportRow row{table[i].name, r.value.value_or("-"), after[i], Status::unchanged, ""};
     if (!disabled.empty()) {
       row.status = Status::skipped;
       row.reason = disabled;
     } else if (!r.value) {
-      row.status = Status::unchanged;
       row.reason = "not requested";
     } else if (!r.skip.empty()) {
       row.status = Status::skipped;
       row.reason = r.skip;
     } else {
-      row.status = before[i].second == after[i].second ? Status::unchanged : Status::applied;
+      row.status = before[i] == after[i] ? Status::unchanged : Status::applied;
       row.reason = r.note;
     }
     rep.rows.push_back(std::move(row));
@@ -644,106 +841,28 @@ inline Report make_report(const std::vector<std::pair<std::string, Request>>& re
   return rep;
 }
 
-inline std::string pad(const std::string& s, size_t w) {
-  return s.size() >= w ? s : s + std::string(w - s.size(), ' ');
+inline std::vector<std::string> read_values(const Plan& p) {
+  std::vector<std::string> v;
+  for (const auto& e : entries()) v.push_back(e.read(p));
+  return v;
 }
 
-// Everything perf may change, captured so that ScopedSettings can put it back.
-struct Snapshot {
-  std::optional<at::Float32MatmulPrecision> matmul_legacy;
-  std::optional<bool> cudnn_legacy;
-  at::Float32Precision cuda_matmul{}, mkldnn_matmul{}, cuda_conv{}, cuda_rnn{};
-  bool benchmark = false, det_cudnn = false, det_algorithms = false, det_warn_only = false;
-  at::CuBLASReductionOption fp16{}, bf16{};
-  int num_threads = 1;
-  std::optional<bool> flush_denormal;
-  std::optional<std::string> cublas_workspace;
-  bool sdpa_flash = true, sdpa_mem_efficient = true, sdpa_math = true, sdpa_cudnn = true;
-#if PERF_WITH_CUDA
-  c10::cuda::SyncDebugMode sync_debug = c10::cuda::SyncDebugMode::L_DISABLED;
-  std::vector<double> fractions;
-#endif
-
-  static Snapshot capture() {
-    using B = at::Float32Backend;
-    using O = at::Float32Op;
-    auto& ctx = at::globalContext();
-    Snapshot s;
-    s.matmul_legacy = legacy_matmul_precision();
-    s.cudnn_legacy = legacy_cudnn_tf32();
-    s.cuda_matmul = fp32(B::CUDA, O::MATMUL);
-    s.mkldnn_matmul = fp32(B::MKLDNN, O::MATMUL);
-    s.cuda_conv = fp32(B::CUDA, O::CONV);
-    s.cuda_rnn = fp32(B::CUDA, O::RNN);
-    s.benchmark = ctx.benchmarkCuDNN();
-    s.det_cudnn = ctx.deterministicCuDNN();
-    s.det_algorithms = ctx.deterministicAlgorithms();
-    s.det_warn_only = ctx.deterministicAlgorithmsWarnOnly();
-    s.fp16 = ctx.allowFP16ReductionCuBLAS();
-    s.bf16 = ctx.allowBF16ReductionCuBLAS();
-    s.num_threads = at::get_num_threads();
-    s.flush_denormal = flush_denormal_state();
-    if (const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG")) s.cublas_workspace = ws;
-    s.sdpa_flash = ctx.userEnabledFlashSDP();
-    s.sdpa_mem_efficient = ctx.userEnabledMemEfficientSDP();
-    s.sdpa_math = ctx.userEnabledMathSDP();
-    s.sdpa_cudnn = ctx.userEnabledCuDNNSDP();
-#if PERF_WITH_CUDA
-    s.sync_debug = c10::cuda::warning_state().get_sync_debug_mode();
-    for (int d = 0; d < cuda_device_count(); ++d)
-      s.fractions.push_back(c10::cuda::CUDACachingAllocator::getMemoryFraction(static_cast<c10::DeviceIndex>(d)));
-#endif
-    return s;
-  }
-
-  void restore() const {
-    using B = at::Float32Backend;
-    using O = at::Float32Op;
-    auto& ctx = at::globalContext();
-    // Legacy fields first (they also write the per-backend entries), then the
-    // per-backend entries exactly as they read before.
-    if (matmul_legacy) ctx.setFloat32MatmulPrecision(matmul_precision_name(*matmul_legacy));
-    if (cudnn_legacy) ctx.setAllowTF32CuDNN(*cudnn_legacy);
-    ctx.setFloat32Precision(B::CUDA, O::MATMUL, cuda_matmul);
-    ctx.setFloat32Precision(B::MKLDNN, O::MATMUL, mkldnn_matmul);
-    ctx.setFloat32Precision(B::CUDA, O::CONV, cuda_conv);
-    ctx.setFloat32Precision(B::CUDA, O::RNN, cuda_rnn);
-    ctx.setBenchmarkCuDNN(benchmark);
-    ctx.setDeterministicCuDNN(det_cudnn);
-    ctx.setDeterministicAlgorithms(det_algorithms, det_warn_only);
-    set_reduction(true, fp16);
-    set_reduction(false, bf16);
-    if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
-    if (flush_denormal && flush_denormal_state() != flush_denormal) ctx.setFlushDenormal(*flush_denormal);
-    if (cublas_workspace) {
-      ::setenv("CUBLAS_WORKSPACE_CONFIG", cublas_workspace->c_str(), 1);
-    } else {
-      ::unsetenv("CUBLAS_WORKSPACE_CONFIG");
-    }
-    ctx.setSDPUseFlash(sdpa_flash);
-    ctx.setSDPUseMemEfficient(sdpa_mem_efficient);
-    ctx.setSDPUseMath(sdpa_math);
-    ctx.setSDPUseCuDNN(sdpa_cudnn);
-#if PERF_WITH_CUDA
-    c10::cuda::warning_state().set_sync_debug_mode(sync_debug);
-    for (size_t d = 0; d < fractions.size(); ++d)
-      c10::cuda::CUDACachingAllocator::setMemoryFraction(fractions[d], static_cast<c10::DeviceIndex>(d));
-#endif
-  }
-};
-
-// setup() without the lock, for ScopedSettings which holds it across capture.
-inline Report setup_locked(const Settings& settings) {
-  validate(settings);
-  auto req = requests(settings);
-  auto before = read_flags();
+// setup() without the lock, for ScopedSettings which holds it across saving.
+inline Report setup_locked(const Plan& p) {
+  std::vector<Request> req;
+  for (const auto& e : entries()) req.push_back(request(e, p));
+  const auto before = read_values(p);
   if (env_flag("PERF_DISABLE")) return make_report(req, before, before, "PERF_DISABLE=1");
-  apply(settings, req);
-  return make_report(req, before, read_flags(), "");
+  apply(p, req);
+  return make_report(req, before, read_values(p), "");
 }
 
 inline void maybe_print(const Report& r) {
   if (env_flag("PERF_VERBOSE")) std::cerr << r.to_string(true);
+}
+
+inline std::string pad(const std::string& s, size_t w) {
+  return s.size() >= w ? s : s + std::string(w - s.size(), ' ');
 }
 
 }  // namespace detail
@@ -781,6 +900,7 @@ inline std::string Report::to_string(bool all) const {
     os << "(" << rows.size() - shown.size()
        << " more settings unchanged; report.to_string(true) or PERF_VERBOSE=1 shows every row)\n";
   }
+  if (!cpu_autocast.empty()) os << "CPU autocast default: " << cpu_autocast << "\n";
   return os.str();
 }
 
@@ -790,86 +910,30 @@ inline Report setup(const Settings& settings) {
   Report r;
   {
     std::lock_guard<std::mutex> lock(detail::settings_mutex());
-    r = detail::setup_locked(settings);
+    detail::validate(settings);
+    r = detail::setup_locked(detail::make_plan(settings));
   }
   detail::maybe_print(r);
   return r;
 }
 
-struct ScopedSettings::Saved {
-  detail::Snapshot snapshot;
-};
-
 inline ScopedSettings::ScopedSettings(const Settings& settings) {
-  TORCH_CHECK(!settings.num_interop_threads(),
-              "perf::ScopedSettings: num_interop_threads can be set once per process and cannot be restored; set "
-              "it with perf::setup()");
-  TORCH_CHECK(!settings.allocator(),
-              "perf::ScopedSettings: allocator settings shape memory already reserved and cannot be restored; set "
-              "them with perf::setup()");
   std::lock_guard<std::mutex> lock(detail::settings_mutex());
+  const auto p = detail::make_plan(settings);
+  for (const auto& e : detail::entries()) {
+    TORCH_CHECK(!e.one_way || !e.request(p).value, "perf::ScopedSettings: ", e.one_way);
+  }
   detail::validate(settings);
-  saved_ = std::make_unique<Saved>(Saved{detail::Snapshot::capture()});
-  report_ = detail::setup_locked(settings);
+  for (const auto& e : detail::entries())
+    if (e.save && !e.one_way)
+      if (auto r = e.save(p)) restore_.push_back(std::move(r));
+  report_ = detail::setup_locked(p);
   detail::maybe_print(report_);
 }
 
 inline ScopedSettings::~ScopedSettings() {
   std::lock_guard<std::mutex> lock(detail::settings_mutex());
-  saved_->snapshot.restore();
-}
-
-inline Environment environment() {
-  Environment e;
-  e.hardware_threads = std::thread::hardware_concurrency();
-  e.intraop_threads = at::get_num_threads();
-  e.interop_threads = static_cast<int64_t>(at::get_num_interop_threads());
-#if PERF_WITH_CUDA
-  int v = 0;
-  if (cudaRuntimeGetVersion(&v) == cudaSuccess) e.cuda_runtime_version = v;
-  v = 0;
-  if (cudaDriverGetVersion(&v) == cudaSuccess) e.cuda_driver_version = v;
-  try {
-    e.cudnn_version = at::detail::getCUDAHooks().versionCuDNN();
-  } catch (const c10::Error&) {
-    e.cudnn_version = 0;
-  }
-  for (int d = 0; d < detail::cuda_device_count(); ++d) {
-    const auto* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(d));
-    e.devices.push_back(
-        {d, p->name, p->major, p->minor, static_cast<int64_t>(p->totalGlobalMem), p->multiProcessorCount});
-  }
-#endif
-  {
-    std::lock_guard<std::mutex> lock(detail::settings_mutex());
-    e.flags = detail::read_flags();
-  }
-  return e;
-}
-
-inline std::ostream& operator<<(std::ostream& os, const Environment& e) {
-  auto version = [](int64_t v) {
-    if (v == 0) return std::string("n/a");
-    return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-  };
-  os << "perf " << e.perf_version << " on LibTorch " << e.torch_version << "\n";
-  os << "  CUDA support compiled: " << (e.cuda_compiled ? "yes" : "no") << "\n";
-  os << "  CUDA runtime: " << version(e.cuda_runtime_version) << ", driver: " << version(e.cuda_driver_version)
-     << ", cuDNN: " << (e.cudnn_version ? std::to_string(e.cudnn_version) : "n/a") << "\n";
-  os << "  CPU: " << e.hardware_threads << " hardware threads; intra-op " << e.intraop_threads << ", inter-op "
-     << e.interop_threads << "\n";
-  if (e.devices.empty()) os << "  CUDA devices: none\n";
-  for (const auto& d : e.devices) {
-    os << "  cuda:" << d.index << " " << d.name << ", sm_" << d.major << d.minor << ", " << std::fixed
-       << std::setprecision(1) << static_cast<double>(d.total_memory) / (1ull << 30) << " GiB, " << d.multiprocessors
-       << " SMs\n";
-    os.unsetf(std::ios_base::floatfield);
-  }
-  size_t w = 0;
-  for (const auto& [k, v] : e.flags) w = std::max(w, k.size());
-  os << "  flags:\n";
-  for (const auto& [k, v] : e.flags) os << "    " << detail::pad(k, w) << "  " << v << "\n";
-  return os;
+  for (auto it = restore_.rbegin(); it != restore_.rend(); ++it) (*it)();
 }
 
 }  // namespace perf

@@ -1,0 +1,48 @@
+// perf/detail/cpu.h — what the CPU offers for bfloat16, as ATen detects it.
+// bf16 autocast pays off on the CPU only with native bf16 arithmetic
+// (AVX-512-BF16 or AMX-BF16); elsewhere ATen emulates it and fp32 is faster.
+#pragma once
+
+#include <ATen/cpu/Utils.h>
+#include <c10/util/Exception.h>
+#include <perf/config.h>
+
+#include <string>
+
+namespace perf {
+namespace detail {
+
+struct CpuBf16 {
+  bool avx512_bf16 = false;
+  bool amx_bf16 = false;
+  bool native() const noexcept { return avx512_bf16 || amx_bf16; }
+  /// e.g. "avx512_bf16=yes amx_bf16=no"
+  std::string features() const {
+    return std::string("avx512_bf16=") + (avx512_bf16 ? "yes" : "no") + " amx_bf16=" + (amx_bf16 ? "yes" : "no");
+  }
+  /// The CPU autocast default and why, e.g. "off (fp32): avx512_bf16=no amx_bf16=no".
+  std::string autocast_choice() const {
+    return std::string(native() ? "bf16" : "off (fp32)") + ": " + features();
+  }
+};
+
+inline bool cpu_flag(const std::unordered_map<std::string, c10::IValue>& caps, const char* name) {
+  const auto it = caps.find(name);
+  return it != caps.end() && it->second.isBool() && it->second.toBool();
+}
+
+// Read once: cpuinfo's answer does not change while the process runs. Mutable
+// only so that tests can play the other kind of CPU.
+inline CpuBf16& cpu_bf16() {
+  static CpuBf16 caps = [] {
+    CpuBf16 c;
+    const auto all = at::cpu::get_cpu_capabilities();
+    c.avx512_bf16 = cpu_flag(all, "avx512_bf16");
+    c.amx_bf16 = cpu_flag(all, "amx_bf16");
+    return c;
+  }();
+  return caps;
+}
+
+}  // namespace detail
+}  // namespace perf
