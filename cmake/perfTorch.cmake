@@ -6,7 +6,23 @@
 #
 # Expects find_package(Torch) to have run. PERF_WITH_CUDA (ON by default) can
 # be set OFF to compile perf's CUDA code out even with a CUDA LibTorch.
+# perf's LibTorch floor: the oldest version its test suite runs against
+# (scripts/test-matrix.sh). perf uses APIs older versions lack, e.g.
+# at::cpu::get_cpu_capabilities, the per-backend Float32Precision enums, the
+# accelerator-generic allocator config.
+set(PERF_MIN_TORCH_VERSION 2.11)
+
+function(perf_check_torch_version version)
+  if(version AND version VERSION_LESS PERF_MIN_TORCH_VERSION)
+    message(FATAL_ERROR "perf needs LibTorch >= ${PERF_MIN_TORCH_VERSION}, found ${version}"
+                        "${ARGN}. Point CMake at a newer LibTorch (Torch_DIR or CMAKE_PREFIX_PATH, e.g. "
+                        "python -c 'import torch; print(torch.utils.cmake_prefix_path)' from a torch>=${PERF_MIN_TORCH_VERSION} "
+                        "install); README: \"Supported LibTorch versions\".")
+  endif()
+endfunction()
+
 function(perf_attach_torch target mode)
+  perf_check_torch_version("${Torch_VERSION}" " (Torch_DIR=${Torch_DIR})")
   if(NOT DEFINED PERF_WITH_CUDA)
     set(PERF_WITH_CUDA ON)
   endif()

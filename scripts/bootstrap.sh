@@ -3,7 +3,8 @@
 # Debian machine, skipping whatever is already there, and prints the CMake
 # prefix of LibTorch on its last line.
 #
-#   - Debian packages: cmake, g++, ninja, ccache, GoogleTest, Google Benchmark, CLI11
+#   - Debian packages: cmake, g++, ninja, ccache, GoogleTest, Google Benchmark, CLI11,
+#     Gloo's headers (libgloo-dev: the wheel lacks them; perf/distributed.h's Gloo backend)
 #   - LibTorch: the PyPI torch==2.11.0 wheel (its CUDA 13.0 build) in a
 #     virtualenv kept outside the clone, reused when present:
 #     $PERF_VENV (default ~/.cache/perf/venv-torch-2.11.0). Its python is also
@@ -13,14 +14,14 @@
 # does not need this script: pass -DTorch_DIR=... or CMAKE_PREFIX_PATH to CMake.
 set -euo pipefail
 
-TORCH_VERSION=2.11.0
+TORCH_VERSION=${PERF_TORCH_VERSION:-2.11.0}  # scripts/test-matrix.sh picks others
 PERF_VENV=${PERF_VENV:-$HOME/.cache/perf/venv-torch-$TORCH_VERSION}
 
 log() { echo "[bootstrap] $*" >&2; }
 
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for p in cmake g++ ninja-build ccache googletest libgtest-dev libbenchmark-dev libcli11-dev python3-venv; do
+for p in cmake g++ ninja-build ccache googletest libgtest-dev libbenchmark-dev libcli11-dev libgloo-dev python3-venv; do
   have "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then

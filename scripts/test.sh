@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Builds and runs perf's whole test suite: once with CUDA support compiled in
-# (as LibTorch reports it), once with PERF_WITH_CUDA=OFF. Installs what is
-# missing first (scripts/bootstrap.sh). Build trees: build/ and build-nocuda/.
+# Builds and runs perf's whole test suite:
+#   build/        CUDA support compiled in (as LibTorch reports it): every test,
+#                 the consumer projects and the per-header checks;
+#   build-nocuda/ PERF_WITH_CUDA=OFF, under AddressSanitizer + UndefinedBehaviorSanitizer;
+#   build-tsan/   the threaded suites (prefetcher, loader, concurrent setup())
+#                 under ThreadSanitizer.
+# Installs what is missing first (scripts/bootstrap.sh).
 source "$(dirname "$0")/common.sh"
 jobs=${PERF_JOBS:-$(nproc)}
 
@@ -15,5 +19,8 @@ run_suite() {  # <build dir> <extra cmake args...>
 
 echo "== perf tests, CUDA support as LibTorch reports it"
 run_suite build
-echo "== perf tests, PERF_WITH_CUDA=OFF"
-run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF
+echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer"
+run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
+  -DPERF_SANITIZE=address,undefined
+echo "== perf threaded tests, ThreadSanitizer"
+run_suite build-tsan -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_SANITIZE=thread

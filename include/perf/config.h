@@ -26,7 +26,14 @@
 #endif
 #endif
 
+#include <torch/version.h>
+
 #include <iosfwd>
+
+// The floor scripts/test-matrix.sh proves (CMake's find_package(perf) checks it too).
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 11)
+#error "perf needs LibTorch >= 2.11; see the README, \"Supported LibTorch versions\""
+#endif
 
 namespace perf {
 /// Where perf writes progress lines and tables; nullptr = nowhere. (An alias

@@ -6,6 +6,7 @@
 #include <perf/config.h>
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
+#include <perf/distributed.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds and runs perf's whole test suite against several LibTorch versions,
+# each from its PyPI torch wheel in its own venv (~/.cache/perf/venv-torch-X),
+# and prints a table. Versions below perf's floor (cmake/perfTorch.cmake) must
+# be refused by CMake with the floor message; that counts as the expected
+# result for them.
+#
+#   bash scripts/test-matrix.sh [version...]     default: 2.11.0
+#
+# The suite is built with PERF_WITH_CUDA=OFF (a CPU build) so that a wheel
+# whose CUDA differs from the local toolkit still builds; the CUDA build of
+# the supported version is what scripts/test.sh (CI) runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+versions=("$@")
+((${#versions[@]})) || versions=(2.11.0)
+floor=$(sed -n 's/^set(PERF_MIN_TORCH_VERSION \([0-9.]*\)).*/\1/p' cmake/perfTorch.cmake)
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+results=()
+for v in "${versions[@]}"; do
+  echo "== LibTorch $v"
+  dir=build-matrix/$v
+  log=build-matrix/$v.log
+  mkdir -p build-matrix
+  if ! prefix=$(PERF_TORCH_VERSION=$v bash scripts/bootstrap.sh 2>"$log" | tail -n 1) || [ -z "$prefix" ]; then
+    results+=("| $v | install failed (see $log) |")
+    continue
+  fi
+  if ! cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+      -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
+      >>"$log" 2>&1; then
+    if grep -q "perf needs LibTorch >= $floor" "$log"; then
+      results+=("| $v | refused by CMake (below the floor $floor), as expected |")
+    else
+      results+=("| $v | configure FAILED (see $log) |")
+    fi
+    continue
+  fi
+  if ! cmake --build "$dir" -j "$(nproc)" >>"$log" 2>&1; then
+    results+=("| $v | build FAILED (see $log) |")
+    continue
+  fi
+  if (cd "$dir" && ctest -j "$(nproc)" --output-on-failure >>"../../$log" 2>&1); then
+    summary=$(grep -E "tests passed" "$log" | tail -n 1)
+    results+=("| $v | $summary |")
+  else
+    results+=("| $v | tests FAILED: $(grep -E 'tests passed' "$log" | tail -n 1) (see $log) |")
+  fi
+done
+echo
+echo "| LibTorch | result |"
+echo "| --- | --- |"
+printf '%s\n' "${results[@]}"
+! printf '%s\n' "${results[@]}" | grep -q "FAILED\|install failed"
