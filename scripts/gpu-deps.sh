@@ -29,5 +29,8 @@ multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-li
 mkdir -p "$dir/benchmark-prefix/lib/$multiarch/cmake"
 cp -P /usr/lib/"$multiarch"/libbenchmark* "$dir/benchmark-prefix/lib/$multiarch/"  # .a and .so: the CMake package names both
 cp -r /usr/lib/"$multiarch"/cmake/benchmark "$dir/benchmark-prefix/lib/$multiarch/cmake/"
+if [ -d /usr/include/gloo ]; then  # libgloo-dev: perf/distributed.h's Gloo tests
+  mkdir -p "$dir/gloo-include" && cp -r /usr/include/gloo "$dir/gloo-include/"
+fi
 du -sh "$dir"
 echo "gpu-deps: ready in $dir; on the GPU machine: PERF_DEPS_DIR=$dir bash scripts/gpu-check.sh"
