@@ -100,25 +100,25 @@ int main(int argc, char** argv) {
   };
   const std::string amp_name = std::string("+ ") + (device.is_cuda() ? "autocast" : "bf16 autocast") +
                                (amp_default ? "" : " (not perf's default here)");
-  const auto stats = perf::compare(
-      {{"stock LibTorch",
-        [&] {
-          for (int i = 0; i < steps; ++i) train_step(stock, stock_opt, x, y);
-        }},
-       {"+ setup() flags", [&] { with_perf_flags(with_setup, setup_opt); }},
-       {"+ channels-last", [&] { with_perf_flags(cl, cl_opt); }},
-       {amp_name, [&] { with_perf_flags(amp, amp_opt); }},
-       {"perf: all + fused SGD", [&] { with_perf_flags(fast, fast_opt); }}},
-      perf::BenchOptions().warmup(2).iters(rounds).items_per_call(steps * batch).device(device));
+  const auto stats =
+      perf::compare({{"stock LibTorch",
+                      [&] {
+                        for (int i = 0; i < steps; ++i) train_step(stock, stock_opt, x, y);
+                      }},
+                     {"+ setup() flags", [&] { with_perf_flags(with_setup, setup_opt); }},
+                     {"+ channels-last", [&] { with_perf_flags(cl, cl_opt); }},
+                     {amp_name, [&] { with_perf_flags(amp, amp_opt); }},
+                     {"perf: all + fused SGD", [&] { with_perf_flags(fast, fast_opt); }}},
+                    perf::BenchOptions().warmup(2).iters(rounds).items_per_call(steps * batch).device(device));
 
   std::cout << perf::Stats::header();
   for (const auto& s : stats) std::cout << s;
-  std::cout << "\nspeed-up over stock LibTorch (ratio of medians; p90/median of stock = "
-            << std::setprecision(3) << stats[0].p90_ms / stats[0].median_ms << ", so differences within "
-            << std::setprecision(2) << 100.0 * (stats[0].p90_ms / stats[0].median_ms - 1.0) << "% are noise):\n";
+  std::cout << "\nspeed-up over stock LibTorch (ratio of medians; p90/median of stock = " << std::setprecision(3)
+            << stats[0].p90_ms / stats[0].median_ms << ", so differences within " << std::setprecision(2)
+            << 100.0 * (stats[0].p90_ms / stats[0].median_ms - 1.0) << "% are noise):\n";
   for (size_t k = 1; k < stats.size(); ++k)
-    std::cout << "  " << std::left << std::setw(44) << stats[k].name << std::right << ratio(stats[0].median_ms / stats[k].median_ms)
-              << "\n";
+    std::cout << "  " << std::left << std::setw(44) << stats[k].name << std::right
+              << ratio(stats[0].median_ms / stats[k].median_ms) << "\n";
   std::cout << "\nwhat the numbers say:\n"
             << "  - setup() flags matter on CUDA (TF32, cuDNN autotuner); on a CPU they change little.\n"
             << "  - channels-last lets oneDNN/cuDNN use NHWC kernels; it pays most with autocast and on GPUs.\n";
@@ -131,8 +131,8 @@ int main(int argc, char** argv) {
     std::cout << "  - autocast runs matmuls and convolutions in "
               << c10::toString(perf::Autocast::default_dtype(device)) << " on tensor cores.\n";
   }
-  std::cout << "  - perf's full recipe = setup() + perf::optimize (channels-last"
-            << (amp_default ? ", autocast" : "") << ") + perf::optim::SGD (one fused kernel for all parameters).\n\n"
+  std::cout << "  - perf's full recipe = setup() + perf::optimize (channels-last" << (amp_default ? ", autocast" : "")
+            << ") + perf::optim::SGD (one fused kernel for all parameters).\n\n"
             << report;
   return 0;
 }

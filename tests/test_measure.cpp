@@ -147,7 +147,8 @@ TEST(Compare, AlternatesAndReportsTheRatioOfMedians) {
 TEST(Compare, SeveralConfigurationsRoundRobin) {
   std::string order;
   const auto stats = perf::compare({{"a", [&] { order += 'A'; }},
-                                    {"b", [&] {
+                                    {"b",
+                                     [&] {
                                        order += 'B';
                                        sleep_ms(3);
                                      }},

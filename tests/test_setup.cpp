@@ -165,8 +165,9 @@ TEST(Setup, DefaultsNeverUndoDeterminism) {
   auto plan = perf::detail::make_plan(defaults);
   ASSERT_TRUE(plan.det_before);
   const auto& table = perf::detail::entries();
-  const auto entry = std::find_if(table.begin(), table.end(),
-                                  [](const perf::detail::Entry& e) { return std::string(e.name) == "cudnn_benchmark"; });
+  const auto entry = std::find_if(table.begin(), table.end(), [](const perf::detail::Entry& e) {
+    return std::string(e.name) == "cudnn_benchmark";
+  });
   ASSERT_NE(entry, table.end());
   EXPECT_NE(entry->request(plan).skip.find("yields"), std::string::npos);
   const auto explicit_on = perf::Settings().cudnn_benchmark(true);

@@ -163,9 +163,7 @@ inline c10::ScalarType Autocast::default_dtype(c10::Device device) {
   return at::kBFloat16;
 }
 
-inline bool Autocast::default_enabled(c10::Device device) {
-  return !device.is_cpu() || detail::cpu_bf16().native();
-}
+inline bool Autocast::default_enabled(c10::Device device) { return !device.is_cpu() || detail::cpu_bf16().native(); }
 
 inline c10::ScalarType Autocast::resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled) {
   TORCH_CHECK(device.is_cuda() || device.is_cpu(), "perf::Autocast: device must be cpu or cuda, got ", device);

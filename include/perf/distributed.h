@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <torch/arg.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -34,6 +35,7 @@
 #if __has_include(<nccl.h>)
 #define PERF_WITH_NCCL 1
 #include <c10/cuda/CUDAFunctions.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #endif
@@ -131,8 +133,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGr
     addr = a;
   }
   const int port = detail::dist_int(o.master_port(), "master_port", "MASTER_PORT", 1, 65535);
-  TORCH_CHECK(o.timeout().count() > 0, "perf::ProcessGroupOptions::timeout: must be > 0 ms, got ",
-              o.timeout().count());
+  TORCH_CHECK(o.timeout().count() > 0, "perf::ProcessGroupOptions::timeout: must be > 0 ms, got ", o.timeout().count());
   const std::string backend = detail::resolve_backend(o.backend());
 
   c10d::TCPStoreOptions so;
@@ -145,11 +146,11 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGr
   try {
     store = c10::make_intrusive<c10d::TCPStore>(addr, so);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "perf::init_process_group: rank ", rank, " of ", world, " could not ",
-                rank == 0 ? "host the store on port " : "reach the store at ", rank == 0 ? "" : addr + ":",
-                port, " within ", o.timeout().count(),
-                " ms (MASTER_ADDR/MASTER_PORT; every rank must start, and rank 0's port must be free). Cause: ",
-                e.what());
+    TORCH_CHECK(
+        false, "perf::init_process_group: rank ", rank, " of ", world, " could not ",
+        rank == 0 ? "host the store on port " : "reach the store at ", rank == 0 ? "" : addr + ":", port, " within ",
+        o.timeout().count(),
+        " ms (MASTER_ADDR/MASTER_PORT; every rank must start, and rank 0's port must be free). Cause: ", e.what());
   }
   // Backends rendezvous under their own prefix, as torch.distributed does.
   auto backend_store = c10::make_intrusive<c10d::PrefixStore>("default_pg/" + backend, store);

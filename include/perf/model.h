@@ -27,8 +27,8 @@
 
 #include <functional>
 #include <memory>
-#include <string>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>

@@ -7,11 +7,11 @@
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
 #include <perf/distributed.h>
+#include <perf/environment.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>
 #include <perf/module.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
-#include <perf/environment.h>
 #include <perf/setup.h>

@@ -328,9 +328,9 @@ using Restore = std::function<void()>;
 
 struct Entry {
   const char* name;
-  bool cuda_only;        // skipped without a CUDA device
-  const char* one_way;   // why ScopedSettings cannot restore it; nullptr if it can
-  bool fallible;         // apply may throw: applied first, rolled back if a later one throws
+  bool cuda_only;                     // skipped without a CUDA device
+  const char* one_way;                // why ScopedSettings cannot restore it; nullptr if it can
+  bool fallible;                      // apply may throw: applied first, rolled back if a later one throws
   void (*validate)(const Settings&);  // throws c10::Error naming the setting; may be null
   Request (*request)(const Plan&);
   std::string (*apply)(const Plan&);  // returns a note for the report ("" keeps the request's)
@@ -416,12 +416,45 @@ inline Restore save_bool(bool (at::Context::*get)() const, void (at::Context::*s
   return [&ctx, set, v] { (ctx.*set)(v); };
 }
 
+// An optional bool of Settings mapped to a bool getter/setter pair of at::Context.
+using BoolArg = const std::optional<bool>& (Settings::*)() const noexcept;
+template <BoolArg Arg, bool (at::Context::*Get)() const, void (at::Context::*Set)(bool)>
+Entry context_bool(const char* name, bool cuda_only, void (*validate)(const Settings&) = nullptr) {
+  return {name,
+          cuda_only,
+          nullptr,
+          false,
+          validate,
+          [](const Plan& p) {
+            return Request{opt_text((p.s.*Arg)()), "", ""};
+          },
+          [](const Plan& p) {
+            (at::globalContext().*Set)(*(p.s.*Arg)());
+            return std::string();
+          },
+          [](const Plan&) { return bool_str((at::globalContext().*Get)()); },
+          [](const Plan&) { return save_bool(Get, Set); }};
+}
+
+inline void validate_sdpa(const Settings& s) {
+  auto& ctx = at::globalContext();
+  const bool any = s.sdpa_flash().value_or(ctx.userEnabledFlashSDP()) ||
+                   s.sdpa_mem_efficient().value_or(ctx.userEnabledMemEfficientSDP()) ||
+                   s.sdpa_math().value_or(ctx.userEnabledMathSDP()) ||
+                   s.sdpa_cudnn().value_or(ctx.userEnabledCuDNNSDP());
+  TORCH_CHECK(any,
+              "perf::Settings::sdpa_*: at least one of sdpa_flash, sdpa_mem_efficient, sdpa_math, sdpa_cudnn must "
+              "stay enabled, or scaled_dot_product_attention has no kernel");
+}
+
 inline const std::vector<Entry>& entries() {
   using B = at::Float32Backend;
   using O = at::Float32Op;
   static const std::vector<Entry> table = {
       {"tf32", true, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{bool_str(p.s.tf32()), "", tf32_note(p)}; },
+       [](const Plan& p) {
+         return Request{bool_str(p.s.tf32()), "", tf32_note(p)};
+       },
        [](const Plan& p) {
          at::globalContext().setAllowTF32CuDNN(p.s.tf32());
          return std::string();
@@ -431,14 +464,17 @@ inline const std::vector<Entry>& entries() {
          return conv == rnn ? bool_str(conv == at::Float32Precision::TF32)
                             : "conv=" + precision_name(conv) + " rnn=" + precision_name(rnn);
        },
-       [](const Plan&) { return save_fp32(false, {B::CUDA, O::CONV}, {B::CUDA, O::RNN}); }},
+       [](const Plan&) {
+         return save_fp32(false, {B::CUDA, O::CONV}, {B::CUDA, O::RNN});
+       }},
 
       {"matmul_precision", false, nullptr, false,
        [](const Settings& s) {
          if (!s.matmul_precision()) return;
          const auto& v = *s.matmul_precision();
-         TORCH_CHECK(v == "highest" || v == "high" || v == "medium", "perf::Settings::matmul_precision: invalid value \"",
-                     v, "\"; valid values: \"highest\", \"high\", \"medium\"");
+         TORCH_CHECK(v == "highest" || v == "high" || v == "medium",
+                     "perf::Settings::matmul_precision: invalid value \"", v,
+                     "\"; valid values: \"highest\", \"high\", \"medium\"");
        },
        [](const Plan& p) {
          const auto note = tf32_note(p);
@@ -455,7 +491,9 @@ inline const std::vector<Entry>& entries() {
          return "inconsistent (cuda.matmul=" + precision_name(fp32(B::CUDA, O::MATMUL)) +
                 " mkldnn.matmul=" + precision_name(fp32(B::MKLDNN, O::MATMUL)) + ")";
        },
-       [](const Plan&) { return save_fp32(true, {B::CUDA, O::MATMUL}, {B::MKLDNN, O::MATMUL}); }},
+       [](const Plan&) {
+         return save_fp32(true, {B::CUDA, O::MATMUL}, {B::MKLDNN, O::MATMUL});
+       }},
 
       {"cudnn_benchmark", true, nullptr, false, nullptr,
        [](const Plan& p) {
@@ -469,21 +507,24 @@ inline const std::vector<Entry>& entries() {
          }
          if (s.deterministic().value_or(false)) return Request{"false", "", "off because deterministic(true)"};
          if (p.determinism()) {
-           return Request{"true", "yields: deterministic algorithms are on (set earlier by the program); "
-                                  "cudnn_benchmark(true) overrides", ""};
+           return Request{"true",
+                          "yields: deterministic algorithms are on (set earlier by the program); "
+                          "cudnn_benchmark(true) overrides",
+                          ""};
          }
          return Request{"true", "", ""};
        },
        [](const Plan& p) {
-         at::globalContext().setBenchmarkCuDNN(
-             p.s.cudnn_benchmark().value_or(!p.s.deterministic().value_or(false)));
+         at::globalContext().setBenchmarkCuDNN(p.s.cudnn_benchmark().value_or(!p.s.deterministic().value_or(false)));
          return std::string();
        },
        [](const Plan&) { return bool_str(at::globalContext().benchmarkCuDNN()); },
        [](const Plan&) { return save_bool(&at::Context::benchmarkCuDNN, &at::Context::setBenchmarkCuDNN); }},
 
       {"deterministic", false, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.deterministic()), "", ""}; },
+       [](const Plan& p) {
+         return Request{opt_text(p.s.deterministic()), "", ""};
+       },
        [](const Plan& p) {
          auto& ctx = at::globalContext();
          ctx.setDeterministicCuDNN(*p.s.deterministic());
@@ -526,7 +567,9 @@ inline const std::vector<Entry>& entries() {
        nullptr},
 
       {"fp16_reduced_precision_reduction", true, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.fp16_reduced_precision_reduction()), "", ""}; },
+       [](const Plan& p) {
+         return Request{opt_text(p.s.fp16_reduced_precision_reduction()), "", ""};
+       },
        [](const Plan& p) {
          at::globalContext().setAllowFP16ReductionCuBLAS(*p.s.fp16_reduced_precision_reduction());
          return std::string();
@@ -538,7 +581,9 @@ inline const std::vector<Entry>& entries() {
        }},
 
       {"bf16_reduced_precision_reduction", true, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.bf16_reduced_precision_reduction()), "", ""}; },
+       [](const Plan& p) {
+         return Request{opt_text(p.s.bf16_reduced_precision_reduction()), "", ""};
+       },
        [](const Plan& p) {
          at::globalContext().setAllowBF16ReductionCuBLAS(*p.s.bf16_reduced_precision_reduction());
          return std::string();
@@ -549,57 +594,20 @@ inline const std::vector<Entry>& entries() {
          return [o] { set_reduction(false, o); };
        }},
 
-      {"sdpa_flash", false, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.sdpa_flash()), "", ""}; },
-       [](const Plan& p) {
-         at::globalContext().setSDPUseFlash(*p.s.sdpa_flash());
-         return std::string();
-       },
-       [](const Plan&) { return bool_str(at::globalContext().userEnabledFlashSDP()); },
-       [](const Plan&) { return save_bool(&at::Context::userEnabledFlashSDP, &at::Context::setSDPUseFlash); }},
-
-      {"sdpa_mem_efficient", false, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.sdpa_mem_efficient()), "", ""}; },
-       [](const Plan& p) {
-         at::globalContext().setSDPUseMemEfficient(*p.s.sdpa_mem_efficient());
-         return std::string();
-       },
-       [](const Plan&) { return bool_str(at::globalContext().userEnabledMemEfficientSDP()); },
-       [](const Plan&) {
-         return save_bool(&at::Context::userEnabledMemEfficientSDP, &at::Context::setSDPUseMemEfficient);
-       }},
-
-      {"sdpa_math", false, nullptr, false, nullptr,
-       [](const Plan& p) { return Request{opt_text(p.s.sdpa_math()), "", ""}; },
-       [](const Plan& p) {
-         at::globalContext().setSDPUseMath(*p.s.sdpa_math());
-         return std::string();
-       },
-       [](const Plan&) { return bool_str(at::globalContext().userEnabledMathSDP()); },
-       [](const Plan&) { return save_bool(&at::Context::userEnabledMathSDP, &at::Context::setSDPUseMath); }},
-
-      {"sdpa_cudnn", false, nullptr, false,
-       [](const Settings& s) {
-         auto& ctx = at::globalContext();
-         const bool any = s.sdpa_flash().value_or(ctx.userEnabledFlashSDP()) ||
-                          s.sdpa_mem_efficient().value_or(ctx.userEnabledMemEfficientSDP()) ||
-                          s.sdpa_math().value_or(ctx.userEnabledMathSDP()) ||
-                          s.sdpa_cudnn().value_or(ctx.userEnabledCuDNNSDP());
-         TORCH_CHECK(any, "perf::Settings::sdpa_*: at least one of sdpa_flash, sdpa_mem_efficient, sdpa_math, "
-                          "sdpa_cudnn must stay enabled, or scaled_dot_product_attention has no kernel");
-       },
-       [](const Plan& p) { return Request{opt_text(p.s.sdpa_cudnn()), "", ""}; },
-       [](const Plan& p) {
-         at::globalContext().setSDPUseCuDNN(*p.s.sdpa_cudnn());
-         return std::string();
-       },
-       [](const Plan&) { return bool_str(at::globalContext().userEnabledCuDNNSDP()); },
-       [](const Plan&) { return save_bool(&at::Context::userEnabledCuDNNSDP, &at::Context::setSDPUseCuDNN); }},
+      context_bool<&Settings::sdpa_flash, &at::Context::userEnabledFlashSDP, &at::Context::setSDPUseFlash>("sdpa_flash",
+                                                                                                           false),
+      context_bool<&Settings::sdpa_mem_efficient, &at::Context::userEnabledMemEfficientSDP,
+                   &at::Context::setSDPUseMemEfficient>("sdpa_mem_efficient", false),
+      context_bool<&Settings::sdpa_math, &at::Context::userEnabledMathSDP, &at::Context::setSDPUseMath>("sdpa_math",
+                                                                                                        false),
+      context_bool<&Settings::sdpa_cudnn, &at::Context::userEnabledCuDNNSDP, &at::Context::setSDPUseCuDNN>(
+          "sdpa_cudnn", false, validate_sdpa),
 
       // LibTorch's parser is the validator: a trial parse, then the previous
       // settings back, on every machine (so a bad string fails on a laptop too).
-      {"allocator", true, "allocator settings shape memory already reserved and cannot be restored; set them with "
-                          "perf::setup()",
+      {"allocator", true,
+       "allocator settings shape memory already reserved and cannot be restored; set them with "
+       "perf::setup()",
        true,
        [](const Settings& s) {
          if (!s.allocator()) return;
@@ -612,7 +620,9 @@ inline const std::vector<Entry>& entries() {
          }
          restore();
        },
-       [](const Plan& p) { return Request{p.s.allocator(), "", ""}; },
+       [](const Plan& p) {
+         return Request{p.s.allocator(), "", ""};
+       },
        [](const Plan& p) {
          const int64_t reserved = cuda_reserved_bytes();
          parse_allocator(*p.s.allocator());
@@ -670,7 +680,9 @@ inline const std::vector<Entry>& entries() {
          TORCH_CHECK(m == "off" || m == "warn" || m == "error", "perf::Settings::sync_debug: invalid value \"", m,
                      "\"; valid values: \"off\", \"warn\", \"error\"");
        },
-       [](const Plan& p) { return Request{p.s.sync_debug(), "", ""}; },
+       [](const Plan& p) {
+         return Request{p.s.sync_debug(), "", ""};
+       },
        []([[maybe_unused]] const Plan& p) {
 #if PERF_WITH_CUDA
          const auto& m = *p.s.sync_debug();
@@ -705,7 +717,9 @@ inline const std::vector<Entry>& entries() {
            TORCH_CHECK(*s.num_threads() >= 1, "perf::Settings::num_threads: must be >= 1, got ", *s.num_threads());
          }
        },
-       [](const Plan& p) { return Request{opt_text(p.s.num_threads()), "", ""}; },
+       [](const Plan& p) {
+         return Request{opt_text(p.s.num_threads()), "", ""};
+       },
        [](const Plan& p) {
          if (at::get_num_threads() != *p.s.num_threads()) at::set_num_threads(*p.s.num_threads());
          return std::string();
@@ -726,7 +740,9 @@ inline const std::vector<Entry>& entries() {
                        *s.num_interop_threads());
          }
        },
-       [](const Plan& p) { return Request{opt_text(p.s.num_interop_threads()), "", ""}; },
+       [](const Plan& p) {
+         return Request{opt_text(p.s.num_interop_threads()), "", ""};
+       },
        [](const Plan& p) {
          const int n = *p.s.num_interop_threads();
          if (static_cast<int64_t>(at::get_num_interop_threads()) == n) return std::string();
@@ -751,8 +767,9 @@ inline const std::vector<Entry>& entries() {
                         "calling thread only"};
        },
        [](const Plan& p) {
-         return at::globalContext().setFlushDenormal(*p.s.flush_denormal()) ? std::string()
-                                                                             : std::string("CPU does not support FTZ/DAZ");
+         return at::globalContext().setFlushDenormal(*p.s.flush_denormal())
+                    ? std::string()
+                    : std::string("CPU does not support FTZ/DAZ");
        },
        [](const Plan&) {
          const auto fd = flush_denormal_state();
@@ -774,15 +791,18 @@ inline void validate(const Settings& s) {
 }
 
 // Current value of every setting, as text, in table order.
-inline std::vector<std::pair<std::string, std::string>> read_flags(const Plan& p) {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& e : entries()) out.emplace_back(e.name, e.read(p));
-  return out;
+inline std::vector<std::string> read_values(const Plan& p) {
+  std::vector<std::string> v;
+  for (const auto& e : entries()) v.push_back(e.read(p));
+  return v;
 }
 
 inline std::vector<std::pair<std::string, std::string>> read_flags() {
   const Settings s;
-  return read_flags(make_plan(s));
+  const auto values = read_values(make_plan(s));
+  std::vector<std::pair<std::string, std::string>> out;
+  for (size_t i = 0; i < values.size(); ++i) out.emplace_back(entries()[i].name, values[i]);
+  return out;
 }
 
 inline Request request(const Entry& e, const Plan& p) {
@@ -839,12 +859,6 @@ inline Report make_report(const std::vector<Request>& req, const std::vector<std
     rep.rows.push_back(std::move(row));
   }
   return rep;
-}
-
-inline std::vector<std::string> read_values(const Plan& p) {
-  std::vector<std::string> v;
-  for (const auto& e : entries()) v.push_back(e.read(p));
-  return v;
 }
 
 // setup() without the lock, for ScopedSettings which holds it across saving.

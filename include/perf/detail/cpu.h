@@ -21,9 +21,7 @@ struct CpuBf16 {
     return std::string("avx512_bf16=") + (avx512_bf16 ? "yes" : "no") + " amx_bf16=" + (amx_bf16 ? "yes" : "no");
   }
   /// The CPU autocast default and why, e.g. "off (fp32): avx512_bf16=no amx_bf16=no".
-  std::string autocast_choice() const {
-    return std::string(native() ? "bf16" : "off (fp32)") + ": " + features();
-  }
+  std::string autocast_choice() const { return std::string(native() ? "bf16" : "off (fp32)") + ": " + features(); }
 };
 
 inline bool cpu_flag(const std::unordered_map<std::string, c10::IValue>& caps, const char* name) {
