@@ -89,7 +89,7 @@ tail -3 "$out/gpu-tests-one-process.log"
 
 # 5. Benchmarks with --device cuda, then the Python peers.
 if ((quick)); then
-  opt=(--iters 30); amp=(--iters 10 --batch 32); data=(--samples 2048 --epochs 2); graph=(--iters 100)
+  opt=(--iters 30); amp=(--iters 5); data=(--samples 2048 --epochs 2 --gpu-batches 32); graph=(--iters 100)
 else
   opt=(); amp=(); data=(); graph=()
 fi
@@ -102,7 +102,7 @@ run_bench() {  # name args...
     echo "   not built" | tee "$out/$name.txt"
   fi
 }
-run_bench bench_setup --benchmark_min_time=0.05s
+run_bench bench_setup --benchmark_min_time=0.05
 run_bench bench_optim --device cuda "${opt[@]}"
 run_bench bench_amp --device cuda "${amp[@]}"
 run_bench bench_data --device cuda "${data[@]}"

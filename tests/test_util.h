@@ -51,9 +51,12 @@ class ScopedEnv {
 };
 
 // Runs a Python snippet with the interpreter of the venv that provided
-// LibTorch (PERF_PYTHON, set by CMake) and returns its stdout, trimmed.
+// LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
+// overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  const std::string cmd = std::string(PERF_PYTHON) + " -c \"" + code + "\" 2>/dev/null";
+  const char* env = std::getenv("PERF_PYTHON");
+  const std::string py = env != nullptr && *env != '\0' ? env : PERF_PYTHON;
+  const std::string cmd = py + " -c \"" + code + "\" 2>/dev/null";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
   std::string out;

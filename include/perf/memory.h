@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/cuda.h>
 #include <torch/arg.h>
 
 #if PERF_WITH_CUDA
@@ -115,6 +116,7 @@ inline MemoryStats memory_stats(c10::Device device) {
 #if PERF_WITH_CUDA
   TORCH_CHECK(c10::cuda::device_count() > 0, "perf::memory_stats: ", device,
               " requested but no CUDA device is available");
+  detail::init_cuda();
   const auto idx = device.has_index() ? device.index() : c10::cuda::current_device();
   const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(idx);
   constexpr auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -137,6 +139,7 @@ inline bool reset_peak_memory(c10::Device device) {
 #if PERF_WITH_CUDA
     TORCH_CHECK(c10::cuda::device_count() > 0, "perf::reset_peak_memory: ", device,
                 " requested but no CUDA device is available");
+    detail::init_cuda();
     c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : c10::cuda::current_device());
     return true;
 #else

@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
+#include <perf/detail/cuda.h>
 #include <torch/arg.h>
 #include <torch/version.h>
 
@@ -360,6 +361,7 @@ inline bool valid_cublas_workspace(const char* v) {
 inline int64_t cuda_reserved_bytes() {
   int64_t total = 0;
 #if PERF_WITH_CUDA
+  if (cuda_device_count() > 0) init_cuda();
   for (int d = 0; d < cuda_device_count(); ++d) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(d));
     total += stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
@@ -649,6 +651,7 @@ inline const std::vector<Entry>& entries() {
        },
        []([[maybe_unused]] const Plan& p) {
 #if PERF_WITH_CUDA
+         init_cuda();
          c10::cuda::CUDACachingAllocator::setMemoryFraction(*p.s.memory_fraction(),
                                                             static_cast<c10::DeviceIndex>(p.device));
 #endif
@@ -657,6 +660,7 @@ inline const std::vector<Entry>& entries() {
        []([[maybe_unused]] const Plan& p) {
 #if PERF_WITH_CUDA
          if (p.device >= 0) {
+           init_cuda();
            return number(c10::cuda::CUDACachingAllocator::getMemoryFraction(static_cast<c10::DeviceIndex>(p.device)));
          }
 #endif
@@ -665,6 +669,7 @@ inline const std::vector<Entry>& entries() {
        []([[maybe_unused]] const Plan& p) -> Restore {
 #if PERF_WITH_CUDA
          if (p.device >= 0) {
+           init_cuda();
            const auto d = static_cast<c10::DeviceIndex>(p.device);
            const double f = c10::cuda::CUDACachingAllocator::getMemoryFraction(d);
            return [d, f] { c10::cuda::CUDACachingAllocator::setMemoryFraction(f, d); };
