@@ -107,6 +107,9 @@ run_bench bench_optim --device cuda "${opt[@]}"
 run_bench bench_amp --device cuda "${amp[@]}"
 run_bench bench_data --device cuda "${data[@]}"
 run_bench bench_graph "${graph[@]}"
+# DDP's own overhead on one GPU: NCCL at world size 1.
+RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
+  run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
 for peer in bench/peer_*.py; do
   name=$(basename "$peer" .py)
   echo "== $name"

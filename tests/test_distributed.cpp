@@ -4,7 +4,10 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <perf/amp.h>
+#include <perf/cuda_graph.h>
 #include <perf/distributed.h>
+#include <perf/optim.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -40,9 +43,10 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
-// Starts this test binary again as rank 1, running only `test`.
-pid_t spawn_rank1(const std::string& test, int port) {
-  std::vector<std::string> env = {"PERF_DIST_WORKER=1", "RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+// Starts this test binary again as `rank` of `world`, running only `test`.
+pid_t spawn_rank(const std::string& test, int port, int rank = 1, int world = 2) {
+  std::vector<std::string> env = {"PERF_DIST_WORKER=1", "RANK=" + std::to_string(rank),
+                                  "WORLD_SIZE=" + std::to_string(world), "MASTER_ADDR=127.0.0.1",
                                   "MASTER_PORT=" + std::to_string(port)};
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string kv = *e;
@@ -154,7 +158,7 @@ TEST(Distributed, TwoProcessesAllReduceAndBroadcastOverGloo) {
   if (is_worker()) GTEST_SKIP() << "skipped: this is the rank-1 copy";
   const int port = free_port();
   ASSERT_GT(port, 0);
-  const pid_t child = spawn_rank1("Distributed.Rank1OfTwoProcessTests", port);
+  const pid_t child = spawn_rank("Distributed.Rank1OfTwoProcessTests", port);
   ASSERT_GT(child, 0);
   try {
     auto pg = perf::init_process_group(perf::ProcessGroupOptions()
@@ -181,4 +185,346 @@ TEST(Distributed, Rank1OfTwoProcessTests) {
   auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
   EXPECT_EQ(pg->getRank(), 1);
   allreduce_and_broadcast(pg);
+}
+
+// --------------------------------------------------------------------------- DistributedDataParallel
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool spare = false) {
+    l1 = register_module("l1", torch::nn::Linear(8, 16));
+    l2 = register_module("l2", torch::nn::Linear(16, 16));
+    l3 = register_module("l3", torch::nn::Linear(16, 4));
+    if (spare) l4 = register_module("spare", torch::nn::Linear(16, 16));
+  }
+  at::Tensor forward(const at::Tensor& x) { return l3(torch::relu(l2(torch::relu(l1(x))))); }
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr}, l4{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Rank 0's flattened parameters equal this rank's, bit for bit.
+void expect_same_on_every_rank(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, torch::nn::Module& m,
+                               const std::string& what) {
+  std::vector<at::Tensor> flat;
+  for (const auto& p : m.parameters()) flat.push_back(p.detach().flatten());
+  for (const auto& b : m.buffers()) flat.push_back(b.detach().flatten().to(torch::kFloat));
+  const auto mine = torch::cat(flat);
+  std::vector<at::Tensor> r0 = {mine.clone()};
+  pg->broadcast(r0)->wait();
+  EXPECT_TRUE(torch::equal(r0[0], mine)) << what << ": rank " << pg->getRank() << " differs from rank 0";
+}
+
+double max_diff(torch::nn::Module& a, torch::nn::Module& b) {
+  double d = 0;
+  const auto pa = a.parameters(), pb = b.parameters();
+  for (size_t i = 0; i < pa.size(); ++i) d = std::max(d, (pa[i] - pb[i]).abs().max().item<double>());
+  return d;
+}
+
+enum class OptKind { sgd, adamw, torch_sgd };
+
+std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, std::vector<at::Tensor> params) {
+  switch (k) {
+    case OptKind::sgd:
+      return std::make_shared<perf::optim::SGD>(params, perf::optim::SGDOptions(0.05).momentum(0.9));
+    case OptKind::adamw:
+      return std::make_shared<perf::optim::AdamW>(params, perf::optim::AdamWOptions(1e-2));
+    case OptKind::torch_sgd:
+      return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  return nullptr;
+}
+
+// perf::optim's own zero_grad; LibTorch's optimizers through perf::optim::zero_grad
+// (their zero_grad's in-place detach_ refuses gradient_as_bucket_view's views).
+void clear_grads(torch::optim::Optimizer& opt) {
+  if (auto* fused = dynamic_cast<perf::optim::FusedOptimizer*>(&opt)) {
+    fused->zero_grad();
+  } else {
+    perf::optim::zero_grad(opt);
+  }
+}
+
+struct Case {
+  std::string name;
+  perf::DDPOptions options;
+  OptKind opt = OptKind::sgd;
+  bool spare = false;   // an unused parameter
+  int micro = 1;        // micro-batches per step; all but the last under no_sync()
+  bool scaler = false;  // perf::GradScaler around the step
+  double tol = 1e-5;
+};
+
+// Trains with DDP on this rank's slice for 10 steps and a reference model on the
+// whole batch in this process; both start from rank 0's initial weights.
+void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
+  SCOPED_TRACE(c.name + " on " + std::to_string(pg->getSize()) + " ranks");
+  const int rank = pg->getRank(), world = pg->getSize();
+  torch::manual_seed(100 + rank);  // different on every rank: DDP must broadcast rank 0's
+  Net model(c.spare);
+  torch::manual_seed(100);  // rank 0's initial weights
+  Net ref(c.spare);
+  perf::DistributedDataParallel ddp(model, pg, c.options);
+  EXPECT_LT(max_diff(*model, *ref), 1e-12) << "rank 0's parameters were not broadcast";
+  auto opt = make_opt(c.opt, model->parameters());
+  auto ref_opt = make_opt(c.opt, ref->parameters());
+  perf::GradScaler scaler(perf::GradScalerOptions().enabled(c.scaler).init_scale(1024.0));
+  perf::GradScaler ref_scaler(perf::GradScalerOptions().enabled(c.scaler).init_scale(1024.0));
+  const int64_t b = 6;
+  for (int step = 0; step < 10; ++step) {
+    torch::manual_seed(1000 + step);  // the same global batch everywhere
+    const auto x = torch::randn({c.micro, world * b, 8});
+    const auto y = torch::randint(0, 4, {c.micro, world * b});
+    clear_grads(*opt);
+    clear_grads(*ref_opt);
+    for (int m = 0; m < c.micro; ++m) {
+      const auto xs = x[m].narrow(0, rank * b, b), ys = y[m].narrow(0, rank * b, b);
+      auto local = [&] { scaler.scale(torch::nn::functional::cross_entropy(ddp(xs), ys)).backward(); };
+      if (m + 1 < c.micro) {
+        auto guard = ddp.no_sync();
+        local();
+      } else {
+        local();
+      }
+      ref_scaler.scale(torch::nn::functional::cross_entropy(ref(x[m]), y[m])).backward();
+    }
+    scaler.step(*opt);
+    scaler.update();
+    ref_scaler.step(*ref_opt);
+    ref_scaler.update();
+  }
+  EXPECT_LT(max_diff(*model, *ref), c.tol) << "DDP training differs from one process on the whole batch";
+  expect_same_on_every_rank(pg, *model, c.name);
+  if (c.options.static_graph() || !c.options.find_unused_parameters()) {
+    EXPECT_GE(ddp.buckets().size(), c.options.bucket_cap_mb() < 0.01 ? 2u : 1u) << "buckets after the rebuild";
+  }
+  if (c.spare) {
+    torch::manual_seed(100);
+    Net fresh(true);
+    EXPECT_TRUE(torch::equal(model->l4->weight, fresh->l4->weight)) << "the unused parameter moved";
+  }
+}
+
+// Buffers: rank 0's are broadcast before each synchronised forward, unless broadcast_buffers(false).
+void run_buffers(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool broadcast) {
+  SCOPED_TRACE(std::string("buffers, broadcast_buffers=") + (broadcast ? "true" : "false"));
+  const int rank = pg->getRank();
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 2));
+  perf::DistributedDataParallel ddp(seq, pg, perf::DDPOptions().broadcast_buffers(broadcast));
+  auto* bn = seq[1]->as<torch::nn::BatchNorm1d>();
+  EXPECT_TRUE(torch::equal(bn->running_mean, torch::zeros({8}))) << "constructor broadcast";
+  {
+    torch::NoGradGuard ng;
+    bn->running_mean.fill_(static_cast<float>(rank));  // drift, as local batches would cause
+  }
+  seq->eval();  // running stats are used, not updated
+  ddp(torch::randn({4, 8})).sum().backward();
+  EXPECT_TRUE(torch::equal(bn->running_mean, torch::full({8}, broadcast ? 0.0f : static_cast<float>(rank))))
+      << bn->running_mean;
+}
+
+void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const std::vector<Case> cases = {
+      {"SGD, default options", perf::DDPOptions(), OptKind::sgd},
+      {"AdamW, several small buckets", perf::DDPOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002),
+       OptKind::adamw},
+      {"SGD, gradient_as_bucket_view, torch::optim", perf::DDPOptions().gradient_as_bucket_view(true),
+       OptKind::torch_sgd},
+      {"AdamW, gradient_as_bucket_view, small buckets",
+       perf::DDPOptions().gradient_as_bucket_view(true).bucket_cap_mb(0.0005), OptKind::adamw},
+      {"SGD, no_sync accumulation over 3 micro-batches", perf::DDPOptions(), OptKind::sgd, false, 3},
+      {"AdamW, unused parameter, find_unused_parameters",
+       perf::DDPOptions().find_unused_parameters(true).bucket_cap_mb(0.001), OptKind::adamw, true},
+      {"SGD, static_graph with an unused parameter", perf::DDPOptions().static_graph(true), OptKind::sgd, true},
+      {"SGD, GradScaler", perf::DDPOptions(), OptKind::sgd, false, 1, true},
+      {"SGD, fp16 compression", perf::DDPOptions().compression("fp16"), OptKind::sgd, false, 1, false, 2e-3},
+      {"SGD, bf16 compression", perf::DDPOptions().compression("bf16"), OptKind::sgd, false, 1, false, 2e-2},
+  };
+  for (const auto& c : cases) run_case(pg, c);
+  run_buffers(pg, true);
+  run_buffers(pg, false);
+  // An unused parameter without find_unused_parameters: the Reducer's own error, on every rank alike.
+  {
+    torch::manual_seed(100);
+    Net model(true);
+    perf::DistributedDataParallel ddp(model, pg);
+    ddp(torch::randn({4, 8})).sum().backward();
+    PERF_EXPECT_THROW_MSG(ddp(torch::randn({4, 8})), "find_unused_parameters");
+  }
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> worker_group(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  return perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(timeout));
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> single_group() {
+  return perf::init_process_group(perf::ProcessGroupOptions()
+                                      .world_size(1)
+                                      .rank(0)
+                                      .master_addr("127.0.0.1")
+                                      .master_port(free_port())
+                                      .backend("gloo")
+                                      .timeout(std::chrono::seconds(20)));
+}
+
+}  // namespace
+
+TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
+#if PERF_WITH_GLOO
+  auto pg = single_group();
+  Net model;
+  PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(model, nullptr), "process group is empty");
+  PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(model, pg, perf::DDPOptions().bucket_cap_mb(0)),
+                        "perf::DDPOptions::bucket_cap_mb: must be > 0");
+  PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(model, pg, perf::DDPOptions().compression("int8")),
+                        "valid values: \"none\", \"fp16\", \"bf16\"");
+  PERF_EXPECT_THROW_MSG(
+      perf::DistributedDataParallel(model, pg, perf::DDPOptions().static_graph(true).find_unused_parameters(true)),
+      "static_graph(true) already handles unused parameters");
+  {
+    Net frozen;
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(frozen, pg), "no parameter that requires grad");
+  }
+  // TrainStep would capture the all-reduce hooks in a CUDA graph: refused while a DDP holds the parameters.
+  {
+    perf::DistributedDataParallel ddp(model, pg);
+    perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+    auto loss = [&](const at::Tensor& x, const at::Tensor& y) {
+      return torch::nn::functional::cross_entropy(model(x), y);
+    };
+    PERF_EXPECT_THROW_MSG(perf::TrainStep(*model, loss, opt, torch::randn({4, 8}), torch::randint(0, 4, {4})),
+                          "synchronised by a perf::DistributedDataParallel");
+  }
+  // World size 1: DDP trains exactly as the model alone.
+  run_case(pg, {"world size 1", perf::DDPOptions(), OptKind::adamw});
+  perf::destroy_process_group(pg);
+  PERF_EXPECT_THROW_MSG(perf::destroy_process_group(nullptr), "the process group is empty");
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// Rank 0 here; ranks 1.. in copies of this binary. Worlds of 2 and 3.
+TEST(DistributedDataParallel, TwoAndThreeProcessesTrainLikeOneProcessOnTheWholeBatch) {
+#if PERF_WITH_GLOO
+  if (is_worker()) GTEST_SKIP() << "skipped: this is a worker copy";
+  for (int world : {2, 3}) {
+    const int port = free_port();
+    ASSERT_GT(port, 0);
+    std::vector<pid_t> children;
+    for (int r = 1; r < world; ++r)
+      children.push_back(spawn_rank("DistributedDataParallel.WorkerRank", port, r, world));
+    try {
+      auto pg = perf::init_process_group(perf::ProcessGroupOptions()
+                                             .world_size(world)
+                                             .rank(0)
+                                             .master_addr("127.0.0.1")
+                                             .master_port(port)
+                                             .backend("gloo")
+                                             .timeout(std::chrono::seconds(60)));
+      run_ddp_suite(pg);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+    for (pid_t c : children) EXPECT_EQ(wait_bounded(c, std::chrono::seconds(120)), 0) << "a worker rank failed";
+  }
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// A rank that dies mid-training: rank 0's next backward fails within the timeout instead of hanging.
+TEST(DistributedDataParallel, ARankThatDiesIsABoundedError) {
+#if PERF_WITH_GLOO
+  if (is_worker()) GTEST_SKIP() << "skipped: this is a worker copy";
+  const int port = free_port();
+  const pid_t child = spawn_rank("DistributedDataParallel.WorkerThatDies", port);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    auto pg = perf::init_process_group(perf::ProcessGroupOptions()
+                                           .world_size(2)
+                                           .rank(0)
+                                           .master_addr("127.0.0.1")
+                                           .master_port(port)
+                                           .backend("gloo")
+                                           .timeout(std::chrono::seconds(5)));
+    torch::manual_seed(100);
+    Net model;
+    perf::DistributedDataParallel ddp(model, pg);
+    EXPECT_THROW(
+        {
+          for (int i = 0; i < 3; ++i) ddp(torch::randn({4, 8})).sum().backward();
+        },
+        std::exception);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "setup failed: " << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+  EXPECT_EQ(wait_bounded(child, std::chrono::seconds(30)), 3);
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// Not tests of their own: the worker ranks of the tests above.
+TEST(DistributedDataParallel, WorkerRank) {
+  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as a worker rank, started by DistributedDataParallel.*";
+  run_ddp_suite(worker_group());
+}
+
+TEST(DistributedDataParallel, WorkerThatDies) {
+  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as a worker rank, started by DistributedDataParallel.*";
+  auto pg = worker_group(std::chrono::seconds(5));
+  torch::manual_seed(100);
+  Net model;
+  perf::DistributedDataParallel ddp(model, pg);
+  std::_Exit(3);  // dies after joining, before the first step
+}
+
+// One GPU, NCCL, world size 1: DDP's bucketing, hooks and compression on CUDA
+// tensors train exactly as the model alone (fp32; bf16 compression within 2e-2).
+TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
+#if PERF_WITH_NCCL
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto pg = perf::init_process_group(perf::ProcessGroupOptions()
+                                         .world_size(1)
+                                         .rank(0)
+                                         .master_addr("127.0.0.1")
+                                         .master_port(free_port())
+                                         .backend("nccl")
+                                         .timeout(std::chrono::seconds(60)));
+  EXPECT_EQ(pg->getBackendName(), "nccl");
+  for (const std::string comp : {"none", "bf16"}) {
+    SCOPED_TRACE("compression " + comp);
+    torch::manual_seed(100);
+    Net model, ref;
+    model->to(torch::kCUDA);
+    ref->to(torch::kCUDA);
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < ref->parameters().size(); ++i) ref->parameters()[i].copy_(model->parameters()[i]);
+    }
+    perf::DistributedDataParallel ddp(
+        model, pg, perf::DDPOptions().compression(comp).bucket_cap_mb(0.0005).gradient_as_bucket_view(true));
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+    perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 10; ++step) {
+      const auto x = torch::randn({16, 8}, torch::kCUDA);
+      const auto y = torch::randint(0, 4, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      torch::nn::functional::cross_entropy(ddp(x), y).backward();
+      torch::nn::functional::cross_entropy(ref(x), y).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    EXPECT_LT(max_diff(*model, *ref), comp == "none" ? 1e-5 : 2e-2);
+    EXPECT_GE(ddp.buckets().size(), 2u);
+  }
+  perf::destroy_process_group(pg);
+#else
+  GTEST_SKIP() << "skipped: perf was built without NCCL (needs CUDA and LibTorch's NCCL)";
+#endif
 }

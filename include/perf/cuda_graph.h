@@ -34,6 +34,7 @@
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
 #include <perf/config.h>
+#include <perf/detail/ddp_registry.h>
 #include <perf/detail/rng.h>
 #include <perf/module.h>
 #include <perf/optim.h>
@@ -210,7 +211,9 @@ class TrainStep {
   /// only sync). Graphed: the returned tensor is the graph's static loss,
   /// overwritten by the next step (clone it to keep it); no allocation per call.
   at::Tensor step(const std::vector<at::Tensor>& batch);
-  at::Tensor step(const at::Tensor& input, const at::Tensor& target) { return step(std::vector<at::Tensor>{input, target}); }
+  at::Tensor step(const at::Tensor& input, const at::Tensor& target) {
+    return step(std::vector<at::Tensor>{input, target});
+  }
   at::Tensor step(const Example& batch) { return step(batch.data, batch.target); }
   /// The same step run eagerly, for batches of another shape (an epoch's last
   /// partial batch); same optimizer, scaler and options.
@@ -623,9 +626,8 @@ bool Graphed<Out>::capture(Bucket& b, const c10::MempoolId_t& pool) {
   at::NoGradGuard no_grad;
   b.graph = std::make_unique<detail::SafeCUDAGraph>();
   const auto result = detail::capture_on_side_stream(
-      *b.graph, b.in[0].device(), options_.warmup(), options_.check_syncs(), options_.capture_error_mode(),
-      pool, options_.eager_fallback(), "perf::graph", [&] { fn_(b.in); },
-      [&] { b.out = detail::to_vec<Out>(fn_(b.in)); });
+      *b.graph, b.in[0].device(), options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), pool,
+      options_.eager_fallback(), "perf::graph", [&] { fn_(b.in); }, [&] { b.out = detail::to_vec<Out>(fn_(b.in)); });
   if (result == detail::CaptureResult::captured) return true;
   b.graph.reset();
   return false;
@@ -773,8 +775,8 @@ inline void TrainStep::check_batch(const std::vector<at::Tensor>& batch, bool sh
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& x = batch[i];
     const auto& fixed = static_batch_[i];
-    TORCH_CHECK(x.defined() && x.scalar_type() == fixed.scalar_type() &&
-                    (!shapes || x.sizes() == fixed.sizes()) && (shapes || x.dim() == fixed.dim()),
+    TORCH_CHECK(x.defined() && x.scalar_type() == fixed.scalar_type() && (!shapes || x.sizes() == fixed.sizes()) &&
+                    (shapes || x.dim() == fixed.dim()),
                 "perf::TrainStep::step: batch tensor ", i, " must be ", fixed.scalar_type(), " ",
                 detail::shape_str(fixed), " like the example (static shapes), got ",
                 x.defined() ? std::string(c10::toString(x.scalar_type())) + " " + detail::shape_str(x)
@@ -808,6 +810,14 @@ inline void TrainStep::init(std::vector<at::Tensor> example) {
   if (options_.max_grad_norm()) {
     TORCH_CHECK(*options_.max_grad_norm() > 0, "perf::TrainStepOptions::max_grad_norm: must be > 0, got ",
                 *options_.max_grad_norm());
+  }
+  for (const auto& group : opt_.param_groups()) {
+    for (const auto& p : group.params()) {
+      TORCH_CHECK(!detail::ddp_owns(p),
+                  "perf::TrainStep: the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
+                  "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
+                  "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
+    }
   }
   const auto device = example[0].device();
   for (size_t i = 0; i < example.size(); ++i) {

@@ -1,7 +1,9 @@
-// perf/distributed.h — a c10d process group from torchrun's environment.
+// perf/distributed.h — data-parallel training across processes on c10d.
 //
 //   auto pg = perf::init_process_group();     // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK picks the GPU)
-//   pg->allreduce(tensors)->wait();            // c10d's own collectives (Gloo on CPU, NCCL on CUDA)
+//   perf::DistributedDataParallel ddp(model, pg);  // rank 0's parameters and buffers broadcast
+//   loss_fn(ddp(x), y).backward();             // gradients averaged in buckets while backward runs
+//   { auto guard = ddp.no_sync(); ... }        // accumulate locally, no communication
 //
 // Built on c10d from LibTorch itself (TCPStore, ProcessGroupGloo,
 // ProcessGroupNCCL), as Python's torch.distributed is. Every wait is bounded by
@@ -15,11 +17,19 @@
 
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/ddp_registry.h>
 #include <torch/arg.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #if defined(USE_C10D_GLOO) && defined(__has_include)
 #if __has_include(<gloo/config.h>)
@@ -43,11 +53,19 @@
 #define PERF_WITH_NCCL 0
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace perf {
 
@@ -77,6 +95,108 @@ struct ProcessGroupOptions {
 /// the caller and perf::DistributedDataParallel use.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options = ProcessGroupOptions());
 
+/// Shuts the group's backends down (NCCL communicators finalised), as
+/// torch.distributed.destroy_process_group() does: call it after the last
+/// collective, before the program exits (without it NCCL may report errors
+/// from its watchdog while the process tears down). The group is unusable after.
+void destroy_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group);
+
+/// perf::DistributedDataParallel's options, named and defaulted as Python's
+/// torch.nn.parallel.DistributedDataParallel.
+struct DDPOptions {
+  /// Gradient bucket size in MiB: one all-reduce per bucket, started as soon as
+  /// the bucket's gradients are ready during backward.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// The first bucket (the last layers' gradients, ready first) is smaller so
+  /// that communication starts early. Unset: as Python, 1 MiB with the default
+  /// bucket_cap_mb, else bucket_cap_mb.
+  TORCH_ARG(std::optional<double>, first_bucket_cap_mb);
+  /// Gradients are views into the all-reduce buckets: no copy, less memory.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Parameters that did not take part in this forward are marked ready (found
+  /// by walking the autograd graph from the outputs: costs time every step).
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Broadcast rank 0's buffers (BatchNorm running stats) before each forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// The set of used parameters and their order never change: the Reducer
+  /// learns them in the first iteration and skips the checks afterwards.
+  TORCH_ARG(bool, static_graph) = false;
+  /// Gradient compression: "none", "fp16" (c10d's built-in FP16_COMPRESS hook)
+  /// or "bf16" (same scheme, bfloat16): halves the bytes sent.
+  TORCH_ARG(std::string, compression) = "none";
+};
+
+/// Wraps a module for data-parallel training, as Python's DDP does, on the same
+/// engine: c10d::Reducer buckets the gradients and all-reduces (averages) them
+/// across the process group while backward runs. Every rank must construct it
+/// with the same model (checked), call it the same number of times, and run
+/// backward after each synchronised forward.
+template <typename ModuleImpl>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<ModuleImpl> module, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                          DDPOptions options = DDPOptions());
+  DistributedDataParallel(const torch::nn::ModuleHolder<ModuleImpl>& module,
+                          c10::intrusive_ptr<c10d::ProcessGroup> process_group, DDPOptions options = DDPOptions())
+      : DistributedDataParallel(module.ptr(), std::move(process_group), std::move(options)) {}
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Forwards to module->forward(args...), with the Reducer told about this
+  /// iteration (and rank 0's buffers broadcast first, if asked).
+  template <typename... Args>
+  auto operator()(Args&&... args);
+
+  /// While the guard lives, forward/backward accumulate gradients locally
+  /// without communication; the first synchronised backward after it reduces
+  /// the accumulated sum.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), prev_(ddp.sync_) { ddp_.sync_ = false; }
+    ~NoSyncGuard() { ddp_.sync_ = prev_; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool prev_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  const std::shared_ptr<ModuleImpl>& module() const noexcept { return module_; }
+  ModuleImpl* operator->() const noexcept { return module_.get(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
+  const DDPOptions& options() const noexcept { return options_; }
+  /// The parameters the Reducer synchronises (those requiring grad), in order.
+  const std::vector<at::Tensor>& parameters() const noexcept { return params_; }
+  /// Indices into parameters() per gradient bucket, in the order the Reducer
+  /// reduces them (after the first iteration: the order gradients became ready).
+  std::vector<std::vector<size_t>> buckets() const;
+  c10d::Reducer& reducer() { return *reducer_; }
+
+ private:
+  void pre_forward();
+  template <typename Out>
+  Out post_forward(Out out);
+
+  std::shared_ptr<ModuleImpl> module_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  DDPOptions options_;
+  std::vector<at::Tensor> params_, buffers_;
+  std::unique_ptr<c10d::Reducer> reducer_;
+  bool sync_ = true;
+  bool sync_buffers_next_ = true;  // Python's require_forward_param_sync
+  int64_t iterations_ = 0;
+};
+
+template <typename ModuleImpl>
+DistributedDataParallel(torch::nn::ModuleHolder<ModuleImpl>, c10::intrusive_ptr<c10d::ProcessGroup>)
+    -> DistributedDataParallel<ModuleImpl>;
+template <typename ModuleImpl>
+DistributedDataParallel(torch::nn::ModuleHolder<ModuleImpl>, c10::intrusive_ptr<c10d::ProcessGroup>, DDPOptions)
+    -> DistributedDataParallel<ModuleImpl>;
+
 // ---------------------------------------------------------------------------
 namespace detail {
 
@@ -104,6 +224,63 @@ inline int dist_int(const std::optional<int>& given, const char* option, const c
               "; valid values: ", lo, "..", hi);
   return v;
 }
+
+// Python's DDP broadcasts module state in 250 MiB buckets.
+constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
+
+// The output tensors, for find_unused_parameters' walk of the autograd graph.
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
+  if (t.defined()) out.push_back(t);
+}
+inline void collect_tensors(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
+  for (const auto& t : v) collect_tensors(t, out);
+}
+template <typename T>
+void collect_tensors(const T& /*no tensors*/, std::vector<at::Tensor>& /*out*/) {}
+template <typename A, typename B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <typename... T>
+void collect_tensors(const std::tuple<T...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... x) { (collect_tensors(x, out), ...); }, t);
+}
+
+// c10d's FP16_COMPRESS scheme in bfloat16: divide, compress, all-reduce, decompress.
+class BF16CompressHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  explicit BF16CompressHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) : CppCommHookInterface(pg) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    compressed.div_(state_->getSize());
+    std::vector<at::Tensor> tensors = {compressed};
+    auto fut = state_->allreduce(tensors)->getFuture();
+    at::Tensor out = bucket.getBufferRef();
+    return fut->then(
+        [out](c10::ivalue::Future& f) {
+          out.copy_(f.value().toTensorVector().at(0));
+          return c10::IValue(out);
+        },
+        c10::TensorType::get());
+  }
+};
+
+// Python's _DDPSink for static_graph: in the first iteration the Reducer only
+// records which parameters are used; a callback queued at the end of backward
+// then all-reduces everything at once.
+struct DDPSink : public torch::autograd::Function<DDPSink> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t reducer) {
+    ctx->saved_data["reducer"] = reducer;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* reducer = reinterpret_cast<c10d::Reducer*>(ctx->saved_data["reducer"].toInt());
+    torch::autograd::Engine::get_default_engine().queue_callback([reducer] { reducer->delay_all_reduce(); });
+    return {grads.at(0), at::Tensor()};
+  }
+};
 
 inline std::string resolve_backend(const std::string& b) {
   TORCH_CHECK(b == "auto" || b == "gloo" || b == "nccl", "perf::ProcessGroupOptions::backend: invalid value \"", b,
@@ -197,6 +374,159 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGr
 #endif
   }
   return pg;
+}
+
+inline void destroy_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
+  TORCH_CHECK(process_group, "perf::destroy_process_group: the process group is empty");
+  process_group->shutdown();
+}
+
+// ---------------------------------------------------------------------------
+
+template <typename ModuleImpl>
+DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<ModuleImpl> module,
+                                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                                             DDPOptions options)
+    : module_(std::move(module)), pg_(std::move(process_group)), options_(std::move(options)) {
+  TORCH_CHECK(module_ != nullptr, "perf::DistributedDataParallel: the module is empty (nullptr)");
+  TORCH_CHECK(pg_,
+              "perf::DistributedDataParallel: the process group is empty; create it with "
+              "perf::init_process_group()");
+  TORCH_CHECK(options_.bucket_cap_mb() > 0, "perf::DDPOptions::bucket_cap_mb: must be > 0 MiB, got ",
+              options_.bucket_cap_mb());
+  TORCH_CHECK(!options_.first_bucket_cap_mb() || *options_.first_bucket_cap_mb() > 0,
+              "perf::DDPOptions::first_bucket_cap_mb: must be > 0 MiB, got ",
+              options_.first_bucket_cap_mb().value_or(0));
+  const std::string& comp = options_.compression();
+  TORCH_CHECK(comp == "none" || comp == "fp16" || comp == "bf16", "perf::DDPOptions::compression: invalid value \"",
+              comp, "\"; valid values: \"none\", \"fp16\", \"bf16\"");
+  TORCH_CHECK(!(options_.static_graph() && options_.find_unused_parameters()),
+              "perf::DDPOptions: static_graph(true) already handles unused parameters; leave "
+              "find_unused_parameters(false) (Python's DDP warns about the same combination)");
+
+  std::unordered_map<size_t, std::string> names;
+  std::vector<at::Tensor> state;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    state.push_back(item.value());
+    if (!item.value().requires_grad()) continue;
+    names[params_.size()] = item.key();
+    params_.push_back(item.value());
+  }
+  TORCH_CHECK(!params_.empty(),
+              "perf::DistributedDataParallel: the module has no parameter that requires grad; nothing to synchronise");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].device() == params_[0].device(), "perf::DistributedDataParallel: parameter '", names[i],
+                "' is on ", params_[i].device(), " but '", names[0], "' is on ", params_[0].device(),
+                "; put the whole model on one device (this process's GPU, or the CPU)");
+    TORCH_CHECK(params_[i].layout() == at::kStrided, "perf::DistributedDataParallel: parameter '", names[i],
+                "' is sparse; only dense parameters are supported");
+  }
+  for (const auto& b : module_->buffers(/*recurse=*/true)) {
+    if (b.defined()) buffers_.push_back(b);
+  }
+  state.insert(state.end(), buffers_.begin(), buffers_.end());
+
+  // The same model on every rank (count, shapes, dtypes: c10d's own check), then rank 0's values everywhere.
+  c10d::verify_params_across_processes(pg_, params_, std::nullopt);
+  if (pg_->getSize() > 1) {
+    torch::NoGradGuard no_grad;
+    c10d::broadcast_coalesced(pg_, state, detail::kBroadcastBucketBytes, 0);
+  }
+
+  // As Python's DDP: without find_unused_parameters the first iteration runs with
+  // one bucket and the Reducer rebuilds them in the order gradients became ready
+  // (first bucket first_bucket_cap_mb, then bucket_cap_mb); with it, the buckets
+  // are sized now, in reverse parameter order.
+  const auto mib = [](double m) { return static_cast<size_t>(m * 1024.0 * 1024.0); };
+  const size_t cap = std::max<size_t>(1, mib(options_.bucket_cap_mb()));
+  const double first_mb =
+      options_.first_bucket_cap_mb().value_or(options_.bucket_cap_mb() == 25.0 ? 1.0 : options_.bucket_cap_mb());
+  const size_t first = std::max<size_t>(1, std::min(cap, mib(first_mb)));
+  const std::vector<bool> sparse(params_.size(), false);
+  const std::vector<size_t> limits_in = options_.static_graph() || !options_.find_unused_parameters()
+                                            ? std::vector<size_t>{std::numeric_limits<size_t>::max()}
+                                            : std::vector<size_t>{first, cap};
+  auto indices = std::get<0>(c10d::compute_bucket_assignment_by_size(params_, limits_in, sparse));
+  std::reverse(indices.begin(), indices.end());
+  reducer_ = std::make_unique<c10d::Reducer>(
+      params_, indices, pg_, sparse, static_cast<int64_t>(cap), options_.find_unused_parameters(),
+      options_.gradient_as_bucket_view(), names, static_cast<int64_t>(first),
+      /*skip_all_reduce_unused_params=*/false,
+      /*use_python_reducer=*/false,
+      /*bucket_bytes_cap_list=*/std::vector<int64_t>{});  // empty: rebuild with first/cap
+  if (comp == "fp16") {
+    reducer_->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+  } else if (comp == "bf16") {
+    reducer_->register_comm_hook(std::make_unique<detail::BF16CompressHook>(pg_));
+  }
+  if (options_.static_graph()) reducer_->set_static_graph();
+  detail::ddp_register(params_, +1);
+}
+
+template <typename ModuleImpl>
+DistributedDataParallel<ModuleImpl>::~DistributedDataParallel() {
+  detail::ddp_register(params_, -1);
+}
+
+template <typename ModuleImpl>
+std::vector<std::vector<size_t>> DistributedDataParallel<ModuleImpl>::buckets() const {
+  std::unordered_map<const void*, size_t> index;
+  for (size_t i = 0; i < params_.size(); ++i) index[params_[i].unsafeGetTensorImpl()] = i;
+  std::vector<std::vector<size_t>> out;
+  for (const auto& bucket : reducer_->get_grad_buckets(/*return_zero_tensors=*/false)) {
+    out.emplace_back();
+    for (const auto& p : bucket.getParameters()) out.back().push_back(index.at(p.unsafeGetTensorImpl()));
+  }
+  return out;
+}
+
+template <typename ModuleImpl>
+template <typename... Args>
+auto DistributedDataParallel<ModuleImpl>::operator()(Args&&... args) {
+  pre_forward();
+  return post_forward(module_->forward(std::forward<Args>(args)...));
+}
+
+template <typename ModuleImpl>
+void DistributedDataParallel<ModuleImpl>::pre_forward() {
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && sync_) {
+    ++iterations_;
+    reducer_->prepare_for_forward();
+  }
+  // Before the forward's activations exist: rebuilding allocates new buckets.
+  if (grad) reducer_->rebuild_buckets();
+  if (sync_buffers_next_ && options_.broadcast_buffers() && !buffers_.empty() && pg_->getSize() > 1) {
+    torch::NoGradGuard no_grad;
+    c10d::broadcast_coalesced(pg_, buffers_, detail::kBroadcastBucketBytes, 0);
+  }
+}
+
+template <typename ModuleImpl>
+template <typename Out>
+Out DistributedDataParallel<ModuleImpl>::post_forward(Out out) {
+  if (!(at::GradMode::is_enabled() && sync_)) {
+    sync_buffers_next_ = false;
+    return out;
+  }
+  sync_buffers_next_ = true;
+  std::vector<at::Tensor> outputs;
+  if (options_.find_unused_parameters() && !options_.static_graph()) {
+    detail::collect_tensors(out, outputs);
+    TORCH_CHECK(!outputs.empty(),
+                "perf::DistributedDataParallel: find_unused_parameters(true) walks the autograd graph from the "
+                "forward's outputs, but forward returned no tensor (supported: a Tensor, a std::vector<Tensor>, a "
+                "std::tuple or std::pair of them)");
+  }
+  reducer_->prepare_for_backward(outputs);
+  if (options_.static_graph() && iterations_ == 1) {
+    if constexpr (std::is_same_v<std::decay_t<Out>, at::Tensor>) {
+      return detail::DDPSink::apply(out, reinterpret_cast<int64_t>(reducer_.get()));
+    } else {
+      TORCH_CHECK(false, "perf::DistributedDataParallel: static_graph(true) needs forward to return one Tensor");
+    }
+  }
+  return out;
 }
 
 }  // namespace perf

@@ -112,9 +112,36 @@ struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDPara
 
 /// Common base: a torch::optim::Optimizer whose step can take GradScaler's
 /// device-side scale and inf flag.
+/// Clears the gradients of `optimizer`'s parameters as Python's
+/// Optimizer.zero_grad does: a gradient that is a view (DDP's
+/// gradient_as_bucket_view) is zeroed or dropped without LibTorch's in-place
+/// detach_, which refuses views. The perf::optim optimizers' zero_grad() is this.
+inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true) {
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      auto& g = p.mutable_grad();
+      if (!g.defined()) continue;
+      if (g.grad_fn()) {
+        g = g.detach();
+      } else {
+        g.requires_grad_(false);
+      }
+      if (set_to_none) {
+        g.reset();
+      } else {
+        g.zero_();
+      }
+    }
+  }
+}
+
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
+
+  /// As torch::optim::Optimizer::zero_grad, and also for gradients that are
+  /// views (perf::DistributedDataParallel's gradient_as_bucket_view).
+  void zero_grad(bool set_to_none = true) { perf::optim::zero_grad(*this, set_to_none); }
 
   /// As torch::optim::Optimizer::step: the closure (if any) runs with grad
   /// enabled, the update without.
@@ -158,9 +185,8 @@ class FusedOptimizer : public torch::optim::Optimizer {
     double host = std::numeric_limits<double>::quiet_NaN();
   };
   std::map<std::pair<size_t, std::string>, LrSlot> lr_tensors_;  // (group, device)
-  std::map<std::string, torch::Tensor> ones_;                   // device -> 1.0f
+  std::map<std::string, torch::Tensor> ones_;                    // device -> 1.0f
 };
-
 
 /// A FusedOptimizer whose state and options serialize as ParamState / Options,
 /// in LibTorch's format (torch::save / torch::load).
@@ -426,7 +452,7 @@ inline void FusedOptimizer::sync_lr() {
 }
 
 inline std::optional<torch::Tensor> FusedOptimizer::effective_found_inf(const std::optional<torch::Tensor>& found_inf,
-                                                                       const c10::Device& device) {
+                                                                        const c10::Device& device) {
   if (!skip_updates_) {
     if (!found_inf) return std::nullopt;
     // The fused kernels skip only when found_inf == 1 exactly; a sum over
@@ -681,7 +707,8 @@ inline torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameter
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> norms;
   for (auto& [key, grads] : groups) {
-    for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat)) norms.push_back(n.to(*first, /*non_blocking=*/true));
+    for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat))
+      norms.push_back(n.to(*first, /*non_blocking=*/true));
   }
   const auto stacked = at::stack(norms);
   const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
