@@ -133,6 +133,20 @@ TEST(Distributed, AnUnreachableMasterIsABoundedError) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
 }
 
+// A world size larger than the processes started: rank 0 waits for the missing
+// rank only as long as the timeout, then says what to check.
+TEST(Distributed, AWrongWorldSizeIsABoundedError) {
+  const auto t0 = std::chrono::steady_clock::now();
+  PERF_EXPECT_THROW_MSG(perf::init_process_group(perf::ProcessGroupOptions()
+                                                     .world_size(2)
+                                                     .rank(0)
+                                                     .master_addr("127.0.0.1")
+                                                     .master_port(free_port())
+                                                     .timeout(std::chrono::milliseconds(1500))),
+                        "rank 0 of 2 could not host the store on port");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
 TEST(Distributed, GlooSingleProcessGroupWorks) {
 #if PERF_WITH_GLOO
   auto pg = perf::init_process_group(perf::ProcessGroupOptions()
@@ -254,6 +268,7 @@ struct Case {
   int micro = 1;        // micro-batches per step; all but the last under no_sync()
   bool scaler = false;  // perf::GradScaler around the step
   double tol = 1e-5;
+  bool autocast = false;  // forward under perf::Autocast (CPU bf16)
 };
 
 // Trains with DDP on this rank's slice for 10 steps and a reference model on the
@@ -280,14 +295,19 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
     clear_grads(*ref_opt);
     for (int m = 0; m < c.micro; ++m) {
       const auto xs = x[m].narrow(0, rank * b, b), ys = y[m].narrow(0, rank * b, b);
-      auto local = [&] { scaler.scale(torch::nn::functional::cross_entropy(ddp(xs), ys)).backward(); };
+      auto local = [&] {
+        perf::Autocast ac(torch::kCPU, torch::kBFloat16, c.autocast);
+        auto loss = torch::nn::functional::cross_entropy(ddp(xs).to(torch::kFloat), ys);
+        scaler.scale(loss).backward();
+      };
       if (m + 1 < c.micro) {
         auto guard = ddp.no_sync();
         local();
       } else {
         local();
       }
-      ref_scaler.scale(torch::nn::functional::cross_entropy(ref(x[m]), y[m])).backward();
+      perf::Autocast ac(torch::kCPU, torch::kBFloat16, c.autocast);
+      ref_scaler.scale(torch::nn::functional::cross_entropy(ref(x[m]).to(torch::kFloat), y[m])).backward();
     }
     scaler.step(*opt);
     scaler.update();
@@ -340,6 +360,7 @@ void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
       {"SGD, GradScaler", perf::DDPOptions(), OptKind::sgd, false, 1, true},
       {"SGD, fp16 compression", perf::DDPOptions().compression("fp16"), OptKind::sgd, false, 1, false, 2e-3},
       {"SGD, bf16 compression", perf::DDPOptions().compression("bf16"), OptKind::sgd, false, 1, false, 2e-2},
+      {"SGD, perf::Autocast bf16", perf::DDPOptions(), OptKind::sgd, false, 1, false, 2e-2, true},
   };
   for (const auto& c : cases) run_case(pg, c);
   run_buffers(pg, true);
