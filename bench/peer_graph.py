@@ -3,23 +3,9 @@ on the same 6-layer MLP (batch 32) and transformer encoder block (d=256, 4 heads
 feed-forward 1024, seq 64), same session, CUDA events, medians.
 Run: python bench/peer_graph.py [--iters 200] (needs a GPU)."""
 import argparse
-import statistics
 
 import torch
-
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in times)
+from cuda_timing import median_ms
 
 
 def main():

@@ -4,9 +4,9 @@ events, medians, plus the 1 GiB copy_ bandwidth, so the C++ figures can be read
 against Python's best in the same session.
 Run: python bench/peer_optim.py [--iters 20] (needs a GPU)."""
 import argparse
-import statistics
 
 import torch
+from cuda_timing import median_ms
 
 
 def resnet50_shapes():
@@ -28,20 +28,6 @@ def resnet50_shapes():
             inp = out
     s.extend([(1000, 2048), (1000,)])
     return s
-
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in times)
 
 
 def main():

@@ -78,6 +78,16 @@ int wait_bounded(pid_t pid, std::chrono::seconds limit) {
 
 bool is_worker() { return std::getenv("PERF_DIST_WORKER") != nullptr; }
 
+// Rank `rank` of `world` on 127.0.0.1:`port` (backend left to the caller).
+perf::ProcessGroupOptions loopback(int world, int rank, int port, std::chrono::milliseconds timeout) {
+  return perf::ProcessGroupOptions()
+      .world_size(world)
+      .rank(rank)
+      .master_addr("127.0.0.1")
+      .master_port(port)
+      .timeout(timeout);
+}
+
 // What both ranks do: all-reduce (rank+1) * ones and broadcast from rank 0.
 void allreduce_and_broadcast(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   const int rank = pg->getRank();
@@ -123,12 +133,7 @@ TEST(Distributed, MissingOrMalformedSettingsNameTheVariable) {
 
 TEST(Distributed, AnUnreachableMasterIsABoundedError) {
   const auto t0 = std::chrono::steady_clock::now();
-  PERF_EXPECT_THROW_MSG(perf::init_process_group(perf::ProcessGroupOptions()
-                                                     .world_size(2)
-                                                     .rank(1)
-                                                     .master_addr("127.0.0.1")
-                                                     .master_port(free_port())
-                                                     .timeout(std::chrono::milliseconds(1500))),
+  PERF_EXPECT_THROW_MSG(perf::init_process_group(loopback(2, 1, free_port(), std::chrono::milliseconds(1500))),
                         "could not reach the store at 127.0.0.1:");
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
 }
@@ -137,25 +142,14 @@ TEST(Distributed, AnUnreachableMasterIsABoundedError) {
 // rank only as long as the timeout, then says what to check.
 TEST(Distributed, AWrongWorldSizeIsABoundedError) {
   const auto t0 = std::chrono::steady_clock::now();
-  PERF_EXPECT_THROW_MSG(perf::init_process_group(perf::ProcessGroupOptions()
-                                                     .world_size(2)
-                                                     .rank(0)
-                                                     .master_addr("127.0.0.1")
-                                                     .master_port(free_port())
-                                                     .timeout(std::chrono::milliseconds(1500))),
+  PERF_EXPECT_THROW_MSG(perf::init_process_group(loopback(2, 0, free_port(), std::chrono::milliseconds(1500))),
                         "rank 0 of 2 could not host the store on port");
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
 }
 
 TEST(Distributed, GlooSingleProcessGroupWorks) {
 #if PERF_WITH_GLOO
-  auto pg = perf::init_process_group(perf::ProcessGroupOptions()
-                                         .world_size(1)
-                                         .rank(0)
-                                         .master_addr("127.0.0.1")
-                                         .master_port(free_port())
-                                         .backend("gloo")
-                                         .timeout(std::chrono::seconds(20)));
+  auto pg = perf::init_process_group(loopback(1, 0, free_port(), std::chrono::seconds(20)).backend("gloo"));
   EXPECT_EQ(pg->getSize(), 1);
   EXPECT_EQ(pg->getBackendName(), "gloo");
   std::vector<at::Tensor> t = {torch::full({3}, 2.0f)};
@@ -175,13 +169,7 @@ TEST(Distributed, TwoProcessesAllReduceAndBroadcastOverGloo) {
   const pid_t child = spawn_rank("Distributed.Rank1OfTwoProcessTests", port);
   ASSERT_GT(child, 0);
   try {
-    auto pg = perf::init_process_group(perf::ProcessGroupOptions()
-                                           .world_size(2)
-                                           .rank(0)
-                                           .master_addr("127.0.0.1")
-                                           .master_port(port)
-                                           .backend("gloo")
-                                           .timeout(std::chrono::seconds(30)));
+    auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(30)).backend("gloo"));
     EXPECT_EQ(pg->getSize(), 2);
     allreduce_and_broadcast(pg);
   } catch (const std::exception& e) {
@@ -380,13 +368,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> worker_group(std::chrono::milliseconds ti
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> single_group() {
-  return perf::init_process_group(perf::ProcessGroupOptions()
-                                      .world_size(1)
-                                      .rank(0)
-                                      .master_addr("127.0.0.1")
-                                      .master_port(free_port())
-                                      .backend("gloo")
-                                      .timeout(std::chrono::seconds(20)));
+  return perf::init_process_group(loopback(1, 0, free_port(), std::chrono::seconds(20)).backend("gloo"));
 }
 
 }  // namespace
@@ -438,13 +420,7 @@ TEST(DistributedDataParallel, TwoAndThreeProcessesTrainLikeOneProcessOnTheWholeB
     for (int r = 1; r < world; ++r)
       children.push_back(spawn_rank("DistributedDataParallel.WorkerRank", port, r, world));
     try {
-      auto pg = perf::init_process_group(perf::ProcessGroupOptions()
-                                             .world_size(world)
-                                             .rank(0)
-                                             .master_addr("127.0.0.1")
-                                             .master_port(port)
-                                             .backend("gloo")
-                                             .timeout(std::chrono::seconds(60)));
+      auto pg = perf::init_process_group(loopback(world, 0, port, std::chrono::seconds(60)).backend("gloo"));
       run_ddp_suite(pg);
     } catch (const std::exception& e) {
       ADD_FAILURE() << e.what();
@@ -464,13 +440,7 @@ TEST(DistributedDataParallel, ARankThatDiesIsABoundedError) {
   const pid_t child = spawn_rank("DistributedDataParallel.WorkerThatDies", port);
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    auto pg = perf::init_process_group(perf::ProcessGroupOptions()
-                                           .world_size(2)
-                                           .rank(0)
-                                           .master_addr("127.0.0.1")
-                                           .master_port(port)
-                                           .backend("gloo")
-                                           .timeout(std::chrono::seconds(5)));
+    auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(5)).backend("gloo"));
     torch::manual_seed(100);
     Net model;
     perf::DistributedDataParallel ddp(model, pg);
@@ -509,13 +479,7 @@ TEST(DistributedDataParallel, WorkerThatDies) {
 TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
 #if PERF_WITH_NCCL
   if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
-  auto pg = perf::init_process_group(perf::ProcessGroupOptions()
-                                         .world_size(1)
-                                         .rank(0)
-                                         .master_addr("127.0.0.1")
-                                         .master_port(free_port())
-                                         .backend("nccl")
-                                         .timeout(std::chrono::seconds(60)));
+  auto pg = perf::init_process_group(loopback(1, 0, free_port(), std::chrono::seconds(60)).backend("nccl"));
   EXPECT_EQ(pg->getBackendName(), "nccl");
   for (const std::string comp : {"none", "bf16"}) {
     SCOPED_TRACE("compression " + comp);
