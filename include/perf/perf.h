@@ -2,6 +2,7 @@
 #pragma once
 
 #include <perf/amp.h>
+#include <perf/compiled.h>
 #include <perf/bench.h>
 #include <perf/config.h>
 #include <perf/cuda_graph.h>

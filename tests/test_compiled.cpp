@@ -1,0 +1,280 @@
+// perf::CompiledModel against Python eager on the same inputs. The packages and
+// references come from tests/compiled/make_packages.py (run by CMake before the
+// tests, cached across builds): an MLP, a CNN with frozen BatchNorm, and a
+// two-input two-output model with int64 token ids, each with a dynamic batch 1..64.
+#include <perf/bench.h>
+#include <perf/compiled.h>
+#include <perf/cuda_graph.h>
+#include <torch/serialize.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <thread>
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "test_util.h"
+
+namespace {
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+// PERF_TEST_PACKAGES (environment) overrides the build's folder when the binary runs elsewhere.
+std::string package(const std::string& name) {
+  return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES) + "/" + name;
+}
+
+struct Reference {
+  std::vector<at::Tensor> in, out;
+};
+
+// <name>.ref.pt, written by Python's torch.save: {"b1_in": [...], "b1_out": [...], "b5_in": ...}
+Reference reference(const std::string& name, int batch) {
+  std::ifstream f(package(name + ".ref.pt"), std::ios::binary);
+  EXPECT_TRUE(f.good()) << package(name + ".ref.pt");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  auto dict = torch::pickle_load(bytes).toGenericDict();
+  auto list = [&](const std::string& key) {
+    std::vector<at::Tensor> v;
+    for (const auto& t : dict.at(key).toList()) v.push_back(t.get().toTensor());
+    return v;
+  };
+  const auto b = "b" + std::to_string(batch);
+  return {list(b + "_in"), list(b + "_out")};
+}
+
+// A fresh temporary folder, removed at scope exit. POSIX calls, not std::filesystem:
+// libtorch.so exports its own copies of some std::filesystem symbols, and
+// remove_all resolved there crashes (seen with the 2.11 wheel and GCC 12).
+struct TempDir {
+  TempDir() {
+    std::string pattern = "/tmp/perf_compiled_XXXXXX";
+    EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
+    path = pattern;
+  }
+  ~TempDir() { (void)std::system(("rm -rf '" + path + "'").c_str()); }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string path;
+};
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+}  // namespace
+
+TEST(Compiled, OutputsEqualPythonEagerAtEveryBatchSize) {
+  for (const std::string name : {"mlp", "cnn", "two_in_two_out"}) {
+    perf::CompiledModel model(package(name + ".pt2"));
+    EXPECT_EQ(model.device(), c10::Device(c10::kCPU));
+    for (int batch : {1, 5}) {
+      const auto ref = reference(name, batch);
+      const auto out = model.run(ref.in);
+      ASSERT_EQ(out.size(), ref.out.size()) << name;
+      ASSERT_EQ(model.num_outputs(), ref.out.size()) << name;
+      for (size_t i = 0; i < out.size(); ++i) {
+        EXPECT_EQ(out[i].size(0), batch) << name << " output " << i;
+        EXPECT_LE(max_diff(out[i], ref.out[i]), 1e-5) << name << " batch " << batch << " output " << i;
+      }
+    }
+  }
+  // One in, one out: the call operator.
+  perf::CompiledModel mlp(package("mlp.pt2"));
+  const auto ref = reference("mlp", 5);
+  EXPECT_LE(max_diff(mlp(ref.in[0]), ref.out[0]), 1e-5);
+  EXPECT_LE(max_diff(mlp.forward(ref.in[0]), ref.out[0]), 1e-5);
+}
+
+TEST(Compiled, DynamicBatchCoversTheExportedRangeRowByRow) {
+  perf::CompiledModel mlp(package("mlp.pt2"));
+  ASSERT_EQ(mlp.inputs().size(), 1u);
+  EXPECT_EQ(mlp.inputs()[0].min_batch, 1);
+  EXPECT_EQ(mlp.inputs()[0].max_batch, 64);
+  const auto ref = reference("mlp", 5);
+  // Every batch size gives each row what it gives that row alone (rows are independent in an MLP).
+  const auto x = at::cat({ref.in[0], ref.in[0], ref.in[0]}).repeat({5, 1}).slice(0, 0, 64);
+  const auto y64 = mlp(x);
+  for (int64_t b : {1, 2, 3, 17, 63, 64}) {
+    const auto y = mlp(x.slice(0, 0, b));
+    ASSERT_EQ(y.size(0), b);
+    EXPECT_LE(max_diff(y, y64.slice(0, 0, b)), 1e-5) << "batch " << b;
+  }
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({65, 16})), "input 0 has batch 65, the package was exported for batches 1..64");
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({0, 16})), "input 0 has batch 0");
+}
+
+TEST(Compiled, EveryBadInputIsRejectedWithItsMessage) {
+  perf::CompiledModel mlp(package("mlp.pt2"));
+  PERF_EXPECT_THROW_MSG(mlp.run({at::randn({2, 16}), at::randn({2, 16})}), "takes 1 input(s), got 2");
+  PERF_EXPECT_THROW_MSG(mlp.run({}), "takes 1 input(s), got 0");
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({2, 16}, at::kDouble)),
+                        "input 0 has dtype Double, the package was exported for Float (convert with .to(Float))");
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({2, 17})), "input 0 has shape [2, 17], the package was exported for [batch, 16]");
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({2, 16, 1})), "input 0 has shape [2, 16, 1]");
+  PERF_EXPECT_THROW_MSG(mlp(at::randn({16})), "input 0 has shape [16]");
+  PERF_EXPECT_THROW_MSG(mlp(at::Tensor()), "input 0 is an undefined tensor");
+  perf::CompiledModel two(package("two_in_two_out.pt2"));
+  const auto ref = reference("two_in_two_out", 5);
+  PERF_EXPECT_THROW_MSG(two.run({ref.in[0].to(at::kFloat), ref.in[1]}), "input 0 has dtype Float, the package was exported for Long");
+  PERF_EXPECT_THROW_MSG(two.run({ref.in[0], ref.in[1].slice(0, 0, 4).t()}), "input 1 has shape [8, 4]");
+  PERF_EXPECT_THROW_MSG(two(ref.in[0]), "takes 2 inputs: call run({...}) with all of them");
+  // After all the refusals the model still answers correctly.
+  const auto out = two.run(ref.in);
+  EXPECT_LE(max_diff(out[0], ref.out[0]), 1e-5);
+  EXPECT_LE(max_diff(out[1], ref.out[1]), 1e-5);
+}
+
+TEST(Compiled, InputsInAnotherLayoutAreCopiedToTheExportedOne) {
+  perf::CompiledModel mlp(package("mlp.pt2"));
+  const auto ref = reference("mlp", 5);
+  const auto transposed = ref.in[0].t().contiguous().t();  // same values, column-major strides
+  ASSERT_FALSE(transposed.is_contiguous());
+  EXPECT_LE(max_diff(mlp(transposed), ref.out[0]), 1e-5);
+  perf::CompiledModel cnn(package("cnn.pt2"));
+  const auto cref = reference("cnn", 5);
+  const auto nhwc = cref.in[0].contiguous(at::MemoryFormat::ChannelsLast);
+  ASSERT_FALSE(nhwc.is_contiguous());
+  EXPECT_LE(max_diff(cnn(nhwc), cref.out[0]), 1e-5);
+  // Without the check, the generated code would read channels-last memory as NCHW.
+  perf::CompiledModel unchecked(package("cnn.pt2"), perf::CompiledOptions().check_inputs(false));
+  EXPECT_GT(max_diff(unchecked(nhwc), cref.out[0]), 1e-3) << "the unchecked path should show why the copy exists";
+}
+
+TEST(Compiled, MissingCorruptWrongNameAndCudaPackagesAreClearErrors) {
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel("/nonexistent/model.pt2"),
+                        "cannot open '/nonexistent/model.pt2' (no such file or not readable)");
+  TempDir dir;
+  const auto garbage = dir / "garbage.pt2";
+  std::ofstream(garbage) << "this is not a zip archive";
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel{garbage}, "is not a readable AOTInductor package for model 'model'");
+  // A truncated package: the first half of a real one.
+  const auto truncated = dir / "truncated.pt2";
+  {
+    std::ifstream in(package("mlp.pt2"), std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  }
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel{truncated}, "is not a readable AOTInductor package");
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().model_name("encoder")),
+                        "for model 'encoder'");
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().runners(0)),
+                        "runners must be >= 1, got 0");
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) {
+    PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp_cuda_marked.pt2")),
+                          "was compiled for CUDA, and this process sees no CUDA device");
+  }
+#else
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp_cuda_marked.pt2")),
+                        "was compiled for CUDA, and this program was built without CUDA");
+#endif
+}
+
+TEST(Compiled, RunsUnderInferenceModeAndInsidePerfBenchmark) {
+  perf::CompiledModel cnn(package("cnn.pt2"));
+  const auto ref = reference("cnn", 5);
+  {
+    c10::InferenceMode guard;
+    const auto x = ref.in[0].clone();
+    ASSERT_TRUE(x.is_inference());
+    EXPECT_LE(max_diff(cnn(x), ref.out[0]), 1e-5);
+  }
+  int calls = 0;
+  const auto stats = perf::benchmark([&] {
+    cnn(ref.in[0]);
+    ++calls;
+  }, perf::BenchOptions().warmup(2).iters(5));
+  EXPECT_EQ(stats.iterations, 5);
+  EXPECT_EQ(calls, 7);
+}
+
+TEST(Compiled, ConcurrentRunsWithSeveralRunnersGiveEachCallerItsAnswer) {
+  perf::CompiledModel mlp(package("mlp.pt2"), perf::CompiledOptions().runners(2));
+  const auto ref = reference("mlp", 5);
+  std::vector<double> worst(4, 0.0);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < worst.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 25; ++i) {
+        const int64_t b = 1 + static_cast<int64_t>((t + i) % 5);
+        worst[t] = std::max(worst[t], max_diff(mlp(ref.in[0].slice(0, 0, b)), ref.out[0].slice(0, 0, b)));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (double w : worst) EXPECT_LE(w, 1e-5);
+}
+
+TEST(Compiled, PrintsDeviceInputsAndOutputs) {
+  perf::CompiledModel two(package("two_in_two_out.pt2"));
+  std::ostringstream s;
+  s << two;
+  const auto text = s.str();
+  EXPECT_NE(text.find("on cpu"), std::string::npos) << text;
+  EXPECT_NE(text.find("input 0: Long [batch, 12] batch 1..64"), std::string::npos) << text;
+  EXPECT_NE(text.find("input 1: Float [batch, 8] batch 1..64"), std::string::npos) << text;
+  EXPECT_NE(text.find("outputs: 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("exported with torch 2."), std::string::npos) << text;
+  EXPECT_EQ(two.metadata().at("AOTI_DEVICE_KEY"), "cpu");
+}
+
+// A CUDA package is compiled on the GPU machine itself (inductor needs the GPU),
+// with the export tool a user would run: checked against the same model eager on the GPU.
+TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  TempDir dir;
+  const std::string src = env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR);
+  const std::string py = env_or("PERF_PYTHON", PERF_PYTHON);
+  const std::string pkg = dir / "mlp_cuda.pt2";
+  const std::string cmd = py + " " + src + "/tools/export_compiled.py " + src +
+                          "/tests/compiled/models.py:make_mlp -o " + pkg +
+                          " --input 4,16 --dynamic-batch 1:64 --device cuda > " + (dir / "export.log") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  perf::CompiledModel model(pkg);
+  EXPECT_TRUE(model.device().is_cuda());
+  EXPECT_FALSE(model.metadata().at("AOTI_COMPUTE_CAPABILITY").empty());
+  // The same weights: the tool seeds 0 before the factory, as the reference does.
+  const auto ref = test_util::lines(test_util::python(
+      "import sys,torch; sys.path.insert(0,'" + src + "/tests/compiled'); import models; torch.manual_seed(0); "
+      "m=models.make_mlp().eval(); x=torch.linspace(-2,2,48).reshape(3,16); print(*m(x).flatten().tolist())"));
+  const auto want = at::tensor(test_util::parse_numbers(ref.at(0))).reshape({3, 4}).to(at::kFloat);
+  const auto x = at::linspace(-2, 2, 48).reshape({3, 16}).cuda();
+  EXPECT_LE(max_diff(model(x).cpu(), want), 1e-4);
+  PERF_EXPECT_THROW_MSG(model(x.cpu()), "input 0 is on cpu, the package runs on cuda:0");
+  // On a side stream: the output is produced on that stream (no sync with the default one).
+  auto side = c10::cuda::getStreamFromPool();
+  {
+    c10::cuda::CUDAStreamGuard g(side);
+    auto y = model(x);
+    side.synchronize();
+    EXPECT_LE(max_diff(y.cpu(), want), 1e-4);
+  }
+  // A capture is refused before the container is touched (it would poison the
+  // container's completion event), so eager calls keep working afterwards.
+  const auto x2 = (x * 0.5).contiguous();
+  const auto before = model(x2).cpu();
+  try {
+    auto refused = perf::graph([&](const at::Tensor& in) { return model(in); }, x, perf::GraphOptions().warmup(1));
+    ADD_FAILURE() << "capturing an AOTInductor package should be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot run while the current stream captures a CUDA graph"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LE(max_diff(model(x2).cpu(), before), 0.0) << "eager calls after the refused capture";
+  auto fallback = perf::graph([&](const at::Tensor& in) { return model(in); }, x,
+                              perf::GraphOptions().warmup(1).eager_fallback(true));
+  EXPECT_FALSE(fallback.graphed());
+  EXPECT_LE(max_diff(fallback(x2).cpu(), before), 0.0);
+  EXPECT_LE(max_diff(model(x).cpu(), want), 1e-4);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
