@@ -107,6 +107,18 @@ run_bench bench_optim --device cuda "${opt[@]}"
 run_bench bench_amp --device cuda "${amp[@]}"
 run_bench bench_data --device cuda "${data[@]}"
 run_bench bench_graph "${graph[@]}"
+# AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each).
+variants=(fp32 bf16_nhwc); ((quick)) && variants=(fp32)
+packages=()
+for variant in "${variants[@]}"; do
+  pkg=$out/resnet_cuda_$variant.pt2
+  extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
+  "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --input 8,3,64,64 --dynamic-batch 1:64 \
+    --device cuda "${extra[@]}" >"$out/export_$variant.log" 2>&1 && packages+=(--package "$pkg") ||
+    { echo "   export $variant FAILED (see $out/export_$variant.log)"; status=1; }
+done
+((${#packages[@]})) && run_bench bench_compiled --device cuda "${packages[@]}"
+rm -f "$out"/resnet_cuda_*.pt2
 # DDP's own overhead on one GPU: NCCL at world size 1.
 RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
   run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64

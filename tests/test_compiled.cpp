@@ -5,6 +5,7 @@
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
 
 #include <cstdlib>
@@ -66,6 +67,14 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
+
+// The C++ twin of tests/compiled/models.py's Mlp: same layers, same names.
+struct CppMlp : torch::nn::Module {
+  CppMlp()
+      : fc1(register_module("fc1", torch::nn::Linear(16, 64))), fc2(register_module("fc2", torch::nn::Linear(64, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1, fc2;
+};
 
 }  // namespace
 
@@ -222,6 +231,32 @@ TEST(Compiled, PrintsDeviceInputsAndOutputs) {
   EXPECT_NE(text.find("outputs: 2"), std::string::npos) << text;
   EXPECT_NE(text.find("exported with torch 2."), std::string::npos) << text;
   EXPECT_EQ(two.metadata().at("AOTI_DEVICE_KEY"), "cpu");
+}
+
+// The README's route for a model that exists only in C++: its Python twin
+// (same parameter names) loads the C++ weights, written with torch::pickle_save,
+// and is exported from there. Checked end to end: C++ forward == twin forward.
+TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
+  torch::manual_seed(3);
+  auto mlp = std::make_shared<CppMlp>();
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& p : mlp->named_parameters()) state.insert(p.key(), p.value().detach());
+  for (const auto& b : mlp->named_buffers()) state.insert(b.key(), b.value());
+  TempDir dir;
+  const auto weights = dir / "mlp_weights.pt";
+  {
+    const auto bytes = torch::pickle_save(c10::IValue(state));
+    std::ofstream(weights, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const std::string src = env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR);
+  const auto out = test_util::python("import sys,torch,torch.jit._pickle as tp; sys.path.insert(0,'" + src + "/tests/compiled'); "
+                                     "import models; m=models.make_mlp(); "
+                                     "sg=torch.serialization.safe_globals([tp.restore_type_tag]); sg.__enter__(); "
+                                     "m.load_state_dict(torch.load('" + weights + "')); "
+                                     "x=torch.linspace(-2,2,32).reshape(2,16); print(*m(x).flatten().tolist())");
+  const auto want = at::tensor(test_util::parse_numbers(out)).reshape({2, 4}).to(at::kFloat);
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(max_diff(mlp->forward(at::linspace(-2, 2, 32).reshape({2, 16})), want), 1e-6);
 }
 
 // A CUDA package is compiled on the GPU machine itself (inductor needs the GPU),
