@@ -57,19 +57,25 @@ int main(int argc, char** argv) {
     auto loader =
         torch::data::make_data_loader(Synthetic(static_cast<size_t>(samples)).map(torch::data::transforms::Stack<>()),
                                       std::move(sampler), perf::loader_options(static_cast<size_t>(batch)));
-    double total = 0;
+    // Rank 0 shows progress; the loss stays on the device (read once per drawn line, no per-step sync).
+    std::optional<perf::Progress> bar;
+    if (rank == 0)
+      bar.emplace(samples / world, perf::ProgressOptions().unit("img").description("epoch " + std::to_string(epoch)));
+    auto total = torch::zeros({}, device);
     int64_t steps = 0;
     for (auto& b : perf::prefetch(*loader, device)) {
       opt.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(ddp(b.data), b.target);
       loss.backward();  // all-reduce in buckets while backward runs
       opt.step();
-      total += loss.item<double>();
+      total += loss.detach();
       ++steps;
+      if (bar) bar->update(b.data.size(0), {{"loss", loss.detach()}});
     }
+    if (bar) bar->close();
     if (rank == 0)
-      std::cout << "epoch " << epoch << ": mean loss " << total / static_cast<double>(steps) << " over " << steps
-                << " steps per rank, " << world << " ranks\n";
+      std::cout << "epoch " << epoch << ": mean loss " << total.item<double>() / static_cast<double>(steps) << " over "
+                << steps << " steps per rank, " << world << " ranks\n";
   }
   perf::destroy_process_group(pg);  // as torch.distributed.destroy_process_group()
   return 0;

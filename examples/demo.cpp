@@ -94,9 +94,14 @@ int main(int argc, char** argv) {
   // perf's flags are switched on only around its own calls (ScopedSettings,
   // a few microseconds), so the stock configuration runs with LibTorch's defaults.
   const perf::Report report = perf::ScopedSettings().report();
+  // Progress over every call of the comparison (stderr; a line every 500 ms, no per-step cost).
+  const int warmup = 2, configurations = 5;
+  perf::Progress bar(int64_t{warmup + rounds} * configurations * steps * batch,
+                     perf::ProgressOptions().unit("img").description("training"));
   auto with_perf_flags = [&](auto& model, torch::optim::Optimizer& opt) {
     perf::ScopedSettings on;
     for (int i = 0; i < steps; ++i) train_step(model, opt, x, y);
+    bar.update(steps * batch);
   };
   const std::string amp_name = std::string("+ ") + (device.is_cuda() ? "autocast" : "bf16 autocast") +
                                (amp_default ? "" : " (not perf's default here)");
@@ -104,13 +109,15 @@ int main(int argc, char** argv) {
       perf::compare({{"stock LibTorch",
                       [&] {
                         for (int i = 0; i < steps; ++i) train_step(stock, stock_opt, x, y);
+                        bar.update(steps * batch);
                       }},
                      {"+ setup() flags", [&] { with_perf_flags(with_setup, setup_opt); }},
                      {"+ channels-last", [&] { with_perf_flags(cl, cl_opt); }},
                      {amp_name, [&] { with_perf_flags(amp, amp_opt); }},
                      {"perf: all + fused SGD", [&] { with_perf_flags(fast, fast_opt); }}},
-                    perf::BenchOptions().warmup(2).iters(rounds).items_per_call(steps * batch).device(device));
+                    perf::BenchOptions().warmup(warmup).iters(rounds).items_per_call(steps * batch).device(device));
 
+  bar.close();
   std::cout << perf::Stats::header();
   for (const auto& s : stats) std::cout << s;
   std::cout << "\nspeed-up over stock LibTorch (ratio of medians; p90/median of stock = " << std::setprecision(3)
@@ -134,5 +141,14 @@ int main(int argc, char** argv) {
   std::cout << "  - perf's full recipe = setup() + perf::optimize (channels-last" << (amp_default ? ", autocast" : "")
             << ") + perf::optim::SGD (one fused kernel for all parameters).\n\n"
             << report;
+  // What perf::advise says about each loop: the stock one, and perf's recipe.
+  const auto advise_options = perf::AdviseOptions().steps(5).warmup(1).device(device);
+  std::cout << "\nstock LibTorch loop, " << perf::advise([&] { train_step(stock, stock_opt, x, y); }, advise_options)
+            << "\nperf's loop, " << perf::advise(
+                                        [&] {
+                                          perf::ScopedSettings on;
+                                          train_step(fast, fast_opt, x, y);
+                                        },
+                                        advise_options);
   return 0;
 }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <torch/arg.h>
@@ -467,6 +468,8 @@ void Prefetcher<Loader>::produce() {
 
 template <typename Loader>
 std::optional<typename Prefetcher<Loader>::Batch> Prefetcher<Loader>::next() {
+  // A user scope, so that perf::advise and the profiler see time spent waiting for data.
+  RECORD_USER_SCOPE("perf::prefetch::next");
   if (!async_) {
     if (!sync_it_ || *sync_it_ == loader_.end()) return std::nullopt;
     auto& it = *sync_it_;

@@ -12,6 +12,7 @@
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>
+#include <perf/monitor.h>
 #include <perf/module.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
