@@ -1,0 +1,239 @@
+// One end-to-end training run in C++ (one job, one configuration), appending one
+// JSON line to --out; bench/e2e/train.py is the Python side, run.py drives both.
+//
+// Configurations:
+//   stock           LibTorch as shipped: fp32, NCHW, torch::optim::AdamW, a plain
+//                   DataLoader (no workers), default backend flags.
+//   perf            perf::setup(), perf::optimize (channels-last + perf's autocast
+//                   default for the device), perf::optim::AdamW (fused),
+//                   perf::loader_options + perf::prefetch.
+//   perf_trainstep  perf + perf::TrainStep (the whole step as one CUDA graph; CUDA only).
+#include <perf/cuda_graph.h>
+#include <perf/data.h>
+#include <perf/model.h>
+#include <perf/optim.h>
+#include <perf/setup.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <iomanip>
+#include <iterator>
+#include <map>
+#include <sstream>
+
+#include "models.h"
+
+namespace {
+
+c10::impl::GenericDict load_dict(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  TORCH_CHECK(f.good(), "e2e: cannot open ", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return torch::pickle_load(bytes).toGenericDict();
+}
+
+// Copies a state dict saved by Python (a dict of tensors) into the module, every name accounted for.
+void load_state(torch::nn::Module& module, const std::string& path) {
+  auto dict = load_dict(path);
+  torch::NoGradGuard no_grad;
+  size_t matched = 0;
+  auto copy = [&](const std::string& name, at::Tensor& t) {
+    TORCH_CHECK(dict.contains(name), "e2e: ", path, " has no '", name, "' (the Python twin differs)");
+    const auto src = dict.at(name).toTensor();
+    TORCH_CHECK(src.sizes() == t.sizes(), "e2e: '", name, "' is ", src.sizes(), " in ", path, ", ", t.sizes(), " here");
+    t.copy_(src);
+    ++matched;
+  };
+  for (auto& p : module.named_parameters()) copy(p.key(), p.value());
+  for (auto& b : module.named_buffers()) copy(b.key(), b.value());
+  TORCH_CHECK(matched == dict.size(), "e2e: ", path, " holds ", dict.size(), " tensors, the C++ model ", matched);
+}
+
+struct PairDataset : torch::data::datasets::Dataset<PairDataset> {
+  PairDataset(at::Tensor x, at::Tensor y) : x(std::move(x)), y(std::move(y)) {}
+  torch::data::Example<> get(size_t i) override {
+    const auto k = static_cast<int64_t>(i);
+    return {x[k], y[k]};
+  }
+  std::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
+  at::Tensor x, y;
+};
+
+struct Args {
+  std::string job, config, device = "cpu", data, init, out;
+  std::map<std::string, int64_t> size;
+  int warmup = 3, steps = 20, window = 5, threads = 0;
+};
+
+struct Result {
+  std::vector<double> windows, losses;
+  double first_step_s = 0;
+  std::string amp = "off";
+};
+
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out.to(at::kFloat).reshape({-1, out.size(-1)}), y.reshape({-1}));
+}
+
+// The training loop shared by every configuration: `step(x, y)` returns the loss.
+template <typename Loader, typename Step>
+Result train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::Device& device) {
+  Result r;
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
+  const int total = a.warmup + a.steps;
+  std::vector<at::Tensor> losses;
+  std::vector<std::chrono::steady_clock::time_point> marks;
+  const auto start = std::chrono::steady_clock::now();
+  int done = 0;
+  while (done < total) {
+    batches_of_epoch([&](const at::Tensor& x, const at::Tensor& y) {
+      if (done >= total) return false;
+      losses.push_back(step(x, y).detach());
+      ++done;
+      if (done == 1) {
+        sync();
+        r.first_step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+      if (done >= a.warmup && (done - a.warmup) % a.window == 0) {
+        sync();
+        marks.push_back(std::chrono::steady_clock::now());
+      }
+      return done < total;
+    });
+  }
+  const double batch = static_cast<double>(a.size.at("batch"));
+  for (size_t i = 0; i + 1 < marks.size(); ++i)
+    r.windows.push_back(a.window * batch / std::chrono::duration<double>(marks[i + 1] - marks[i]).count());
+  std::sort(r.windows.begin(), r.windows.end());
+  for (const auto& l : losses) r.losses.push_back(l.item<double>());
+  return r;
+}
+
+template <typename Holder>
+Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) {
+  const c10::Device device(a.device);
+  load_state(*model, a.init);
+  const auto batch = static_cast<size_t>(a.size.at("batch"));
+  auto dataset = PairDataset(x, y).map(torch::data::transforms::Stack<>());
+  if (a.config == "stock") {
+    model->to(device);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+        dataset, torch::data::DataLoaderOptions(batch).drop_last(true));
+    auto epoch = [&](auto&& each) {
+      for (auto& b : *loader)
+        if (!each(b.data.to(device), b.target.to(device))) return;
+    };
+    return train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
+      opt.zero_grad();
+      auto loss = loss_of(model->forward(xb), yb);
+      loss.backward();
+      opt.step();
+      return loss;
+    }, a, device);
+  }
+  perf::setup();
+  auto fast = perf::optimize(model, perf::ModelOptions().device(device));
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      dataset, perf::loader_options(batch, perf::LoaderTuning().drop_last(true)));
+  auto epoch = [&](auto&& each) {
+    for (auto& b : perf::prefetch(*loader, device))
+      if (!each(b.data, b.target)) return;
+  };
+  Result r;
+  if (a.config == "perf") {
+    r = train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
+      opt.zero_grad();
+      auto loss = loss_of(fast(xb), yb);
+      loss.backward();
+      opt.step();
+      return loss;
+    }, a, device);
+  } else {
+    TORCH_CHECK(a.config == "perf_trainstep", "e2e: --config must be stock, perf or perf_trainstep, got ", a.config);
+    TORCH_CHECK(device.is_cuda(), "e2e: perf_trainstep needs --device cuda (CUDA graphs)");
+    std::optional<perf::TrainStep> step;
+    r = train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
+      if (!step) {
+        step.emplace(model, [&](const at::Tensor& in, const at::Tensor& t) { return loss_of(fast(in), t); }, opt, xb,
+                     yb);
+      }
+      return step->step(xb, yb);
+    }, a, device);
+  }
+  r.amp = perf::Autocast::default_enabled(device) ? c10::toString(perf::Autocast::default_dtype(device)) : "off";
+  return r;
+}
+
+std::string json_list(const std::vector<double>& v) {
+  std::ostringstream s;
+  s << std::setprecision(9) << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  return s.str() + "]";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("perf end-to-end training run (bench/e2e/run.py drives it)");
+  Args a;
+  bool info = false;
+  std::string size_text;
+  app.add_flag("--info", info, "print perf's autocast default for --device and exit");
+  app.add_option("--job", a.job)->check(CLI::IsMember({"cnn", "transformer", "mlp"}));
+  app.add_option("--config", a.config)->check(CLI::IsMember({"stock", "perf", "perf_trainstep"}));
+  app.add_option("--device", a.device);
+  app.add_option("--size", size_text, "sizes as k=v,k=v (bench/e2e/models.py JOBS)");
+  app.add_option("--data", a.data);
+  app.add_option("--init", a.init);
+  app.add_option("--warmup", a.warmup);
+  app.add_option("--steps", a.steps);
+  app.add_option("--window", a.window);
+  app.add_option("--threads", a.threads);
+  app.add_option("--out", a.out);
+  CLI11_PARSE(app, argc, argv);
+  const c10::Device device(a.device);
+  if (info) {
+    std::cout << "amp=" << (perf::Autocast::default_enabled(device) ? "bf16" : "off") << "\n";
+    return 0;
+  }
+  if (a.threads > 0) at::set_num_threads(a.threads);
+  std::istringstream kv(size_text);
+  std::string item;
+  while (std::getline(kv, item, ',')) {
+    const auto eq = item.find('=');
+    TORCH_CHECK(eq != std::string::npos, "e2e: --size entries are k=v, got ", item);
+    a.size[item.substr(0, eq)] = std::stoll(item.substr(eq + 1));
+  }
+  auto data = load_dict(a.data);
+  const auto x = data.at("x").toTensor(), y = data.at("y").toTensor();
+  torch::manual_seed(0);
+  Result r;
+  const auto& s = a.size;
+  if (a.job == "cnn") {
+    r = run(perf_bench::ResNet(s.at("width"), 10), a, x, y);
+  } else if (a.job == "transformer") {
+    r = run(e2e::Gpt(s.at("vocab"), s.at("d"), s.at("layers"), s.at("heads"), s.at("context")), a, x, y);
+  } else {
+    r = run(e2e::mlp(s.at("inputs"), s.at("hidden"), s.at("classes")), a, x, y);
+  }
+  std::ofstream out(a.out, std::ios::app);
+  out << "{\"lang\": \"cpp\", \"job\": \"" << a.job << "\", \"config\": \"" << a.config << "\", \"device\": \""
+      << a.device << "\", \"samples_per_s\": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
+      << ", \"windows_samples_per_s\": " << json_list(r.windows) << ", \"losses\": " << json_list(r.losses)
+      << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << s.at("batch") << ", \"warmup\": " << a.warmup
+      << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
+      << "\"}\n";
+  std::cout << "cpp " << a.job << " " << a.config << ": "
+            << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2]) << " samples/s, final loss "
+            << r.losses.back() << ", first step " << r.first_step_s << " s\n";
+  return 0;
+}

@@ -1,0 +1,106 @@
+"""Python PyTorch against C++ with perf on the same training jobs, side by side in one run.
+
+    python bench/e2e/run.py --e2e build/bench/e2e [--device cpu|cuda] [--quick] [--jobs cnn,transformer,mlp]
+    python bench/e2e/run.py --e2e build/bench/e2e --check     # the twins agree (CI)
+
+For each job: one initial state dict and one synthetic data set, saved once and
+loaded by both languages; then every configuration, alternating Python and C++
+(each in its own process), appending to <out>/results.jsonl; then report.py
+writes the table and charts. scripts/bench-e2e.sh is the one command.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import models  # noqa: E402
+
+
+def configs(device, quick, full):
+    cuda = device.startswith("cuda")
+    order = [("python", "eager_fp32"), ("cpp", "stock"), ("python", "eager_recipe"), ("cpp", "perf"),
+             ("python", "compile_recipe")]
+    if cuda:
+        order += [("cpp", "perf_trainstep"), ("python", "compile_reduce_overhead")]
+    if cuda or full:
+        order += [("python", "compile_max_autotune")]
+    return order
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--e2e", required=True, help="the C++ runner (build/bench/e2e)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jobs", default="cnn,transformer,mlp")
+    p.add_argument("--quick", action="store_true", help="fewer steps (CI-sized; about 10 minutes on 2 CPU cores)")
+    p.add_argument("--full", action="store_true", help="also torch.compile max-autotune on the CPU (slow to compile)")
+    p.add_argument("--check", action="store_true",
+                   help="only Python eager fp32 and C++ stock for a few steps; fail unless their losses agree")
+    p.add_argument("--out", default="bench-results/e2e")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    a = p.parse_args()
+
+    dev_kind = "cuda" if a.device.startswith("cuda") else "cpu"
+    os.makedirs(a.out, exist_ok=True)
+    results = os.path.join(a.out, "results.jsonl")
+    if os.path.exists(results):
+        os.remove(results)
+    info = subprocess.run([a.e2e, "--info", "--device", a.device], capture_output=True, text=True, check=True).stdout
+    amp = info.strip().split("amp=")[-1]
+    if a.check:
+        warmup, steps, window = 1, 4, 2
+    elif a.quick:
+        warmup, steps, window = 3, 15, 5
+    else:
+        warmup, steps, window = 5, 40, 5
+    runs = [("python", "eager_fp32"), ("cpp", "stock")] if a.check else configs(a.device, a.quick, a.full)
+    started = time.time()
+    for job in a.jobs.split(","):
+        size = models.JOBS[job][dev_kind]
+        samples = size["batch"] * min(warmup + steps, 16)  # epochs repeat after 16 batches
+        data_path = os.path.join(a.out, f"data_{job}.pt")
+        init_path = os.path.join(a.out, f"init_{job}.pt")
+        x, y = models.make_data(job, size, samples)
+        torch.save({"x": x, "y": y}, data_path)
+        torch.manual_seed(0)
+        torch.save(dict(models.make(job, size).state_dict()), init_path)
+        common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
+                  "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
+        for lang, config in runs:
+            if lang == "python":
+                cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
+                       "--amp", amp] + common
+            else:
+                cmd = [a.e2e, "--config", config, "--size", ",".join(f"{k}={v}" for k, v in size.items())] + common
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            if proc.returncode != 0:
+                print(f"FAILED {lang} {job} {config} (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+                return 1
+            print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
+    print(f"all runs: {time.time() - started:.0f} s")
+    rows = [json.loads(l) for l in open(results)]
+    if a.check:
+        worst = 0.0
+        for job in a.jobs.split(","):
+            py = next(r for r in rows if r["job"] == job and r["lang"] == "python")
+            cpp = next(r for r in rows if r["job"] == job and r["lang"] == "cpp")
+            diff = max(abs(u - v) for u, v in zip(py["losses"], cpp["losses"]))
+            print(f"{job}: Python eager fp32 vs C++ stock, {len(py['losses'])} steps, max |loss difference| {diff:.2e}")
+            worst = max(worst, diff)
+        if worst > 1e-3:
+            print("the twins disagree: the jobs are not the same job", file=sys.stderr)
+            return 1
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# End-to-end: Python PyTorch (eager, recipe, torch.compile) against C++ (stock
+# LibTorch, perf) on the same training jobs; table and charts into docs/.
+#   bash scripts/bench-e2e.sh [--quick] [--device cuda] [--jobs cnn,transformer,mlp] [--full]
+# --quick: CI-sized (about 10 minutes on a 2-core CPU). PERF_PYTHON: the Python
+# (default: the venv that provides LibTorch; matplotlib is installed into it if missing).
+source "$(dirname "$0")/common.sh"
+python=${PERF_PYTHON:-${PERF_TORCH_PREFIX%/lib/python*}/bin/python}
+"$python" -c "import matplotlib" 2>/dev/null ||
+  "$python" -m pip install --quiet --disable-pip-version-check matplotlib >&2
+perf_configure build --log-level=ERROR >/dev/null
+cmake --build build --target e2e >/dev/null
+device=cpu
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do [[ ${args[i]} == --device ]] && device=${args[i + 1]}; done
+kind=${device%%:*}
+"$python" bench/e2e/run.py --e2e build/bench/e2e --out "bench-results/e2e-$kind" "$@"
+machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
+[[ $kind == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
+"$python" bench/e2e/report.py "bench-results/e2e-$kind/results.jsonl" --docs docs --name "e2e-$kind" \
+  --machine "$machine, $(nproc) cores"
