@@ -13,16 +13,18 @@
 #   bash scripts/gpu-check.sh               # build, tests, benchmarks (~10 min on 16 cores)
 #   bash scripts/gpu-check.sh --quick       # shorter benchmark runs
 #   bash scripts/gpu-check.sh --build-only  # the offline build alone (works without a GPU)
+#   bash scripts/gpu-check.sh --e2e         # also bench/e2e (Python vs C++ training jobs; +10-20 min)
 # PERF_CMAKE_ARGS adds CMake arguments; PERF_GPU_BUILD / PERF_GPU_RESULTS name the
 # build and results folders (build-gpu/, gpu-results/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-quick=0 build_only=0
+quick=0 build_only=0 e2e=0
 for a in "$@"; do
   case $a in
     --quick) quick=1 ;;
     --build-only) build_only=1 ;;
-    *) echo "gpu-check: unknown argument $a (valid: --quick, --build-only)" >&2; exit 2 ;;
+    --e2e) e2e=1 ;;
+    *) echo "gpu-check: unknown argument $a (valid: --quick, --build-only, --e2e)" >&2; exit 2 ;;
   esac
 done
 py=${PERF_PYTHON:-python3}
@@ -122,6 +124,15 @@ rm -f "$out"/resnet_cuda_*.pt2
 # DDP's own overhead on one GPU: NCCL at world size 1.
 RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
   run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
+if ((e2e)); then
+  echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
+  e2e_args=(); ((quick)) && e2e_args=(--quick)
+  "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$out/e2e" "${e2e_args[@]}" >"$out/e2e.txt" 2>&1 ||
+    { echo "   FAILED (see $out/e2e.txt)"; status=1; }
+  # The report needs matplotlib; without it, results.jsonl is there for report.py elsewhere.
+  "$py" bench/e2e/report.py "$out/e2e/results.jsonl" --docs "$out/e2e" --name e2e-cuda >>"$out/e2e.txt" 2>&1 ||
+    echo "   (no report: matplotlib missing? run bench/e2e/report.py on $out/e2e/results.jsonl elsewhere)"
+fi
 for peer in bench/peer_*.py; do
   name=$(basename "$peer" .py)
   echo "== $name"
