@@ -9,7 +9,6 @@
 #include <perf/setup.h>
 
 #include <CLI/CLI.hpp>
-
 #include <iomanip>
 #include <iostream>
 
@@ -47,7 +46,8 @@ int main(int argc, char** argv) {
   for (int64_t batch : batches) {
     const auto x = torch::randn({batch, 3, image, image}, torch::TensorOptions().device(device));
     std::vector<std::pair<std::string, std::function<void()>>> configs = {
-        {"eager fp32", [&] {
+        {"eager fp32",
+         [&] {
            c10::InferenceMode guard;
            plain->forward(x);
          }},
@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
     };
     for (auto& c : compiled) {
       const auto& in = c->inputs().at(0);
-      const std::string label = std::string("package ") + (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
+      const std::string label = std::string("package ") +
+                                (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
                                 (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "");
       configs.emplace_back(label, [&c, &x, dtype = in.dtype] {
         c10::InferenceMode guard;
@@ -70,12 +71,13 @@ int main(int argc, char** argv) {
       configs.emplace_back("perf::graph(eager recipe)", [&] { graphs[0](x); });
     }
     const auto stats = perf::compare(configs, opts);
-    std::cout << "\n" << device << " batch " << batch << ", " << image << "x" << image << ", width " << width << "\n"
-              << [] {
-                   auto h = perf::Stats::header();
-                   return h.substr(0, h.size() - 1);
-                 }()
-              << "  vs fp32\n";
+    std::cout << "\n"
+              << device << " batch " << batch << ", " << image << "x" << image << ", width " << width << "\n"
+              <<
+        [] {
+          auto h = perf::Stats::header();
+          return h.substr(0, h.size() - 1);
+        }() << "  vs fp32\n";
     for (const auto& s : stats) {
       auto line = s.to_string();
       while (!line.empty() && line.back() == '\n') line.pop_back();

@@ -144,11 +144,12 @@ int main(int argc, char** argv) {
   // What perf::advise says about each loop: the stock one, and perf's recipe.
   const auto advise_options = perf::AdviseOptions().steps(5).warmup(1).device(device);
   std::cout << "\nstock LibTorch loop, " << perf::advise([&] { train_step(stock, stock_opt, x, y); }, advise_options)
-            << "\nperf's loop, " << perf::advise(
-                                        [&] {
-                                          perf::ScopedSettings on;
-                                          train_step(fast, fast_opt, x, y);
-                                        },
-                                        advise_options);
+            << "\nperf's loop, "
+            << perf::advise(
+                   [&] {
+                     perf::ScopedSettings on;
+                     train_step(fast, fast_opt, x, y);
+                   },
+                   advise_options);
   return 0;
 }

@@ -8,8 +8,12 @@
 
 extern "C" {
 
-typedef struct { unsigned gpu, memory; } fake_utilization;
-typedef struct { unsigned long long total, free, used; } fake_memory;
+typedef struct {
+  unsigned gpu, memory;
+} fake_utilization;
+typedef struct {
+  unsigned long long total, free, used;
+} fake_memory;
 
 static unsigned fake_calls[16];
 

@@ -23,20 +23,7 @@ bool has_cuda() { return torch::cuda::is_available(); }
 
 // --------------------------------------------------------------------------- Autocast
 
-namespace {
-// Plays a CPU with (or without) native bf16 for one scope.
-class ScopedCpuBf16 {
- public:
-  explicit ScopedCpuBf16(bool native) : saved_(perf::detail::cpu_bf16()) {
-    perf::detail::cpu_bf16().avx512_bf16 = native;
-    perf::detail::cpu_bf16().amx_bf16 = false;
-  }
-  ~ScopedCpuBf16() { perf::detail::cpu_bf16() = saved_; }
-
- private:
-  perf::detail::CpuBf16 saved_;
-};
-}  // namespace
+using test_util::ScopedCpuBf16;
 
 TEST(Autocast, CpuDefaultIsBf16WithNativeBf16AndRestoresOnExit) {
   const ScopedCpuBf16 cpu(/*native=*/true);

@@ -5,30 +5,24 @@
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
+#include <stdlib.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <thread>
 
-#include <stdlib.h>
-#include <unistd.h>
-
 #include "test_util.h"
 
 namespace {
 
-std::string env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : fallback;
-}
+using test_util::env_or;
 
 // PERF_TEST_PACKAGES (environment) overrides the build's folder when the binary runs elsewhere.
-std::string package(const std::string& name) {
-  return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES) + "/" + name;
-}
+std::string package(const std::string& name) { return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES) + "/" + name; }
 
 struct Reference {
   std::vector<at::Tensor> in, out;
@@ -130,7 +124,8 @@ TEST(Compiled, EveryBadInputIsRejectedWithItsMessage) {
   PERF_EXPECT_THROW_MSG(mlp(at::Tensor()), "input 0 is an undefined tensor");
   perf::CompiledModel two(package("two_in_two_out.pt2"));
   const auto ref = reference("two_in_two_out", 5);
-  PERF_EXPECT_THROW_MSG(two.run({ref.in[0].to(at::kFloat), ref.in[1]}), "input 0 has dtype Float, the package was exported for Long");
+  PERF_EXPECT_THROW_MSG(two.run({ref.in[0].to(at::kFloat), ref.in[1]}),
+                        "input 0 has dtype Float, the package was exported for Long");
   PERF_EXPECT_THROW_MSG(two.run({ref.in[0], ref.in[1].slice(0, 0, 4).t()}), "input 1 has shape [8, 4]");
   PERF_EXPECT_THROW_MSG(two(ref.in[0]), "takes 2 inputs: call run({...}) with all of them");
   // After all the refusals the model still answers correctly.
@@ -195,10 +190,12 @@ TEST(Compiled, RunsUnderInferenceModeAndInsidePerfBenchmark) {
     EXPECT_LE(max_diff(cnn(x), ref.out[0]), 1e-5);
   }
   int calls = 0;
-  const auto stats = perf::benchmark([&] {
-    cnn(ref.in[0]);
-    ++calls;
-  }, perf::BenchOptions().warmup(2).iters(5));
+  const auto stats = perf::benchmark(
+      [&] {
+        cnn(ref.in[0]);
+        ++calls;
+      },
+      perf::BenchOptions().warmup(2).iters(5));
   EXPECT_EQ(stats.iterations, 5);
   EXPECT_EQ(calls, 7);
 }
@@ -249,10 +246,13 @@ TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
     std::ofstream(weights, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
   const std::string src = env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR);
-  const auto out = test_util::python("import sys,torch,torch.jit._pickle as tp; sys.path.insert(0,'" + src + "/tests/compiled'); "
+  const auto out = test_util::python("import sys,torch,torch.jit._pickle as tp; sys.path.insert(0,'" + src +
+                                     "/tests/compiled'); "
                                      "import models; m=models.make_mlp(); "
                                      "sg=torch.serialization.safe_globals([tp.restore_type_tag]); sg.__enter__(); "
-                                     "m.load_state_dict(torch.load('" + weights + "')); "
+                                     "m.load_state_dict(torch.load('" +
+                                     weights +
+                                     "')); "
                                      "x=torch.linspace(-2,2,32).reshape(2,16); print(*m(x).flatten().tolist())");
   const auto want = at::tensor(test_util::parse_numbers(out)).reshape({2, 4}).to(at::kFloat);
   torch::NoGradGuard no_grad;
@@ -277,7 +277,8 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
   EXPECT_FALSE(model.metadata().at("AOTI_COMPUTE_CAPABILITY").empty());
   // The same weights: the tool seeds 0 before the factory, as the reference does.
   const auto ref = test_util::lines(test_util::python(
-      "import sys,torch; sys.path.insert(0,'" + src + "/tests/compiled'); import models; torch.manual_seed(0); "
+      "import sys,torch; sys.path.insert(0,'" + src +
+      "/tests/compiled'); import models; torch.manual_seed(0); "
       "m=models.make_mlp().eval(); x=torch.linspace(-2,2,48).reshape(3,16); print(*m(x).flatten().tolist())"));
   const auto want = at::tensor(test_util::parse_numbers(ref.at(0))).reshape({3, 4}).to(at::kFloat);
   const auto x = at::linspace(-2, 2, 48).reshape({3, 16}).cuda();

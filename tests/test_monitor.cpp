@@ -16,10 +16,7 @@ namespace {
 std::vector<std::string> lines_of(const std::string& text) { return test_util::lines(text); }
 
 // PERF_FAKE_NVML (environment) overrides the build's path when the binary runs elsewhere.
-std::string fake_nvml() {
-  const char* v = std::getenv("PERF_FAKE_NVML");
-  return v != nullptr && *v != '\0' ? v : PERF_FAKE_NVML;
-}
+std::string fake_nvml() { return test_util::env_or("PERF_FAKE_NVML", PERF_FAKE_NVML); }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -29,14 +26,7 @@ struct ScopedThreads {
   int saved_;
 };
 
-struct ScopedCpuBf16 {
-  explicit ScopedCpuBf16(bool native) : saved_(perf::detail::cpu_bf16()) {
-    perf::detail::cpu_bf16().avx512_bf16 = native;
-    perf::detail::cpu_bf16().amx_bf16 = false;
-  }
-  ~ScopedCpuBf16() { perf::detail::cpu_bf16() = saved_; }
-  perf::detail::CpuBf16 saved_;
-};
+using test_util::ScopedCpuBf16;
 
 int64_t physical_cores() {
   const auto caps = at::cpu::get_cpu_capabilities();
@@ -133,8 +123,9 @@ TEST(Progress, UpdatesReadNoTensorUntilALineIsDrawn) {
 TEST(Progress, RedrawsInPlaceOnATerminal) {
   std::ostringstream out;
   {
-    perf::Progress bar(4, perf::ProgressOptions().every(std::chrono::milliseconds(0)).stream(&out).style(
-                              perf::ProgressStyle::terminal));
+    perf::Progress bar(
+        4,
+        perf::ProgressOptions().every(std::chrono::milliseconds(0)).stream(&out).style(perf::ProgressStyle::terminal));
     for (int i = 0; i < 4; ++i) bar.update();
   }
   const auto text = out.str();

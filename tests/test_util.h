@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <perf/detail/cpu.h>
 
 #include <array>
 #include <cmath>
@@ -50,12 +51,33 @@ class ScopedEnv {
   std::optional<std::string> old_;
 };
 
+// An environment variable, or `fallback` when unset or empty (paths baked in at
+// build time that a binary run on another machine overrides).
+inline std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+// Plays a CPU with (or without) native bf16 for one scope.
+class ScopedCpuBf16 {
+ public:
+  explicit ScopedCpuBf16(bool native) : saved_(perf::detail::cpu_bf16()) {
+    perf::detail::cpu_bf16().avx512_bf16 = native;
+    perf::detail::cpu_bf16().amx_bf16 = false;
+  }
+  ~ScopedCpuBf16() { perf::detail::cpu_bf16() = saved_; }
+  ScopedCpuBf16(const ScopedCpuBf16&) = delete;
+  ScopedCpuBf16& operator=(const ScopedCpuBf16&) = delete;
+
+ private:
+  perf::detail::CpuBf16 saved_;
+};
+
 // Runs a Python snippet with the interpreter of the venv that provided
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
 // overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  const char* env = std::getenv("PERF_PYTHON");
-  const std::string py = env != nullptr && *env != '\0' ? env : PERF_PYTHON;
+  const std::string py = env_or("PERF_PYTHON", PERF_PYTHON);
   const std::string cmd = py + " -c \"" + code + "\" 2>/dev/null";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);

@@ -16,12 +16,11 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <fstream>
-#include <iostream>
 #include <iomanip>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <sstream>
@@ -131,13 +130,16 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
       for (auto& b : *loader)
         if (!each(b.data.to(device), b.target.to(device))) return;
     };
-    return train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
-      opt.zero_grad();
-      auto loss = loss_of(model->forward(xb), yb);
-      loss.backward();
-      opt.step();
-      return loss;
-    }, a, device);
+    return train(
+        epoch,
+        [&](const at::Tensor& xb, const at::Tensor& yb) {
+          opt.zero_grad();
+          auto loss = loss_of(model->forward(xb), yb);
+          loss.backward();
+          opt.step();
+          return loss;
+        },
+        a, device);
   }
   perf::setup();
   auto fast = perf::optimize(model, perf::ModelOptions().device(device));
@@ -150,24 +152,30 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
   };
   Result r;
   if (a.config == "perf") {
-    r = train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
-      opt.zero_grad();
-      auto loss = loss_of(fast(xb), yb);
-      loss.backward();
-      opt.step();
-      return loss;
-    }, a, device);
+    r = train(
+        epoch,
+        [&](const at::Tensor& xb, const at::Tensor& yb) {
+          opt.zero_grad();
+          auto loss = loss_of(fast(xb), yb);
+          loss.backward();
+          opt.step();
+          return loss;
+        },
+        a, device);
   } else {
     TORCH_CHECK(a.config == "perf_trainstep", "e2e: --config must be stock, perf or perf_trainstep, got ", a.config);
     TORCH_CHECK(device.is_cuda(), "e2e: perf_trainstep needs --device cuda (CUDA graphs)");
     std::optional<perf::TrainStep> step;
-    r = train(epoch, [&](const at::Tensor& xb, const at::Tensor& yb) {
-      if (!step) {
-        step.emplace(model, [&](const at::Tensor& in, const at::Tensor& t) { return loss_of(fast(in), t); }, opt, xb,
-                     yb);
-      }
-      return step->step(xb, yb);
-    }, a, device);
+    r = train(
+        epoch,
+        [&](const at::Tensor& xb, const at::Tensor& yb) {
+          if (!step) {
+            step.emplace(
+                model, [&](const at::Tensor& in, const at::Tensor& t) { return loss_of(fast(in), t); }, opt, xb, yb);
+          }
+          return step->step(xb, yb);
+        },
+        a, device);
   }
   r.amp = perf::Autocast::default_enabled(device) ? c10::toString(perf::Autocast::default_dtype(device)) : "off";
   return r;
@@ -232,8 +240,7 @@ int main(int argc, char** argv) {
       << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << s.at("batch") << ", \"warmup\": " << a.warmup
       << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
       << "\"}\n";
-  std::cout << "cpp " << a.job << " " << a.config << ": "
-            << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2]) << " samples/s, final loss "
-            << r.losses.back() << ", first step " << r.first_step_s << " s\n";
+  std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
+            << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s\n";
   return 0;
 }

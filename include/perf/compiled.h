@@ -120,7 +120,8 @@ namespace detail {
 inline std::string sizes_string(const std::vector<int64_t>& sizes) {
   std::ostringstream s;
   s << "[";
-  for (size_t i = 0; i < sizes.size(); ++i) s << (i ? ", " : "") << (sizes[i] < 0 ? std::string("batch") : std::to_string(sizes[i]));
+  for (size_t i = 0; i < sizes.size(); ++i)
+    s << (i ? ", " : "") << (sizes[i] < 0 ? std::string("batch") : std::to_string(sizes[i]));
   s << "]";
   return s.str();
 }
@@ -233,7 +234,8 @@ inline CompiledModel::CompiledModel(const std::string& path, const CompiledOptio
   } else if (metadata_.count("AOTI_CPU_ISA")) {
     const auto missing = detail::missing_cpu_isa(metadata_.at("AOTI_CPU_ISA"));
     TORCH_CHECK(missing.empty(), "perf::CompiledModel: '", path, "' was compiled for CPUs with ",
-                metadata_.at("AOTI_CPU_ISA"), "; this CPU lacks ", missing, ". Export it again on (or for) this machine.");
+                metadata_.at("AOTI_CPU_ISA"), "; this CPU lacks ", missing,
+                ". Export it again on (or for) this machine.");
   }
   if (metadata_.count("perf.inputs")) {
     num_inputs_ = static_cast<size_t>(detail::to_int(metadata_.at("perf.inputs"), "perf.inputs"));
@@ -260,8 +262,8 @@ inline CompiledModel::CompiledModel(const std::string& path, const CompiledOptio
 }
 
 inline std::vector<at::Tensor> CompiledModel::checked(const std::vector<at::Tensor>& inputs) const {
-  TORCH_CHECK(num_inputs_ == 0 || inputs.size() == num_inputs_, "perf::CompiledModel '", path_, "' takes ",
-              num_inputs_, " input(s), got ", inputs.size());
+  TORCH_CHECK(num_inputs_ == 0 || inputs.size() == num_inputs_, "perf::CompiledModel '", path_, "' takes ", num_inputs_,
+              " input(s), got ", inputs.size());
   std::vector<at::Tensor> out;
   out.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -279,8 +281,7 @@ inline std::vector<at::Tensor> CompiledModel::checked(const std::vector<at::Tens
                 x.scalar_type(), ", the package was exported for ", want.dtype, " (convert with .to(", want.dtype,
                 "))");
     bool shape_ok = x.dim() == static_cast<int64_t>(want.sizes.size());
-    for (int64_t d = 0; shape_ok && d < x.dim(); ++d)
-      shape_ok = want.sizes[d] < 0 || want.sizes[d] == x.size(d);
+    for (int64_t d = 0; shape_ok && d < x.dim(); ++d) shape_ok = want.sizes[d] < 0 || want.sizes[d] == x.size(d);
     TORCH_CHECK(shape_ok, "perf::CompiledModel '", path_, "': input ", i, " has shape ", x.sizes(),
                 ", the package was exported for ", detail::sizes_string(want.sizes));
     for (int64_t d = 0; d < x.dim(); ++d) {

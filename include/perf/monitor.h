@@ -137,9 +137,9 @@ struct GpuMonitorOptions {
 };
 
 struct GpuSample {
-  double time_s = 0;          ///< since the monitor started
-  unsigned sm_util = 0;       ///< % of time a kernel ran (NVML "gpu" utilisation)
-  unsigned mem_util = 0;      ///< % of time memory was read or written
+  double time_s = 0;                     ///< since the monitor started
+  unsigned sm_util = 0;                  ///< % of time a kernel ran (NVML "gpu" utilisation)
+  unsigned mem_util = 0;                 ///< % of time memory was read or written
   uint64_t mem_used = 0, mem_total = 0;  ///< bytes
   unsigned sm_clock_mhz = 0;
   double power_w = 0;
@@ -479,7 +479,8 @@ inline std::string Progress::format(double t, bool final) {
     s << " | ETA " << detail::fmt_duration(recent > 0 ? static_cast<double>(total_ - done_) / recent : -1);
   }
   s << " | " << (final ? "took " : "elapsed ") << detail::fmt_duration(t);
-  for (const auto& kv : values_) s << " | " << kv.first << " " << detail::fmt_number(detail::value_of(kv.second, values_read_));
+  for (const auto& kv : values_)
+    s << " | " << kv.first << " " << detail::fmt_number(detail::value_of(kv.second, values_read_));
   if (options_.show_memory()) {
     const auto host = memory_stats(c10::Device(c10::kCPU));
     if (host.rss) s << " | rss " << detail::fmt_bytes(static_cast<double>(*host.rss));
@@ -622,9 +623,9 @@ inline std::ostream& operator<<(std::ostream& os, const GpuSummary& s) {
   if (!s.unavailable.empty()) return os << "GPU monitor: unavailable: " << s.unavailable << "\n";
   os << "GPU monitor over " << std::fixed << std::setprecision(1) << s.seconds << " s\n";
   for (const auto& d : s.devices) {
-    os << "  gpu " << d.index << " " << d.name << ": " << d.samples << " samples, SM util mean "
-       << std::setprecision(1) << d.mean_sm_util << "% max " << d.max_sm_util << "%, memory util mean "
-       << d.mean_mem_util << "%, memory max " << detail::fmt_bytes(static_cast<double>(d.max_mem_used)) << " of "
+    os << "  gpu " << d.index << " " << d.name << ": " << d.samples << " samples, SM util mean " << std::setprecision(1)
+       << d.mean_sm_util << "% max " << d.max_sm_util << "%, memory util mean " << d.mean_mem_util << "%, memory max "
+       << detail::fmt_bytes(static_cast<double>(d.max_mem_used)) << " of "
        << detail::fmt_bytes(static_cast<double>(d.mem_total)) << ", SM clock mean " << std::setprecision(0)
        << d.mean_sm_clock_mhz << " MHz, power mean " << std::setprecision(1) << d.mean_power_w << " W max "
        << d.max_power_w << " W, temperature max " << d.max_temperature_c << " C\n";
@@ -841,7 +842,8 @@ inline Advice advise(const std::function<void()>& step, const AdviseOptions& opt
         const auto t1 = std::chrono::steady_clock::now();
 #if PERF_WITH_CUDA
         if (cuda) {
-          c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);  // our own sync is not the user's
+          c10::cuda::warning_state().set_sync_debug_mode(
+              c10::cuda::SyncDebugMode::L_DISABLED);  // our own sync is not the user's
           sync();
           c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
         }
@@ -943,8 +945,8 @@ inline Advice advise(const std::function<void()>& step, const AdviseOptions& opt
   if (cuda && total > 0 && host_total / total > 0.8 && advice.median_step_ms < 50) {
     std::ostringstream ev;
     ev << "the host spends " << pct(host_total / total)
-       << " of the step launching work (the GPU waits for the CPU); median step " << std::fixed
-       << std::setprecision(2) << advice.median_step_ms << " ms";
+       << " of the step launching work (the GPU waits for the CPU); median step " << std::fixed << std::setprecision(2)
+       << advice.median_step_ms << " ms";
     f.push_back({"launch-bound step", ev.str(),
                  "perf::graph(model, example) for inference, perf::TrainStep for training (CUDA graphs: one launch)"});
   }
@@ -955,11 +957,10 @@ inline Advice advise(const std::function<void()>& step, const AdviseOptions& opt
     const auto it = caps.find("num_physical_cores");
     const int64_t cores = it != caps.end() && it->second.isInt() ? it->second.toInt() : 0;
     if (cores > 0 && at::get_num_threads() < cores) {
-      f.push_back({"intra-op threads below the physical cores",
-                   std::to_string(at::get_num_threads()) + " intra-op threads on " + std::to_string(cores) +
-                       " physical cores",
-                   "perf::setup() (threads = physical cores), or perf::Settings().num_threads(" +
-                       std::to_string(cores) + ")"});
+      f.push_back(
+          {"intra-op threads below the physical cores",
+           std::to_string(at::get_num_threads()) + " intra-op threads on " + std::to_string(cores) + " physical cores",
+           "perf::setup() (threads = physical cores), or perf::Settings().num_threads(" + std::to_string(cores) + ")"});
     }
     if (detail::cpu_bf16().native() && counters.compute_fp32 > 0 && !autocast_used) {
       f.push_back({"bf16 autocast off on a CPU with native bf16",
