@@ -221,7 +221,7 @@ TEST(GpuMonitor, SamplesEveryDeviceAndSummarises) {
   EXPECT_EQ(mon.samples()[0].size(), n) << "no samples after stop()";
   const auto text = summary.to_string();
   EXPECT_TRUE(contains(text, "gpu 1 Fake GPU 1:")) << text;
-  EXPECT_TRUE(contains(text, "memory max 2.00 GiB of 80.0 GiB")) << text;
+  EXPECT_TRUE(contains(text, "memory max 2.00 GiB of 80.00 GiB")) << text;
   EXPECT_TRUE(contains(text, "power mean 300.5 W")) << text;
 }
 

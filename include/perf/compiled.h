@@ -31,6 +31,7 @@
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/cpu.h>
 #include <torch/arg.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
@@ -185,10 +186,7 @@ inline size_t spec_leaves(const std::string& spec) {
 // "AVX2"), against this CPU: running AVX-512 code without it dies of SIGILL.
 inline std::string missing_cpu_isa(const std::string& isa) {
   const auto caps = at::cpu::get_cpu_capabilities();
-  auto has = [&](const char* name) {
-    const auto it = caps.find(name);
-    return it != caps.end() && it->second.isBool() && it->second.toBool();
-  };
+  auto has = [&](const char* name) { return cpu_flag(caps, name); };
   std::istringstream in(isa);
   std::string word, missing;
   while (in >> word) {

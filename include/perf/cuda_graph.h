@@ -34,6 +34,7 @@
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
 #include <perf/config.h>
+#include <perf/detail/cuda.h>
 #include <perf/detail/ddp_registry.h>
 #include <perf/detail/rng.h>
 #include <perf/module.h>
@@ -386,19 +387,6 @@ inline cudaStreamCaptureMode to_cuda(CaptureErrorMode m) {
   }
   return cudaStreamCaptureModeThreadLocal;
 }
-
-class SyncDebugGuard {
- public:
-  explicit SyncDebugGuard(c10::cuda::SyncDebugMode mode) : prev_(c10::cuda::warning_state().get_sync_debug_mode()) {
-    c10::cuda::warning_state().set_sync_debug_mode(mode);
-  }
-  ~SyncDebugGuard() { c10::cuda::warning_state().set_sync_debug_mode(prev_); }
-  SyncDebugGuard(const SyncDebugGuard&) = delete;
-  SyncDebugGuard& operator=(const SyncDebugGuard&) = delete;
-
- private:
-  c10::cuda::SyncDebugMode prev_;
-};
 
 // at::cuda::CUDAGraph that can abandon a failed capture. In LibTorch 2.11,
 // capture_end() throws at cudaStreamEndCapture before it ends the allocator's

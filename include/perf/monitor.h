@@ -25,6 +25,7 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
+#include <perf/detail/cuda.h>
 #include <perf/memory.h>
 #include <torch/arg.h>
 
@@ -108,7 +109,7 @@ class Progress {
   std::string last_line() const;
 
  private:
-  void draw(std::unique_lock<std::mutex>& lock, bool final);
+  void draw(bool final);  // with mutex_ held
   std::string format(double now_s, bool final);
 
   int64_t total_;
@@ -248,18 +249,6 @@ inline std::string fmt_duration(double seconds) {
     std::snprintf(buf, sizeof(buf), "%02lld:%02lld", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
   }
   return buf;
-}
-
-inline std::string fmt_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(bytes < 10 && u > 0 ? 2 : (u > 0 ? 1 : 0)) << bytes << " " << units[u];
-  return s.str();
 }
 
 inline std::string fmt_number(double v) {
@@ -406,7 +395,7 @@ inline Progress::~Progress() {
 inline void Progress::update(int64_t items, std::vector<std::pair<std::string, ProgressValue>> values) {
   TORCH_CHECK(items >= 0, "perf::Progress::update: items must be >= 0, got ", items);
   const auto now = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return;
   done_ += items;
   for (auto& kv : values) {
@@ -417,13 +406,13 @@ inline void Progress::update(int64_t items, std::vector<std::pair<std::string, P
       it->second = std::move(kv.second);
     }
   }
-  if (now - last_draw_ >= options_.every()) draw(lock, false);
+  if (now - last_draw_ >= options_.every()) draw(false);
 }
 
 inline void Progress::close() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return;
-  draw(lock, true);
+  draw(true);
   closed_ = true;
 }
 
@@ -444,7 +433,7 @@ inline std::string Progress::last_line() const {
   return last_line_;
 }
 
-inline void Progress::draw(std::unique_lock<std::mutex>& /*held*/, bool final) {
+inline void Progress::draw(bool final) {
   const auto now = std::chrono::steady_clock::now();
   last_draw_ = now;
   const double t = std::chrono::duration<double>(now - start_).count();
@@ -483,14 +472,14 @@ inline std::string Progress::format(double t, bool final) {
     s << " | " << kv.first << " " << detail::fmt_number(detail::value_of(kv.second, values_read_));
   if (options_.show_memory()) {
     const auto host = memory_stats(c10::Device(c10::kCPU));
-    if (host.rss) s << " | rss " << detail::fmt_bytes(static_cast<double>(*host.rss));
+    if (host.rss) s << " | rss " << detail::bytes_str(*host.rss);
 #if PERF_WITH_CUDA
     if (at::cuda::is_available()) {
       const auto dev = c10::cuda::current_device();
       const auto gpu = memory_stats(c10::Device(c10::kCUDA, dev));
       if (gpu.allocated && gpu.reserved) {
-        s << " | cuda " << detail::fmt_bytes(static_cast<double>(*gpu.allocated)) << " / "
-          << detail::fmt_bytes(static_cast<double>(*gpu.reserved)) << " reserved";
+        s << " | cuda " << detail::bytes_str(*gpu.allocated) << " / " << detail::bytes_str(*gpu.reserved)
+          << " reserved";
       }
       // NVML numbers devices as nvidia-smi does; without CUDA_VISIBLE_DEVICES remapping this is the same GPU.
       auto& nvml = detail::Nvml::get("libnvidia-ml.so.1");
@@ -625,8 +614,8 @@ inline std::ostream& operator<<(std::ostream& os, const GpuSummary& s) {
   for (const auto& d : s.devices) {
     os << "  gpu " << d.index << " " << d.name << ": " << d.samples << " samples, SM util mean " << std::setprecision(1)
        << d.mean_sm_util << "% max " << d.max_sm_util << "%, memory util mean " << d.mean_mem_util << "%, memory max "
-       << detail::fmt_bytes(static_cast<double>(d.max_mem_used)) << " of "
-       << detail::fmt_bytes(static_cast<double>(d.mem_total)) << ", SM clock mean " << std::setprecision(0)
+       << detail::bytes_str(static_cast<int64_t>(d.max_mem_used)) << " of "
+       << detail::bytes_str(static_cast<int64_t>(d.mem_total)) << ", SM clock mean " << std::setprecision(0)
        << d.mean_sm_clock_mhz << " MHz, power mean " << std::setprecision(1) << d.mean_power_w << " W max "
        << d.max_power_w << " W, temperature max " << d.max_temperature_c << " C\n";
   }
@@ -741,7 +730,7 @@ inline void advise_end(const at::RecordFunction& fn, at::ObserverContext*) {
 // Sync-debug warnings (CUDA), counted with the innermost and outermost op when they fired.
 class SyncWarningCounter : public c10::WarningHandler {
  public:
-  explicit SyncWarningCounter(AdviseCounters* c) : counters_(c) {}
+  explicit SyncWarningCounter(AdviseCounters* c) : counters_(c), previous_(c10::WarningUtils::get_warning_handler()) {}
   void process(const c10::Warning& warning) override {
     const std::string msg = warning.msg();
     if (msg.find("synchroniz") == std::string::npos) {
@@ -754,10 +743,38 @@ class SyncWarningCounter : public c10::WarningHandler {
     ++counters_->syncs;
     ++counters_->sync_sites[where];
   }
-  c10::WarningHandler* previous_ = nullptr;
 
  private:
   AdviseCounters* counters_;
+  c10::WarningHandler* previous_;  // other warnings go on to it
+};
+
+// advise()'s observation: publishes the counters and installs the RecordFunction
+// observer; the destructor takes both away, also when the step throws.
+class AdviseScope {
+ public:
+  explicit AdviseScope(std::shared_ptr<AdviseCounters> counters) {
+    auto& slot = advise_slot();
+    {
+      std::lock_guard<std::mutex> lock(slot.mutex);
+      TORCH_CHECK(slot.current == nullptr, "perf::advise: already running in another thread (one advise at a time)");
+      slot.current = std::move(counters);
+    }
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(advise_start, advise_end)
+                                        .needsInputs(true)
+                                        .scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+  }
+  ~AdviseScope() {
+    at::removeCallback(handle_);
+    auto& slot = advise_slot();
+    std::lock_guard<std::mutex> lock(slot.mutex);
+    slot.current.reset();
+  }
+  AdviseScope(const AdviseScope&) = delete;
+  AdviseScope& operator=(const AdviseScope&) = delete;
+
+ private:
+  at::CallbackHandle handle_ = 0;
 };
 
 }  // namespace detail
@@ -809,62 +826,32 @@ inline Advice advise(const std::function<void()>& step, const AdviseOptions& opt
   auto shared = std::make_shared<detail::AdviseCounters>();
   auto& counters = *shared;
   counters.caller = std::this_thread::get_id();
-  {
-    auto& slot = detail::advise_slot();
-    std::lock_guard<std::mutex> lock(slot.mutex);
-    TORCH_CHECK(slot.current == nullptr, "perf::advise: already running in another thread (one advise at a time)");
-    slot.current = shared;
-  }
-  auto release = [] {
-    auto& slot = detail::advise_slot();
-    std::lock_guard<std::mutex> lock(slot.mutex);
-    slot.current.reset();
-  };
   std::vector<double> step_s, host_s;
   {
-    const auto handle = at::addGlobalCallback(at::RecordFunctionCallback(detail::advise_start, detail::advise_end)
-                                                  .needsInputs(true)
-                                                  .scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}));
+    detail::AdviseScope observing(shared);
     detail::SyncWarningCounter warnings(shared.get());
-    warnings.previous_ = c10::WarningUtils::get_warning_handler();
-    std::optional<c10::WarningUtils::WarningHandlerGuard> guard;
+    std::optional<c10::WarningUtils::WarningHandlerGuard> handler;
 #if PERF_WITH_CUDA
-    const auto saved_mode = c10::cuda::warning_state().get_sync_debug_mode();
+    std::optional<detail::SyncDebugGuard> warn_on_sync;
     if (cuda) {
-      guard.emplace(&warnings);
-      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+      handler.emplace(&warnings);
+      warn_on_sync.emplace(c10::cuda::SyncDebugMode::L_WARN);
     }
 #endif
-    try {
-      for (int i = 0; i < options.steps(); ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        step();
-        const auto t1 = std::chrono::steady_clock::now();
+    for (int i = 0; i < options.steps(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      step();
+      const auto t1 = std::chrono::steady_clock::now();
 #if PERF_WITH_CUDA
-        if (cuda) {
-          c10::cuda::warning_state().set_sync_debug_mode(
-              c10::cuda::SyncDebugMode::L_DISABLED);  // our own sync is not the user's
-          sync();
-          c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
-        }
-#endif
-        const auto t2 = std::chrono::steady_clock::now();
-        host_s.push_back(std::chrono::duration<double>(t1 - t0).count());
-        step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
+      if (cuda) {
+        detail::SyncDebugGuard quiet(c10::cuda::SyncDebugMode::L_DISABLED);  // our own sync is not the user's
+        sync();
       }
-    } catch (...) {
-#if PERF_WITH_CUDA
-      if (cuda) c10::cuda::warning_state().set_sync_debug_mode(saved_mode);
 #endif
-      at::removeCallback(handle);
-      release();
-      throw;
+      const auto t2 = std::chrono::steady_clock::now();
+      host_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+      step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
     }
-#if PERF_WITH_CUDA
-    if (cuda) c10::cuda::warning_state().set_sync_debug_mode(saved_mode);
-#endif
-    at::removeCallback(handle);
-    release();
   }
 
   std::lock_guard<std::mutex> read_lock(counters.mutex);  // ops still ending on other threads
@@ -937,7 +924,7 @@ inline Advice advise(const std::function<void()>& step, const AdviseOptions& opt
   if (counters.pageable_h2d > 0) {
     f.push_back({"pageable host-to-device copies",
                  per_step(counters.pageable_h2d) + " copies per step from pageable memory (" +
-                     detail::fmt_bytes(static_cast<double>(counters.pageable_h2d_bytes) / n) +
+                     detail::bytes_str(counters.pageable_h2d_bytes / n) +
                      " per step): each is synchronous and half speed",
                  "perf::prefetch(loader, device) (pinned, async, on a side stream), or .pin_memory() and "
                  "non_blocking copies"});

@@ -2,8 +2,8 @@
 #pragma once
 
 #include <perf/amp.h>
-#include <perf/compiled.h>
 #include <perf/bench.h>
+#include <perf/compiled.h>
 #include <perf/config.h>
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
@@ -12,8 +12,8 @@
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>
-#include <perf/monitor.h>
 #include <perf/module.h>
+#include <perf/monitor.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>
