@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs perf's whole test suite:
 #   build/        CUDA support compiled in (as LibTorch reports it): every test,
-#                 the consumer projects and the per-header checks;
+#                 the consumer projects and the per-header checks, with
+#                 -D_FORTIFY_SOURCE=2 (warn_unused_result on system() & co.);
 #   build-nocuda/ PERF_WITH_CUDA=OFF, under AddressSanitizer + UndefinedBehaviorSanitizer;
 #   build-tsan/   the threaded suites (prefetcher, loader, concurrent setup())
 #                 under ThreadSanitizer.
@@ -17,8 +18,8 @@ run_suite() {  # <build dir> <extra cmake args...>
   (cd "$dir" && ctest --output-on-failure -j "$jobs")
 }
 
-echo "== perf tests, CUDA support as LibTorch reports it"
-run_suite build
+echo "== perf tests, CUDA support as LibTorch reports it, _FORTIFY_SOURCE=2 (as Ubuntu's g++ builds by default)"
+run_suite build -DCMAKE_CXX_FLAGS=-D_FORTIFY_SOURCE=2
 echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer"
 run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
   -DPERF_SANITIZE=address,undefined

@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 #include <perf/cuda_graph.h>
 #include <perf/optim.h>
+#include <perf/setup.h>
 #include <torch/torch.h>
 
+#include "../bench/e2e/models.h"
 #include "test_util.h"
 
 namespace {
@@ -23,7 +25,10 @@ torch::nn::Sequential mlp(int64_t width = 32) {
 
 }  // namespace
 
-TEST(Graph, SameResultsAsEagerAndViewsByDefault) {
+// Outputs are the caller's by default: one kept from an earlier call keeps its
+// values (the trap of views into the graph's static output, which the next
+// call overwrites, is opt-in with clone_outputs(false)).
+TEST(Graph, SameResultsAsEagerAndOutputsTheCallerKeeps) {
   torch::manual_seed(0);
   auto model = mlp();
   model->eval();
@@ -36,12 +41,11 @@ TEST(Graph, SameResultsAsEagerAndViewsByDefault) {
   const auto y1_copy = y1.clone();
   const auto y2 = g(x2);
   EXPECT_TRUE(torch::equal(y2, model->forward(x2)));
-  EXPECT_TRUE(torch::equal(y1, y2)) << "outputs are views of the static output: the next call overwrites them";
-  EXPECT_FALSE(torch::equal(y1_copy, y2));
-  auto cloned = perf::graph(model, x, perf::GraphOptions().clone_outputs(true));
-  const auto c1 = cloned(x1);
-  cloned(x2);
-  EXPECT_TRUE(torch::equal(c1, y1_copy)) << "clone_outputs(true) detaches them";
+  EXPECT_TRUE(torch::equal(y1, y1_copy)) << "an output kept from the first call keeps its values";
+  auto views = perf::graph(model, x, perf::GraphOptions().clone_outputs(false));
+  const auto v1 = views(x1);
+  views(x2);
+  EXPECT_TRUE(torch::equal(v1, y2)) << "clone_outputs(false): views of the static output, overwritten by the next call";
 }
 
 TEST(Graph, BucketsPadToTheNextSizeAndSliceBack) {
@@ -147,6 +151,74 @@ TEST(TrainStep, MatchesTheEagerLoop) {
   EXPECT_TRUE(torch::equal(stepped.w, eager.w));
   const auto& l = eager.losses;
   EXPECT_LT(l[55] + l[56] + l[57] + l[58] + l[59], l[0] + l[1] + l[2] + l[3] + l[4]) << "it trains";
+}
+
+// The e2e benchmark's jobs (bench/e2e): TrainStep's losses, kept one per step
+// and read at the end as a user would, equal eager training's step by step,
+// fp32. CPU: TrainStep runs the same operators eagerly, so they are bitwise
+// equal; CUDA: the replayed graph against eager on the same GPU, TF32 off.
+template <typename Model>
+std::pair<std::vector<double>, std::vector<double>> e2e_losses(Model model, const at::Tensor& x, const at::Tensor& y,
+                                                               const c10::Device& device, int steps) {
+  model->to(device);
+  std::vector<at::Tensor> init;
+  for (auto& p : model->parameters()) init.push_back(p.detach().clone());
+  auto loss_fn = [&](const at::Tensor& in, const at::Tensor& t) {
+    auto out = model->forward(in);
+    return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), t.reshape({-1}));
+  };
+  auto run = [&](bool trainstep) {
+    {
+      torch::NoGradGuard no_grad;
+      auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(init[i]);
+    }
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    std::unique_ptr<perf::TrainStep> step;
+    if (trainstep) step = std::make_unique<perf::TrainStep>(*model, loss_fn, opt, x.to(device), y.to(device));
+    std::vector<at::Tensor> kept;
+    for (int i = 0; i < steps; ++i) {
+      const auto xi = x.roll(i, 0).to(device), yi = y.roll(i, 0).to(device);
+      if (trainstep) {
+        kept.push_back(step->step(xi, yi));
+      } else {
+        opt.zero_grad();
+        auto loss = loss_fn(xi, yi);
+        loss.backward();
+        opt.step();
+        kept.push_back(loss.detach());
+      }
+    }
+    std::vector<double> losses;
+    for (const auto& l : kept) losses.push_back(l.item<double>());  // read at the end, like bench/e2e
+    return losses;
+  };
+  auto eager = run(false);
+  return {eager, run(true)};
+}
+
+TEST(TrainStep, KeptLossesEqualEagerStepByStepOnTheE2eJobs) {
+  std::vector<c10::Device> devices = {c10::Device(c10::kCPU)};
+  if (has_cuda()) devices.emplace_back(c10::kCUDA, 0);
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  for (const auto& device : devices) {
+    const double tol = device.is_cuda() ? 1e-4 : 0.0;
+    torch::manual_seed(0);
+    const auto tokens = torch::randint(0, 64, {8, 17});
+    const auto [gpt_eager, gpt_step] = e2e_losses(e2e::Gpt(64, 32, 2, 4, 16), tokens.narrow(1, 0, 16).contiguous(),
+                                                  tokens.narrow(1, 1, 16).contiguous(), device, 8);
+    torch::manual_seed(0);
+    const auto images = torch::randn({8, 3, 16, 16});
+    const auto labels = torch::randint(0, 10, {8});
+    const auto [cnn_eager, cnn_step] = e2e_losses(perf_bench::ResNet(8, 10), images, labels, device, 8);
+    for (size_t i = 0; i < gpt_eager.size(); ++i) {
+      EXPECT_NEAR(gpt_step[i], gpt_eager[i], tol) << device << " transformer step " << i;
+      EXPECT_NEAR(cnn_step[i], cnn_eager[i], tol) << device << " CNN step " << i;
+      if (i > 0) {
+        EXPECT_NE(gpt_step[i], gpt_step[i - 1]) << "each kept loss is its own step's";
+      }
+    }
+  }
 }
 
 TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {

@@ -1,6 +1,7 @@
 // perf::Progress, perf::GpuMonitor (a scripted fake NVML here, the real one on a
 // GPU machine against nvidia-smi) and perf::advise (each finding provoked, and a
 // clean loop without findings).
+#include <ATen/autocast_mode.h>
 #include <perf/data.h>
 #include <perf/memory_format.h>
 #include <perf/monitor.h>
@@ -382,6 +383,43 @@ TEST(Advise, BadOptionsAndAThrowingStepLeaveNothingBehind) {
   EXPECT_TRUE(perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(0)).has("NCHW"));
 }
 
+// The device under study is the one the step's operators run on: a CPU loop
+// is studied as one on a machine with a GPU too (where it was once reported as
+// "steps on cuda" with CUDA findings and without its CPU ones).
+TEST(Advise, TheDeviceIsTheOneTheStepRunsOn) {
+  CnnStep step(true, false);
+  for (int warmup : {0, 1}) {
+    const auto advice = perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(warmup));
+    EXPECT_EQ(advice.device, c10::Device(c10::kCPU)) << advice;
+    EXPECT_TRUE(contains(advice.to_string(), "steps on cpu")) << advice;
+  }
+  EXPECT_EQ(perf::advise(std::ref(step), perf::AdviseOptions().steps(1).device(c10::Device(c10::kCPU))).device,
+            c10::Device(c10::kCPU));
+#if PERF_WITH_CUDA
+  if (!torch::cuda::is_available()) {
+    PERF_EXPECT_THROW_MSG(perf::advise(std::ref(step), perf::AdviseOptions().device(c10::Device(c10::kCUDA))),
+                          "AdviseOptions().device(cuda) but this process sees no CUDA device");
+  }
+#else
+  PERF_EXPECT_THROW_MSG(perf::advise(std::ref(step), perf::AdviseOptions().device(c10::Device(c10::kCUDA))),
+                        "device cuda needs perf built with CUDA");
+#endif
+}
+
+// "Static shapes" (the cuDNN autotuning finding) means every step calls the
+// same convolutions on the same input shapes, in order.
+TEST(Advise, StaticShapesMeanTheSameConvolutionShapesInEveryStep) {
+  perf::detail::AdviseCounters c;
+  for (int step = 0; step < 3; ++step) {
+    c.conv_shapes = {{8, 3, 32, 32}, {8, 16, 32, 32}, {8, 32, 16, 16}};  // three convolutions, three shapes
+    c.end_step();
+  }
+  EXPECT_FALSE(c.conv_shapes_vary) << "three shapes in one step are static when every step repeats them";
+  c.conv_shapes = {{4, 3, 32, 32}, {4, 16, 32, 32}, {4, 32, 16, 16}};  // a smaller batch
+  c.end_step();
+  EXPECT_TRUE(c.conv_shapes_vary);
+}
+
 TEST(Advise, OnGpuFindsSyncsPageableCopiesPrecisionAndLaunchBoundSteps) {
 #if PERF_WITH_CUDA
   if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
@@ -400,8 +438,11 @@ TEST(Advise, OnGpuFindsSyncsPageableCopiesPrecisionAndLaunchBoundSteps) {
     opt.step();
     last = loss.item<double>();
   };
+  // The pageable copy makes the observer ask is_pinned(), an operator of its
+  // own: once a deadlock (the observer re-entered itself holding its lock).
   const auto advice = perf::advise(noisy, perf::AdviseOptions().steps(10).warmup(2));
   std::cout << advice;
+  EXPECT_TRUE(advice.device.is_cuda()) << advice;
   EXPECT_TRUE(advice.has("host-device syncs")) << advice;
   EXPECT_TRUE(contains(advice.to_string(), "aten::item")) << advice;
   EXPECT_TRUE(advice.has("pageable host-to-device copies")) << advice;
@@ -418,8 +459,23 @@ TEST(Advise, OnGpuFindsSyncsPageableCopiesPrecisionAndLaunchBoundSteps) {
     conv.y = conv.y.to(cuda);
     conv.opt = std::make_unique<torch::optim::SGD>(conv.net->parameters(), 0.01);
     const auto a = perf::advise(std::ref(conv), perf::AdviseOptions().steps(3).warmup(1));
-    at::globalContext().setBenchmarkCuDNN(saved);
     EXPECT_TRUE(a.has("cuDNN autotuning off")) << a;
+    EXPECT_TRUE(contains(a.to_string(),
+                         "2 convolutions per step, each with the same input shape in every one of 3 "
+                         "steps; cudnn_benchmark off"))
+        << a;
+    // Batches of alternating sizes are not static: no such finding.
+    const auto full = conv.x, full_y = conv.y;
+    int k = 0;
+    auto varying = [&] {
+      conv.x = (k % 2) ? full.narrow(0, 0, full.size(0) / 2) : full;
+      conv.y = (k++ % 2) ? full_y.narrow(0, 0, full_y.size(0) / 2) : full_y;
+      conv();
+    };
+    EXPECT_FALSE(perf::advise(varying, perf::AdviseOptions().steps(4).warmup(1)).has("cuDNN autotuning off"));
+    conv.x = full;
+    conv.y = full_y;
+    at::globalContext().setBenchmarkCuDNN(saved);
   }
   // A clean large step: pinned prefetch-style input, bf16 autocast, no syncs.
   {

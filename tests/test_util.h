@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <perf/detail/cpu.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
@@ -50,6 +52,29 @@ class ScopedEnv {
   std::string name_;
   std::optional<std::string> old_;
 };
+
+// A fresh temporary folder, removed at scope exit. POSIX calls, not std::filesystem:
+// libtorch.so exports its own copies of some std::filesystem symbols, and
+// remove_all resolved there crashes (seen with the 2.11 wheel and GCC 12).
+struct TempDir {
+  TempDir() {
+    std::string pattern = "/tmp/perf_test_XXXXXX";
+    EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
+    path = pattern;
+  }
+  ~TempDir() {
+    if (std::system(("rm -rf '" + path + "'").c_str()) != 0)
+      std::fprintf(stderr, "could not remove %s\n", path.c_str());
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string path;
+};
+
+// Runs a shell command; true when it exits 0 (a named function: with
+// _FORTIFY_SOURCE, std::system's result must be used).
+inline bool run_command(const std::string& command) { return std::system(command.c_str()) == 0; }
 
 // An environment variable, or `fallback` when unset or empty (paths baked in at
 // build time that a binary run on another machine overrides).

@@ -13,7 +13,22 @@ graph (--no-freezing keeps them as constants you can swap), max-autotune on
 request. perf::CompiledModel reads what this tool records in the package's
 metadata (`perf.input.N`) to check every call's inputs.
 
-From Python, call export_compiled(module, example_inputs, path, ...) directly.
+Training (--train): the forward pass, the loss and the backward pass of one
+step compiled together, for perf::CompiledTrainStep:
+
+    python tools/export_compiled.py model.py:make --train --loss model.py:loss \
+        --input 8,16 --input 8:int64 -o net_train.pt2
+
+LOSS is a callable `loss(model, *batch) -> scalar tensor`; each --input is one
+batch tensor, in the order step() takes them. The package takes the
+parameters and buffers as inputs (C++ owns and updates them) and returns the
+mutated buffers (BatchNorm statistics), the loss and one gradient per
+trainable parameter; --amp and --channels-last put the recipe inside the
+compiled graph. Parameter and buffer names, shapes, dtypes and strides are
+recorded in the metadata so C++ matches them to its module by name.
+
+From Python, call export_compiled(module, example_inputs, path, ...) or
+export_train(module, loss, example_batch, path, ...) directly.
 """
 from __future__ import annotations
 
@@ -23,8 +38,10 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -38,6 +55,32 @@ def _format_of(t: torch.Tensor) -> str:
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return "channels_last"
     return "contiguous"
+
+
+def _input_entry(t: torch.Tensor, dynamic_batch) -> str:
+    sizes = ["-1" if (dynamic_batch is not None and d == 0) else str(s) for d, s in enumerate(t.shape)]
+    entry = f"dtype={NAMES.get(t.dtype, str(t.dtype))} device={t.device.type} sizes={','.join(sizes)} format={_format_of(t)}"
+    if dynamic_batch is not None:
+        entry += f" min={dynamic_batch[0]} max={dynamic_batch[1]}"
+    return entry
+
+
+def _dynamic_inputs(inputs, dynamic_batch):
+    """Inputs to trace with (a batch of 1 would be specialised by export: 2 instead) and their dynamic_shapes."""
+    if dynamic_batch is None:
+        return list(inputs), tuple(None for _ in inputs)
+    lo, hi = dynamic_batch
+    if not (1 <= lo <= hi):
+        raise ValueError(f"dynamic_batch must be (min, max) with 1 <= min <= max, got {dynamic_batch}")
+    batch = torch.export.Dim("batch", min=lo, max=hi)
+    traced = []
+    for t in inputs:
+        if t.dim() == 0:
+            raise ValueError("dynamic_batch needs every input to have a batch dimension (a 0-d input was given)")
+        if t.shape[0] < 2 <= hi:
+            t = torch.cat([t] * 2)[:2]
+        traced.append(t)
+    return traced, tuple({0: batch} for _ in traced)
 
 
 def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
@@ -68,46 +111,229 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
         if t.dim() == 4 and t.is_floating_point():
             t = t.contiguous(memory_format=fmt)
         inputs.append(t)
-    dynamic_shapes = None
-    if dynamic_batch is not None:
-        lo, hi = dynamic_batch
-        if not (1 <= lo <= hi):
-            raise ValueError(f"dynamic_batch must be (min, max) with 1 <= min <= max, got {dynamic_batch}")
-        batch = torch.export.Dim("batch", min=lo, max=hi)
-        # An example batch of 1 would be specialised by export: trace with 2.
-        traced = []
-        for t in inputs:
-            if t.dim() == 0:
-                raise ValueError("dynamic_batch needs every input to have a batch dimension (a 0-d input was given)")
-            if t.shape[0] < 2 <= hi:
-                t = torch.cat([t] * 2)[:2]
-            traced.append(t)
-        inputs = traced
-        dynamic_shapes = tuple({0: batch} for _ in inputs)
+    inputs, dynamic_shapes = _dynamic_inputs(inputs, dynamic_batch)
+    if dynamic_batch is None:
+        dynamic_shapes = None
     with torch.no_grad():
         outputs = model(*inputs)
         n_out = len(torch.utils._pytree.tree_leaves(outputs))
         program = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic_shapes)
         metadata = {"perf.inputs": str(len(inputs)), "perf.outputs": str(n_out),
-                    "perf.torch": torch.__version__, "perf.tool": "export_compiled.py 1"}
+                    "perf.torch": torch.__version__, "perf.tool": "export_compiled.py 2",
+                    "perf.kind": "inference"}
         for i, t in enumerate(inputs):
-            sizes = ["-1" if (dynamic_batch is not None and d == 0) else str(s) for d, s in enumerate(t.shape)]
-            entry = f"dtype={NAMES.get(t.dtype, str(t.dtype))} device={t.device.type} sizes={','.join(sizes)} format={_format_of(t)}"
-            if dynamic_batch is not None:
-                entry += f" min={dynamic_batch[0]} max={dynamic_batch[1]}"
-            metadata[f"perf.input.{i}"] = entry
+            metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
         configs = {"freezing": freezing, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
 
-def load_factory(spec: str):
+class _LossStep(torch.nn.Module):
+    """One training step's differentiable part: forward(scale, *batch) -> (loss * scale, loss).
+
+    The scale is an input so that a GradScaler's scale (and 1/k for gradient
+    accumulation) multiplies the loss inside the graph: the gradients come out
+    scaled as loss.backward() on a scaled loss would give them."""
+
+    def __init__(self, model, loss, device_type, amp_dtype):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+        self.device_type = device_type
+        self.amp_dtype = amp_dtype
+
+    def forward(self, scale, *batch):
+        with torch.autocast(self.device_type, dtype=self.amp_dtype or torch.bfloat16, enabled=self.amp_dtype is not None):
+            loss = self.loss(self.model, *batch)
+        loss = loss.float()
+        return loss * scale, loss.detach()
+
+
+class _FlatStep(torch.nn.Module):
+    """The joint graph with every parameter and buffer as a plain input: [state..., scale, batch...] ->
+    [mutated buffers..., loss, gradients...], each gradient laid out like its parameter."""
+
+    def __init__(self, joint_gm, placeholders, outputs, grad_layouts):
+        super().__init__()
+        self.joint = joint_gm
+        self.placeholders = placeholders  # per joint input: ("arg", i) or ("const", name)
+        self.outputs = outputs  # indexes of the joint outputs kept
+        self.grad_layouts = grad_layouts  # output position -> memory format to make the gradient match its parameter
+        self.consts = {}
+
+    def forward(self, *args):
+        full = [args[i] if kind == "arg" else self.consts[i] for kind, i in self.placeholders]
+        outs = self.joint(*full)
+        kept = []
+        for pos, j in enumerate(self.outputs):
+            t = outs[j]
+            fmt = self.grad_layouts.get(pos)
+            kept.append(t.contiguous(memory_format=fmt) if fmt is not None else t)
+        return tuple(kept)
+
+
+def _layout_fix(grad: torch.Tensor, param: torch.Tensor):
+    """The memory format that gives `grad` its parameter's strides, or None when they already match."""
+    if all(n <= 1 or g == p for n, g, p in zip(param.shape, grad.stride(), param.stride())):
+        return None  # the same layout (strides of one-element dimensions do not matter)
+    if param.dim() == 4 and param.is_contiguous(memory_format=torch.channels_last) and not param.is_contiguous():
+        return torch.channels_last
+    if param.is_contiguous():
+        return torch.contiguous_format
+    raise ValueError(f"parameter of shape {tuple(param.shape)} has strides {param.stride()}: "
+                     "only contiguous and channels-last parameters can be trained from a package")
+
+
+AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _joint_program(program):
+    """Forward and backward of `program` (loss at output 0) as one ExportedProgram, like
+    torch.export.experimental._export_forward_backward, keeping the CPU flash-attention op whole.
+
+    torch 2.11's core decompositions rewrite _scaled_dot_product_flash_attention_for_cpu into math ops whose
+    second output is the attention matrix, while the joint graph's backward stays the flash backward, which
+    reads that output as the logsumexp: wrong gradients for every model with attention on the CPU
+    (torch/_decomp/decompositions.py, scaled_dot_product_flash_attention_for_cpu). Inductor does not use that
+    decomposition either; without it the forward keeps its real logsumexp."""
+    from torch._decomp import core_aten_decompositions
+    from torch.export.experimental import _copy_graph_module_and_signature, _remove_detach_pass
+    from torch.export.exported_program import _decompose_exported_program
+
+    table = core_aten_decompositions()
+    table.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    joint = _decompose_exported_program(program, cia_to_decomp={}, python_decomp_table=table, joint_loss_index=0,
+                                        decompose_custom_triton_ops=False)
+    gm, signature = _copy_graph_module_and_signature(joint)
+    _remove_detach_pass(gm, signature)
+    return joint._update(gm, signature)
+
+
+def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
+                 dynamic_batch: tuple[int, int] | None = None, device: str = "cpu", amp: str = "off",
+                 channels_last: bool = False, max_autotune: bool = False, fallback_random: bool = True,
+                 model_name: str = "model") -> str:
+    """Compile one training step of `model` — loss(model, *batch), its backward — into the package `path`.
+
+    The package takes (parameters and buffers in the module's order, a 0-d float32 scale, the batch) and
+    returns (the buffers the step mutates, the float32 loss, one gradient of loss * scale per trainable
+    parameter). amp: "off", "bf16" or "fp16" autocast around the loss function, inside the graph;
+    channels_last: the model and 4-d float batch tensors in channels-last. dynamic_batch: (min, max) of
+    dim 0 of every batch tensor, or None (static shapes: best for CUDA graphs). fallback_random: random
+    ops (dropout) draw from ATen's generator as eager does, instead of inductor's own."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' needs a CUDA GPU in this Python (torch.cuda.is_available() is False)")
+    if amp not in AMP:
+        raise ValueError(f"amp must be one of {', '.join(AMP)}, got {amp!r}")
+    if not callable(loss):
+        raise ValueError("loss must be a callable loss(model, *batch) -> scalar tensor")
+    model = model.to(device).train()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    batch = []
+    for t in example_batch:
+        t = t.to(device)
+        if channels_last and t.dim() == 4 and t.is_floating_point():
+            t = t.contiguous(memory_format=torch.channels_last)
+        batch.append(t)
+    batch, batch_dynamic = _dynamic_inputs(batch, dynamic_batch)
+    scale = torch.ones((), device=device)
+    step = _LossStep(model, loss, device, AMP[amp])
+    with torch.no_grad():
+        probe = step.loss(model, *batch)
+    if not (isinstance(probe, torch.Tensor) and probe.numel() == 1 and probe.is_floating_point()):
+        raise ValueError(f"loss must return a floating-point scalar tensor, got {probe!r:.200}")
+    dyn = (None, tuple(batch_dynamic)) if dynamic_batch is not None else None
+    program = torch.export.export(step, (scale, *batch), dynamic_shapes=dyn)
+    joint = _joint_program(program)
+    sig = joint.graph_signature
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    names, placeholders = [], []
+    user = 0
+    for spec in sig.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            if not spec.target.startswith("model."):
+                raise ValueError(f"unexpected state {spec.target!r} outside the model")
+            names.append(spec.target[len("model."):])
+            placeholders.append(("arg", len(names) - 1))
+        elif spec.kind == InputKind.USER_INPUT:
+            placeholders.append(("user", user))
+            user += 1
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            placeholders.append(("const", spec.target))
+        else:
+            raise ValueError(f"the training graph has an input of kind {spec.kind.name}, which perf cannot feed")
+    n_state = len(names)
+    placeholders = [("arg", n_state + i) if kind == "user" else (kind, i) for kind, i in placeholders]
+    index = {n: i for i, n in enumerate(names)}
+    mutated, grads, outputs, loss_at = [], [], [], None
+    for j, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append(index[spec.target[len("model."):]])
+            outputs.append(j)
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            loss_at = j
+        elif spec.kind == OutputKind.GRADIENT_TO_PARAMETER:
+            grads.append(index[spec.target[len("model."):]])
+        elif spec.kind == OutputKind.LOSS_OUTPUT:
+            pass
+        else:
+            raise ValueError(f"the training step mutates or returns {spec.kind.name} ({spec.target}); perf's "
+                             "compiled training handles buffer mutations, the loss and parameter gradients")
+    outputs.append(loss_at)
+    grad_outputs = [j for j, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.GRADIENT_TO_PARAMETER]
+    with torch.no_grad():
+        flat_state = [state[n].detach() for n in names]
+        probe_outs = joint.graph_module(*[
+            (flat_state + [scale] + batch)[i] if kind == "arg" else joint.constants[i] for kind, i in placeholders])
+    grad_layouts = {}
+    for k, j in enumerate(grad_outputs):
+        fmt = _layout_fix(probe_outs[j], flat_state[grads[k]])
+        if fmt is not None:
+            grad_layouts[len(outputs) + k] = fmt
+    outputs += grad_outputs
+    flat = _FlatStep(joint.graph_module, placeholders, outputs, grad_layouts)
+    for kind, name in placeholders:
+        if kind == "const":
+            flat.consts[name] = joint.constants[name]
+    flat_dyn = None
+    if dynamic_batch is not None:
+        flat_dyn = (tuple([None] * (n_state + 1)) + tuple(batch_dynamic),)
+    flat_program = torch.export.export(flat, tuple(flat_state + [scale] + batch), dynamic_shapes=flat_dyn)
+
+    def csv(v):
+        return ",".join(str(x) for x in v)
+
+    metadata = {"perf.kind": "train", "perf.inputs": str(len(batch)), "perf.torch": torch.__version__,
+                "perf.tool": "export_compiled.py 2", "perf.train.state": str(n_state),
+                "perf.train.mutated": csv(mutated), "perf.train.grads": csv(grads), "perf.train.amp": amp,
+                "perf.train.channels_last": "1" if channels_last else "0"}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for i, n in enumerate(names):
+        t = state[n]
+        metadata[f"perf.train.state.{i}"] = (
+            f"name={n} kind={'param' if n in params else 'buffer'} grad={1 if i in grads else 0} "
+            f"dtype={NAMES.get(t.dtype, str(t.dtype))} sizes={csv(t.shape)} strides={csv(t.stride())}")
+    for i, t in enumerate(batch):
+        metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
+    configs = {"max_autotune": max_autotune, "fallback_random": fallback_random, "aot_inductor.metadata": metadata}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return torch._inductor.aoti_compile_and_package(flat_program, package_path=path, inductor_configs=configs)
+
+
+def load_factory(spec: str, what: str = "FACTORY"):
     if ":" not in spec:
-        raise SystemExit(f"FACTORY must be file.py:function or module:function, got {spec!r}")
+        raise SystemExit(f"{what} must be file.py:function or module:function, got {spec!r}")
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):
         if not os.path.exists(where):
-            raise SystemExit(f"FACTORY: no file {where!r}")
+            raise SystemExit(f"{what}: no file {where!r}")
         module_spec = importlib.util.spec_from_file_location("perf_export_factory", where)
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
@@ -115,7 +341,7 @@ def load_factory(spec: str):
     else:
         module = importlib.import_module(where)
     if not hasattr(module, name):
-        raise SystemExit(f"FACTORY: {where!r} has no {name!r}")
+        raise SystemExit(f"{what}: {where!r} has no {name!r}")
     return getattr(module, name)
 
 
@@ -143,15 +369,32 @@ def main(argv=None) -> int:
     p.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
                    help="one positional input, e.g. 8,3,224,224 or 8,128:int64 (repeat for several)")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the factory")
-    p.add_argument("--dynamic-batch", default="1:1024", metavar="MIN:MAX",
-                   help="range of dimension 0 of every input (default 1:1024); 'static' for fixed shapes")
+    p.add_argument("--dynamic-batch", default=None, metavar="MIN:MAX",
+                   help="range of dimension 0 of every input, or 'static' for fixed shapes (default: 1:1024 for "
+                        "inference, static for --train: CUDA graphs capture one shape)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--channels-last", action="store_true", help="model and 4-d inputs in channels-last")
     p.add_argument("--no-freezing", action="store_true", help="keep weights as swappable constants")
     p.add_argument("--max-autotune", action="store_true", help="autotune GEMMs/convolutions (slow to compile)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory runs")
+    train = p.add_argument_group("training (perf::CompiledTrainStep)")
+    train.add_argument("--train", action="store_true",
+                       help="compile one training step (forward, loss, backward) instead of inference")
+    train.add_argument("--loss", metavar="LOSS", help="file.py:function or module:function, loss(model, *batch) -> "
+                       "scalar tensor; each --input is one batch tensor, in the order step() takes them")
+    train.add_argument("--amp", default="off", choices=list(AMP), help="autocast inside the compiled step")
+    train.add_argument("--inductor-random", action="store_true",
+                       help="random ops (dropout) from inductor's own generator: faster, but other draws than eager")
     a = p.parse_args(argv)
+    if a.train and not a.loss:
+        p.error("--train needs --loss file.py:function (loss(model, *batch) -> scalar)")
+    if a.loss and not a.train:
+        p.error("--loss goes with --train")
+    if a.train and a.dtype != "float32":
+        p.error("--train keeps the model's own dtype: use --amp bf16|fp16 for mixed precision, not --dtype")
+    if a.dynamic_batch is None:
+        a.dynamic_batch = "static" if a.train else "1:1024"
     if a.dynamic_batch == "static":
         dynamic = None
     else:
@@ -164,6 +407,13 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     model = load_factory(a.factory)(**json.loads(a.kwargs))
     inputs = tuple(parse_input(s, dtype) for s in a.input)
+    if a.train:
+        started = time.time()
+        out = export_train(model, load_factory(a.loss, "--loss"), inputs, a.output, dynamic_batch=dynamic, device=a.device,
+                           amp=a.amp, channels_last=a.channels_last, max_autotune=a.max_autotune,
+                           fallback_random=not a.inductor_random)
+        print(f"wrote {out} (training step, {time.time() - started:.0f} s)")
+        return 0
     out = export_compiled(model, inputs, a.output, dynamic_batch=dynamic, device=a.device, dtype=dtype,
                           channels_last=a.channels_last, freezing=not a.no_freezing,
                           max_autotune=a.max_autotune)

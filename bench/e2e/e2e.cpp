@@ -8,6 +8,11 @@
 //                   default for the device), perf::optim::AdamW (fused),
 //                   perf::loader_options + perf::prefetch.
 //   perf_trainstep  perf + perf::TrainStep (the whole step as one CUDA graph; CUDA only).
+//   perf_compiled   perf's data and fused AdamW around perf::CompiledTrainStep: forward,
+//                   loss and backward compiled by Inductor ahead of time (--package,
+//                   written by run.py with tools/export_compiled.py --train), each step eager.
+//   perf_compiled_graph  the same, the whole step captured as one CUDA graph (CUDA only).
+#include <perf/compiled.h>
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
 #include <perf/model.h>
@@ -64,7 +69,8 @@ struct PairDataset : torch::data::datasets::Dataset<PairDataset> {
 };
 
 struct Args {
-  std::string job, config, device = "cpu", data, init, out;
+  std::string job, config, device = "cpu", data, init, out, package;
+  double export_s = 0;
   std::map<std::string, int64_t> size;
   int warmup = 3, steps = 20, window = 5, threads = 0;
 };
@@ -162,8 +168,21 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
           return loss;
         },
         a, device);
+  } else if (a.config == "perf_compiled" || a.config == "perf_compiled_graph") {
+    TORCH_CHECK(!a.package.empty(), "e2e: ", a.config, " needs --package (a package from export_compiled.py --train)");
+    const bool graph = a.config == "perf_compiled_graph";
+    TORCH_CHECK(!graph || device.is_cuda(), "e2e: perf_compiled_graph needs --device cuda (CUDA graphs)");
+    // The model is on the device and channels-last already (perf::optimize), as the package was exported.
+    perf::CompiledTrainStep step(a.package, model, opt, perf::CompiledTrainOptions().graph(graph));
+    r = train(
+        epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device);
+    r.amp = step.amp() == "off" ? "off" : step.amp();
+    return r;
   } else {
-    TORCH_CHECK(a.config == "perf_trainstep", "e2e: --config must be stock, perf or perf_trainstep, got ", a.config);
+    TORCH_CHECK(a.config == "perf_trainstep",
+                "e2e: --config must be stock, perf, perf_trainstep, perf_compiled or "
+                "perf_compiled_graph, got ",
+                a.config);
     TORCH_CHECK(device.is_cuda(), "e2e: perf_trainstep needs --device cuda (CUDA graphs)");
     std::optional<perf::TrainStep> step;
     r = train(
@@ -197,7 +216,10 @@ int main(int argc, char** argv) {
   std::string size_text;
   app.add_flag("--info", info, "print perf's autocast default for --device and exit");
   app.add_option("--job", a.job)->check(CLI::IsMember({"cnn", "transformer", "mlp"}));
-  app.add_option("--config", a.config)->check(CLI::IsMember({"stock", "perf", "perf_trainstep"}));
+  app.add_option("--config", a.config)
+      ->check(CLI::IsMember({"stock", "perf", "perf_trainstep", "perf_compiled", "perf_compiled_graph"}));
+  app.add_option("--package", a.package, "training package for perf_compiled*");
+  app.add_option("--export-seconds", a.export_s, "how long the package took to export (reported)");
   app.add_option("--device", a.device);
   app.add_option("--size", size_text, "sizes as k=v,k=v (bench/e2e/models.py JOBS)");
   app.add_option("--data", a.data);
@@ -239,7 +261,7 @@ int main(int argc, char** argv) {
       << ", \"windows_samples_per_s\": " << json_list(r.windows) << ", \"losses\": " << json_list(r.losses)
       << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << s.at("batch") << ", \"warmup\": " << a.warmup
       << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
-      << "\"}\n";
+      << "\", \"export_s\": " << a.export_s << "}\n";
   std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
             << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s\n";
   return 0;

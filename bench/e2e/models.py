@@ -90,3 +90,9 @@ def make_data(job, size, samples, seed=1):
         w = torch.randn(size["inputs"], size["classes"], generator=g)
         return x, (x @ w).argmax(1)  # learnable labels, so the loss falls
     raise ValueError(job)
+
+
+def loss(model, x, y):
+    """The jobs' loss, as train.py and e2e.cpp compute it (tools/export_compiled.py --train compiles it)."""
+    out = model(x)
+    return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))

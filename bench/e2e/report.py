@@ -22,6 +22,8 @@ LABELS = {
     ("cpp", "stock"): "C++ stock LibTorch fp32",
     ("cpp", "perf"): "C++ perf recipe",
     ("cpp", "perf_trainstep"): "C++ perf + TrainStep (CUDA graph)",
+    ("cpp", "perf_compiled"): "C++ perf CompiledTrainStep (Inductor AOT)",
+    ("cpp", "perf_compiled_graph"): "C++ perf CompiledTrainStep, one CUDA graph",
 }
 
 
@@ -78,6 +80,11 @@ def main():
             diff = max(abs(u - v) for u, v in zip(base["losses"], stock["losses"]))
             md += ["", f"Python eager fp32 and C++ stock run the same fp32 job: largest per-step loss difference "
                        f"{diff:.1e}."]
+        exported = [r for r in rs if r.get("export_s")]
+        if exported:
+            md += ["", f"C++ CompiledTrainStep runs a package exported ahead of time by tools/export_compiled.py "
+                       f"--train ({exported[0]['export_s']:.0f} s, once; cached), so its first step has no "
+                       "compilation in it."]
         mixed = [r for r in rs if r["amp"] != "off"]
         if mixed:
             md += ["", "Final loss minus Python eager fp32's (bf16 autocast rounds differently): " + ", ".join(

@@ -9,8 +9,10 @@ loaded by both languages; then every configuration, alternating Python and C++
 writes the table and charts. scripts/bench-e2e.sh is the one command.
 """
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(HERE, "..", "..", "tools")
 sys.path.insert(0, HERE)
 import models  # noqa: E402
 
@@ -25,12 +28,44 @@ import models  # noqa: E402
 def configs(device, quick, full):
     cuda = device.startswith("cuda")
     order = [("python", "eager_fp32"), ("cpp", "stock"), ("python", "eager_recipe"), ("cpp", "perf"),
-             ("python", "compile_recipe")]
+             ("python", "compile_recipe"), ("cpp", "perf_compiled")]
     if cuda:
-        order += [("cpp", "perf_trainstep"), ("python", "compile_reduce_overhead")]
-    if cuda or full:
-        order += [("python", "compile_max_autotune")]
+        order += [("cpp", "perf_trainstep"), ("python", "compile_reduce_overhead"), ("cpp", "perf_compiled_graph")]
+    if (cuda and not quick) or full:
+        order += [("python", "compile_max_autotune")]  # slow to compile (255 s for the CNN on an H100)
     return order
+
+
+def training_package(job, size, device, amp, out):
+    """The job's training step compiled by tools/export_compiled.py --train with the recipe the C++ perf
+    configurations use (autocast as perf's default for the device, channels-last for the CNN), cached under
+    $PERF_CACHE_DIR/e2e-packages by everything that shapes it. Returns (path, seconds the export took)."""
+    sys.path.insert(0, TOOLS)
+    from export_compiled import export_train  # noqa: E402
+
+    channels_last = job == "cnn"
+    h = hashlib.sha256(json.dumps([job, size, device, amp, channels_last, torch.__version__]).encode())
+    for f in (os.path.join(HERE, "models.py"), os.path.join(HERE, "..", "resnet.py"),
+              os.path.join(TOOLS, "export_compiled.py")):
+        h.update(open(f, "rb").read())
+    cache = os.path.join(os.environ.get("PERF_CACHE_DIR", os.path.expanduser("~/.cache/perf")), "e2e-packages")
+    cached = os.path.join(cache, f"{job}-{h.hexdigest()[:16]}.pt2")
+    seconds_file = cached + ".seconds"
+    if not os.path.exists(cached):
+        os.makedirs(cache, exist_ok=True)
+        torch.manual_seed(0)
+        x, y = models.make_data(job, size, size["batch"])
+        started = time.time()
+        export_train(models.make(job, size), models.loss, (x, y), cached[:-4] + ".tmp.pt2", device=device,
+                     amp=amp, channels_last=channels_last)
+        os.replace(cached[:-4] + ".tmp.pt2", cached)
+        with open(seconds_file, "w") as f:
+            f.write(f"{time.time() - started:.1f}\n")
+        print(f"exported the {job} training step in {time.time() - started:.0f} s -> {cached}", flush=True)
+    seconds = float(open(seconds_file).read()) if os.path.exists(seconds_file) else 0.0
+    local = os.path.join(out, f"{job}_train.pt2")
+    shutil.copy2(cached, local)
+    return local, seconds
 
 
 def main():
@@ -72,12 +107,16 @@ def main():
         torch.save(dict(models.make(job, size).state_dict()), init_path)
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
+        package = None
         for lang, config in runs:
             if lang == "python":
                 cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
                        "--amp", amp] + common
             else:
                 cmd = [a.e2e, "--config", config, "--size", ",".join(f"{k}={v}" for k, v in size.items())] + common
+                if config.startswith("perf_compiled"):
+                    package = package or training_package(job, size, a.device, amp, a.out)
+                    cmd += ["--package", package[0], "--export-seconds", str(package[1])]
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -2,12 +2,14 @@
 // training steps, with an eager path that keeps one program running everywhere.
 //
 //   auto g = perf::graph(model, x_example, perf::GraphOptions().batch_sizes({1, 2, 4, 8, 16, 32}));
-//   torch::Tensor y = g(x);           // x copied into a static buffer (padded to a bucket), graph replayed
+//   torch::Tensor y = g(x);           // x copied into a static buffer (padded to a bucket), graph replayed,
+//                                     // y the caller's copy (clone_outputs(false): a view, no copy)
 //
 //   perf::TrainStep step(model, [&](const torch::Tensor& x, const torch::Tensor& t) {
 //     return torch::nn::functional::cross_entropy(model->forward(x), t);
 //   }, optimizer, first_batch);                     // first_batch: a torch::data::Example (or input, target)
 //   torch::Tensor loss = step.step(batch);          // forward + backward + update, one replay, no host sync
+//                                                   // (the loss is the caller's: a 0-dim device copy)
 //
 // Without CUDA (or for CPU tensors) the same API runs eagerly on the same static
 // buffers, so semantics (buckets, padding, views) are identical; graphed() says which.
@@ -79,10 +81,12 @@ enum class CaptureErrorMode { global, thread_local_, relaxed };
 struct GraphOptions {
   /// Eager calls on a side stream before capture (autotuners, lazy init, allocator).
   TORCH_ARG(int, warmup) = 3;
-  /// Return copies instead of views of the static outputs. Views are valid
-  /// until the next call of the same graph, whatever its bucket: the buckets
-  /// share one memory pool, so replaying one may overwrite another's outputs.
-  TORCH_ARG(bool, clone_outputs) = false;
+  /// Return the caller's own copies of the outputs (one device copy each, no
+  /// sync). false: views of the graph's static outputs, no copy, valid only
+  /// until the next call of the same graph, whatever its bucket (the buckets
+  /// share one memory pool, so replaying one may overwrite another's outputs):
+  /// for a loop that consumes each output before the next call.
+  TORCH_ARG(bool, clone_outputs) = true;
   /// One graph per batch size (dim 0 of every input), sharing one memory pool.
   /// A call is padded to the next bucket and its outputs sliced back. Empty:
   /// one graph for exactly the example shapes.
@@ -162,6 +166,9 @@ auto graph(M& module, const at::Tensor& example, const GraphOptions& options = G
 using GradScalerPtr = GradScaler*;  // TORCH_ARG needs one token
 
 struct TrainStepOptions {
+  /// Capture the step into a CUDA graph on CUDA (false: every step eager, e.g.
+  /// to compare or debug; CPU steps are always eager).
+  TORCH_ARG(bool, graph) = true;
   /// Eager steps before capture, with the optimizer update skipped on the
   /// device (they do not train); buffers (BatchNorm statistics), RNG and the
   /// scaler are restored afterwards.
@@ -194,6 +201,8 @@ struct TrainStepOptions {
 /// The batch is any number of tensors with fixed shapes. A smaller last batch
 /// of an epoch (dim 0 only) is trained eagerly by step() and counted in
 /// eager_steps(), so no sample is lost; drop_last(true) avoids it.
+class CompiledTrainStep;
+
 class TrainStep {
  public:
   using LossFn = std::function<at::Tensor(const at::Tensor& input, const at::Tensor& target)>;
@@ -208,9 +217,10 @@ class TrainStep {
   TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
             std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
 
-  /// Runs one step; returns the loss (0-dim, on the device; reading it is the
-  /// only sync). Graphed: the returned tensor is the graph's static loss,
-  /// overwritten by the next step (clone it to keep it); no allocation per call.
+  /// Runs one step; returns its loss, which the caller owns (0-dim, on the
+  /// device: reading it is the only sync). Graphed, it is a device copy of
+  /// the graph's static loss (one 0-dim copy kernel, no sync): keep as many as
+  /// you like, e.g. one per step to read at the end of an epoch.
   at::Tensor step(const std::vector<at::Tensor>& batch);
   at::Tensor step(const at::Tensor& input, const at::Tensor& target) {
     return step(std::vector<at::Tensor>{input, target});
@@ -220,19 +230,34 @@ class TrainStep {
   /// partial batch); same optimizer, scaler and options.
   at::Tensor step_eager(const std::vector<at::Tensor>& batch);
   at::Tensor step_eager(const Example& batch) { return step_eager(std::vector<at::Tensor>{batch.data, batch.target}); }
+  /// The last step's loss without a copy. Graphed, this is the graph's
+  /// static output: the next step() overwrites it in place, so a tensor kept
+  /// from here reads as the newest loss. For a loop that reads the loss
+  /// before the next step and cannot afford a 4-byte copy kernel.
+  const at::Tensor& static_loss() const noexcept { return static_loss_; }
   bool graphed() const noexcept { return graphed_; }
   /// Steps that ran eagerly because the batch was smaller than the example's
   /// (the last batch of an epoch without drop_last).
   int64_t eager_steps() const noexcept { return eager_steps_; }
 
  private:
+  friend class CompiledTrainStep;
+  // One micro-batch's share of a step: leaves the gradients of loss/k (scaled
+  // by the scaler, if any) accumulated in the parameters' .grad and returns
+  // loss/k, detached. Unset: backward_micro (loss_fn and backward()).
+  using MicroStep = std::function<at::Tensor(const std::vector<at::Tensor>& micro, int64_t k)>;
+  TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
+            torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
+  at::Tensor backward_micro(const std::vector<at::Tensor>& micro, int64_t k);
   void init(std::vector<at::Tensor> example);
   bool is_partial_batch(const std::vector<at::Tensor>& batch) const;
   at::Tensor body(const std::vector<at::Tensor>& batch);
   void check_batch(const std::vector<at::Tensor>& batch, bool shapes) const;
 
+  std::string who_ = "perf::TrainStep", options_name_ = "perf::TrainStepOptions";
   ModuleRef module_;
   BatchLossFn loss_fn_;
+  MicroStep micro_;
   torch::optim::Optimizer& opt_;
   optim::FusedOptimizer* fused_ = nullptr;
   TrainStepOptions options_;
@@ -757,16 +782,28 @@ inline TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim:
   init(std::move(example_batch));
 }
 
+inline TrainStep::TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
+                            torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch,
+                            const TrainStepOptions& options)
+    : who_(who),
+      options_name_(options_name),
+      module_(std::move(module)),
+      micro_(std::move(micro)),
+      opt_(optimizer),
+      options_(options) {
+  init(std::move(example_batch));
+}
+
 inline void TrainStep::check_batch(const std::vector<at::Tensor>& batch, bool shapes) const {
-  TORCH_CHECK(batch.size() == static_batch_.size(), "perf::TrainStep::step: expected ", static_batch_.size(),
+  TORCH_CHECK(batch.size() == static_batch_.size(), who_, "::step: expected ", static_batch_.size(),
               " batch tensors like the example, got ", batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& x = batch[i];
     const auto& fixed = static_batch_[i];
     TORCH_CHECK(x.defined() && x.scalar_type() == fixed.scalar_type() && (!shapes || x.sizes() == fixed.sizes()) &&
                     (shapes || x.dim() == fixed.dim()),
-                "perf::TrainStep::step: batch tensor ", i, " must be ", fixed.scalar_type(), " ",
-                detail::shape_str(fixed), " like the example (static shapes), got ",
+                who_, "::step: batch tensor ", i, " must be ", fixed.scalar_type(), " ", detail::shape_str(fixed),
+                " like the example (static shapes), got ",
                 x.defined() ? std::string(c10::toString(x.scalar_type())) + " " + detail::shape_str(x)
                             : std::string("undefined"),
                 shapes ? "; use step_eager() for a batch of another size (e.g. an epoch's last)" : "");
@@ -789,31 +826,30 @@ inline bool TrainStep::is_partial_batch(const std::vector<at::Tensor>& batch) co
 }
 
 inline void TrainStep::init(std::vector<at::Tensor> example) {
-  TORCH_CHECK(!example.empty(), "perf::TrainStep: the example batch is empty");
-  TORCH_CHECK(options_.warmup() >= 1,
-              "perf::TrainStepOptions::warmup: must be >= 1 (the optimizer state must exist before capture), got ",
-              options_.warmup());
+  const std::string& opts = options_name_;
+  TORCH_CHECK(!example.empty(), who_, ": the example batch is empty");
+  TORCH_CHECK(options_.warmup() >= 1, opts,
+              "::warmup: must be >= 1 (the optimizer state must exist before capture), got ", options_.warmup());
   const int64_t k = options_.accumulation_steps();
-  TORCH_CHECK(k >= 1, "perf::TrainStepOptions::accumulation_steps: must be >= 1, got ", k);
+  TORCH_CHECK(k >= 1, opts, "::accumulation_steps: must be >= 1, got ", k);
   if (options_.max_grad_norm()) {
-    TORCH_CHECK(*options_.max_grad_norm() > 0, "perf::TrainStepOptions::max_grad_norm: must be > 0, got ",
-                *options_.max_grad_norm());
+    TORCH_CHECK(*options_.max_grad_norm() > 0, opts, "::max_grad_norm: must be > 0, got ", *options_.max_grad_norm());
   }
   for (const auto& group : opt_.param_groups()) {
     for (const auto& p : group.params()) {
-      TORCH_CHECK(!detail::ddp_owns(p),
-                  "perf::TrainStep: the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
+      TORCH_CHECK(!detail::ddp_owns(p), who_,
+                  ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
                   "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
                   "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
     }
   }
   const auto device = example[0].device();
   for (size_t i = 0; i < example.size(); ++i) {
-    TORCH_CHECK(example[i].defined(), "perf::TrainStep: example batch tensor ", i, " is undefined");
-    TORCH_CHECK(example[i].device() == device, "perf::TrainStep: example batch tensor ", i, " is on ",
-                example[i].device(), " but tensor 0 is on ", device);
+    TORCH_CHECK(example[i].defined(), who_, ": example batch tensor ", i, " is undefined");
+    TORCH_CHECK(example[i].device() == device, who_, ": example batch tensor ", i, " is on ", example[i].device(),
+                " but tensor 0 is on ", device);
     if (k > 1) {
-      TORCH_CHECK(example[i].dim() >= 1 && example[i].size(0) % k == 0, "perf::TrainStep: accumulation_steps(", k,
+      TORCH_CHECK(example[i].dim() >= 1 && example[i].size(0) % k == 0, who_, ": accumulation_steps(", k,
                   ") needs every batch tensor's dim 0 divisible by ", k, "; tensor ", i, " has shape ",
                   detail::shape_str(example[i]));
     }
@@ -821,7 +857,8 @@ inline void TrainStep::init(std::vector<at::Tensor> example) {
   }
   fused_ = dynamic_cast<optim::FusedOptimizer*>(&opt_);
 
-  if (!device.is_cuda()) {
+  if (!device.is_cuda() || !options_.graph()) {
+    if (!loss_fn_) return;  // a compiled step: its package checked the batch
     // Eager. Run the loss once now, so a wrong target dtype or shape fails here
     // rather than at the first step(); the forward's side effects are undone.
     detail::ForwardSnapshot snapshot(*module_, static_batch_);
@@ -841,11 +878,11 @@ inline void TrainStep::init(std::vector<at::Tensor> example) {
   }
 #if PERF_WITH_CUDA
   if (fused_ == nullptr) {
-    TORCH_CHECK(options_.eager_fallback(),
-                "perf::TrainStep: a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step "
-                "count and bias corrections on the host, so every replay would repeat the captured step); use "
-                "perf::optim::AdamW, Adam or SGD, or TrainStepOptions().eager_fallback(true) to run eagerly");
-    TORCH_WARN("perf::TrainStep: torch::optim optimizer: running eagerly as eager_fallback(true) asks");
+    TORCH_CHECK(options_.eager_fallback(), who_,
+                ": a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step count and bias "
+                "corrections on the host, so every replay would repeat the captured step); use "
+                "perf::optim::AdamW, Adam or SGD, graph(false), or eager_fallback(true) to run eagerly");
+    TORCH_WARN(who_, ": torch::optim optimizer: running eagerly as eager_fallback(true) asks");
     return;
   }
   // Warm-up with the update skipped on the device: optimizer state and lr
@@ -862,7 +899,7 @@ inline void TrainStep::init(std::vector<at::Tensor> example) {
   try {
     result = detail::capture_on_side_stream(
         *graph, device, options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), options_.pool(),
-        options_.eager_fallback(), "perf::TrainStep",
+        options_.eager_fallback(), who_,
         [&] {
           detail::SkipUpdates skip(fused_);
           body(static_batch_);
@@ -882,8 +919,17 @@ inline void TrainStep::init(std::vector<at::Tensor> example) {
 #endif
 }
 
+inline at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, int64_t k) {
+  at::Tensor loss = loss_fn_(micro);
+  TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
+  at::Tensor part = k > 1 ? loss / static_cast<double>(k) : loss;
+  auto* scaler = options_.scaler();
+  (scaler ? scaler->scale(part) : part).backward();
+  return part.detach();
+}
+
 inline at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
-  opt_.zero_grad();  // set to none: in a capture, backward allocates the static grads in the graph's pool
+  opt_.zero_grad();  // set to none: in a capture, the step allocates the static grads in the graph's pool
   const int64_t k = options_.accumulation_steps();
   auto* scaler = options_.scaler();
   at::Tensor total;
@@ -892,11 +938,8 @@ inline at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
     if (k > 1) {
       for (auto& t : micro) t = t.chunk(k, 0)[static_cast<size_t>(i)];
     }
-    at::Tensor loss = loss_fn_(micro);
-    TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
-    at::Tensor part = k > 1 ? loss / static_cast<double>(k) : loss;
-    (scaler ? scaler->scale(part) : part).backward();
-    total = total.defined() ? total + part.detach() : part.detach();
+    at::Tensor part = micro_ ? micro_(micro, k) : backward_micro(micro, k);
+    total = total.defined() ? total + part : part;
   }
   if (options_.max_grad_norm()) {
     std::vector<at::Tensor> params;
@@ -929,7 +972,7 @@ inline at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   fused_->sync_lr();  // outside the graph: the scheduler's current lr
   graph_->replay();
 #endif
-  return static_loss_;
+  return static_loss_.clone();  // the caller's: the next replay overwrites static_loss_
 }
 
 inline at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batch) {
@@ -937,9 +980,13 @@ inline at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batch) {
   const int64_t k = options_.accumulation_steps();
   std::vector<at::Tensor> on_device;
   for (size_t i = 0; i < batch.size(); ++i) {
-    TORCH_CHECK(k == 1 || batch[i].size(0) % k == 0, "perf::TrainStep::step_eager: accumulation_steps(", k,
+    TORCH_CHECK(k == 1 || batch[i].size(0) % k == 0, who_, "::step_eager: accumulation_steps(", k,
                 ") needs dim 0 divisible by ", k, "; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
     on_device.push_back(batch[i].to(static_batch_[i].device(), /*non_blocking=*/true));
+  }
+  if (!graphed_) {
+    static_loss_ = body(on_device);  // a fresh tensor each step: the caller's already
+    return static_loss_;
   }
   return body(on_device);
 }

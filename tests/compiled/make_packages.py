@@ -5,6 +5,12 @@ $PERF_CACHE_DIR (default ~/.cache/perf), keyed on the sources and torch's versio
 Writes OUT/<name>.pt2 and OUT/<name>.ref.pt (inputs and eager outputs for batch 1
 and 5, read back by tests/test_compiled.cpp), OUT/mlp_cuda_marked.pt2 (the MLP
 package relabelled as a CUDA one) and OUT/stamp.
+
+Training packages (tools/export_compiled.py --train, for perf::CompiledTrainStep):
+OUT/<name>.pt2 and OUT/<name>.ref.pt holding the initial state, STEPS batches,
+Python eager training's loss, state (before the step) and gradients per step
+(torch.optim.AdamW), the final state and an eval() forward of the trained model
+(tests/test_compiled_train.cpp).
 """
 import argparse
 import hashlib
@@ -21,7 +27,10 @@ TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(TOOL))
 import models  # noqa: E402
-from export_compiled import export_compiled  # noqa: E402
+from export_compiled import AMP, export_compiled, export_train  # noqa: E402
+
+STEPS = 50
+LR, WEIGHT_DECAY, DROPOUT_SEED = 1e-2, 0.01, 7
 
 # name -> (factory, example inputs for one sample (batch dim added), dynamic batch)
 def specs():
@@ -33,6 +42,76 @@ def specs():
     }
 
 
+# name -> (factory, batch(n) -> (x, y), batch size, dynamic batch, amp, channels-last)
+def train_specs():
+    # Learnable data, so that a test can also see the loss fall.
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 4, generator=g)
+    colors = torch.randn(10, 3, generator=g)
+
+    def rows(n):
+        x = torch.randn(n, 16)
+        return x, (x @ w).argmax(1)
+
+    def images(n):
+        y = torch.randint(0, 10, (n,))
+        return torch.randn(n, 3, 32, 32) + colors[y][:, :, None, None], y
+
+    def tokens(n):  # each next token follows from the current one
+        t = torch.randint(0, 32, (n, 1))
+        for _ in range(8):
+            t = torch.cat([t, (t[:, -1:] * 5 + 3) % 32], 1)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    return {
+        "mlp_train": (models.make_mlp, rows, 8, (2, 64), "off", False),
+        "cnn_train": (models.make_cnn, images, 8, None, "off", False),
+        "gpt_train": (models.make_tiny_gpt, tokens, 4, None, "off", False),
+        "cnn_train_cl_bf16": (models.make_cnn, images, 8, None, "bf16", True),
+    }
+
+
+def train_reference(factory, make_batch, batch, amp, channels_last):
+    """Python eager training: the losses and state perf::CompiledTrainStep must reproduce."""
+    torch.manual_seed(0)
+    model = factory().train()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    batches = [make_batch(batch) for _ in range(STEPS)]
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, states, grads = [], [], []
+    torch.manual_seed(DROPOUT_SEED)
+    for x, y in batches:
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        states.append({k: v.clone().contiguous() for k, v in model.state_dict().items()})
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=AMP[amp] or torch.bfloat16, enabled=amp != "off"):
+            loss = models.classify_loss(model, x, y)
+        loss.backward()
+        grads.append({k: p.grad.clone().contiguous() for k, p in model.named_parameters()})
+        opt.step()
+        losses.append(loss.detach().float())
+    model.eval()
+    with torch.no_grad():
+        eval_in = batches[0][0]
+        eval_out = model(eval_in)
+    return {"init": init, "x": [b[0] for b in batches], "y": [b[1] for b in batches], "losses": torch.stack(losses),
+            "states": states, "grads": grads,
+            "final": {k: v.clone().contiguous() for k, v in model.state_dict().items()}, "eval_in": eval_in,
+            "eval_out": eval_out}
+
+
+def build_train(out: str) -> None:
+    for name, (factory, make_batch, batch, dynamic, amp, channels_last) in train_specs().items():
+        torch.save(train_reference(factory, make_batch, batch, amp, channels_last), os.path.join(out, f"{name}.ref.pt"))
+        torch.manual_seed(0)
+        export_train(factory(), models.classify_loss, make_batch(batch), os.path.join(out, f"{name}.pt2"),
+                     dynamic_batch=dynamic, amp=amp, channels_last=channels_last)
+
+
 def cache_key() -> str:
     h = hashlib.sha256(torch.__version__.encode())
     for f in (TOOL, os.path.join(HERE, "models.py"), __file__):
@@ -42,6 +121,7 @@ def cache_key() -> str:
 
 
 def build(out: str) -> None:
+    build_train(out)
     for name, (factory, make_inputs) in specs().items():
         torch.manual_seed(0)
         model = factory().eval()
@@ -56,15 +136,16 @@ def build(out: str) -> None:
                 ref[f"b{b}_out"] = ys
         torch.save(ref, os.path.join(out, f"{name}.ref.pt"))
         export_compiled(model, make_inputs(4), os.path.join(out, f"{name}.pt2"), dynamic_batch=(1, 64))
-    # A CUDA package without compiling one: the MLP with its device key changed.
-    src, dst = os.path.join(out, "mlp.pt2"), os.path.join(out, "mlp_cuda_marked.pt2")
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename.endswith("wrapper_metadata.json"):
-                data = data.replace(b'"AOTI_DEVICE_KEY": "cpu"', b'"AOTI_DEVICE_KEY": "cuda"')
-                assert b'"cuda"' in data, data
-            zout.writestr(item, data)
+    # CUDA packages without compiling one: the MLPs with their device key changed.
+    for name in ("mlp", "mlp_train"):
+        src, dst = os.path.join(out, f"{name}.pt2"), os.path.join(out, f"{name}_cuda_marked.pt2")
+        with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+            for item in zin.infolist():
+                data = zin.read(item.filename)
+                if item.filename.endswith("wrapper_metadata.json"):
+                    data = data.replace(b'"AOTI_DEVICE_KEY": "cpu"', b'"AOTI_DEVICE_KEY": "cuda"')
+                    assert b'"cuda"' in data, data
+                zout.writestr(item, data)
 
 
 def main() -> int:
