@@ -1,7 +1,10 @@
-// Inference latency: LibTorch eager (fp32; perf's recipe) vs the AOTInductor
-// package of the same ResNet-style CNN (bench/resnet.h, bench/resnet.py), side
-// by side, batch 1 and 32. On CUDA also perf::graph of the eager recipe.
-// scripts/bench-compiled.sh exports the package and runs this.
+// Inference latency: LibTorch eager (fp32; perf's fixed recipe; perf::optimize
+// measuring the recipes on the batch) vs the AOTInductor packages of the same
+// ResNet-style CNN (bench/resnet.h, bench/resnet.py), side by side, batch 1 and
+// 32. On CUDA also perf::graph of the eager recipe and of the package (opened
+// single-threaded, the mode CUDA graphs can capture). --json appends one line
+// per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
+// Python rows. scripts/bench-compiled.sh exports the packages and runs all of it.
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
@@ -9,6 +12,7 @@
 #include <perf/setup.h>
 
 #include <CLI/CLI.hpp>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 
@@ -21,6 +25,7 @@ int main(int argc, char** argv) {
   int64_t width = 32, image = 64;
   std::vector<int64_t> batches = {1, 32};
   int iters = 30;
+  std::string json;
   app.add_option("--package", packages, "packages of bench/resnet.py (scripts/bench-compiled.sh writes them)")
       ->required();
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -28,6 +33,7 @@ int main(int argc, char** argv) {
   app.add_option("--image", image, "image side (as exported)");
   app.add_option("--batches", batches, "batch sizes");
   app.add_option("--iters", iters, "timed calls per configuration");
+  app.add_option("--json", json, "file to append one JSON line per configuration to");
   CLI11_PARSE(app, argc, argv);
 
   perf::setup();
@@ -37,6 +43,13 @@ int main(int argc, char** argv) {
     compiled.push_back(std::make_unique<perf::CompiledModel>(p));
     std::cout << *compiled.back();
   }
+  auto label_of = [](const perf::CompiledModel& c) {
+    const auto& in = c.inputs().at(0);
+    return std::string("package ") + (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
+           (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "");
+  };
+  std::ofstream json_out;
+  if (!json.empty()) json_out.open(json, std::ios::app);
   perf_bench::ResNet plain(width);
   plain->to(device);
   plain->eval();
@@ -53,12 +66,12 @@ int main(int argc, char** argv) {
          }},
         {"eager + perf recipe", [&] { recipe.infer(x); }},
     };
+    // perf::optimize with this batch as the example: measures the recipes and keeps the fastest.
+    auto tuned = perf::optimize(perf_bench::ResNet(width), perf::ModelOptions().device(device).example(x));
+    std::cout << tuned.choice();
+    configs.emplace_back("perf::optimize(example)", [&] { tuned.infer(x); });
     for (auto& c : compiled) {
-      const auto& in = c->inputs().at(0);
-      const std::string label = std::string("package ") +
-                                (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
-                                (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "");
-      configs.emplace_back(label, [&c, &x, dtype = in.dtype] {
+      configs.emplace_back(label_of(*c), [&c, &x, dtype = c->inputs().at(0).dtype] {
         c10::InferenceMode guard;
         (*c)(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
       });
@@ -66,9 +79,18 @@ int main(int argc, char** argv) {
     using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
     std::vector<decltype(perf::graph(Fn(), x))> graphs;
     if (device.is_cuda()) {
-      // The package itself cannot be captured (perf/compiled.h says why).
+      graphs.reserve(1 + compiled.size());
+      std::vector<std::string> names = {"perf::graph(eager recipe)"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
-      configs.emplace_back("perf::graph(eager recipe)", [&] { graphs[0](x); });
+      // Each package opened single-threaded (the mode capture allows), its kernels replayed as one graph.
+      for (const auto& c : compiled) {
+        perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
+        const auto dtype = c->inputs().at(0).dtype;
+        graphs.push_back(perf::graph(Fn([st, dtype](const torch::Tensor& in) mutable { return st(in.to(dtype)); }), x,
+                                     perf::GraphOptions().eager_fallback(true)));
+        names.push_back("perf::graph(" + label_of(*c) + ")" + (graphs.back().graphed() ? "" : " (fell back: eager)"));
+      }
+      for (size_t g = 0; g < graphs.size(); ++g) configs.emplace_back(names[g], [&graphs, g, &x] { graphs[g](x); });
     }
     const auto stats = perf::compare(configs, opts);
     std::cout << "\n"
@@ -79,6 +101,10 @@ int main(int argc, char** argv) {
           return h.substr(0, h.size() - 1);
         }() << "  vs fp32\n";
     for (const auto& s : stats) {
+      if (json_out) {
+        json_out << "{\"lang\": \"cpp\", \"config\": \"C++ " << s.name << "\", \"device\": \"" << device.type()
+                 << "\", \"batch\": " << batch << ", \"median_ms\": " << s.median_ms << "}\n";
+      }
       auto line = s.to_string();
       while (!line.empty() && line.back() == '\n') line.pop_back();
       std::cout << line << std::fixed << std::setprecision(2) << std::setw(10) << stats[0].median_ms / s.median_ms

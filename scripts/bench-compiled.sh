@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Exports bench/resnet.py to an AOTInductor package (tools/export_compiled.py)
-# and times it against LibTorch eager in bench/bench_compiled.
+# Exports bench/resnet.py to AOTInductor packages (tools/export_compiled.py),
+# times them against LibTorch eager and perf::optimize in bench/bench_compiled,
+# then Python (eager, torch.compile modes) on the same model and batches
+# (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md.
 #   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32]
 # PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch).
 source "$(dirname "$0")/common.sh"
@@ -29,4 +31,22 @@ for variant in fp32 bf16_nhwc; do
   fi
   packages+=(--package "$pkg")
 done
-./build/bench/bench_compiled "${packages[@]}" "$@"
+results=bench-results/compiled-$device.jsonl
+rm -f "$results"
+./build/bench/bench_compiled "${packages[@]}" --json "$results" "$@"
+# Python's side on the same model and batches: eager, torch.compile modes.
+peer_args=(--device "$device" --width "$width" --image "$image" --json "$results")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    --batches)
+      peer_args+=(--batches)
+      j=$((i + 1))
+      while ((j < ${#args[@]})) && [[ ${args[j]} != --* ]]; do peer_args+=("${args[j]}"); j=$((j + 1)); done ;;
+    --iters) peer_args+=(--iters "${args[i + 1]}") ;;
+  esac
+done
+"$python" bench/peer_compiled.py "${peer_args[@]}"
+"$python" -c "import matplotlib" 2>/dev/null || "$python" -m pip install --quiet --disable-pip-version-check matplotlib >&2
+machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
+[[ $device == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
+"$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device" --machine "$machine, $(nproc) cores"

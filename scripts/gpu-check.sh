@@ -1,155 +1,222 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU: builds perf with all cores,
-# runs the whole test suite (each test in its own process, then every GPU test
-# together in ONE process), every benchmark with --device cuda and the Python
-# peers, and writes gpu-results/ with a one-screen summary at the end.
+# perf on a machine with an NVIDIA GPU, in parts that each fit a short session
+# (under 8 minutes on an H100 with 16 cores):
+#
+#   build   configure and build everything with all cores (works without a GPU)
+#   tests   every ctest in its own process, then every GPU test in ONE process
+#   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
+#   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune)
+#
+#   bash scripts/gpu-check.sh                          # build,tests,bench (+ e2e with --e2e)
+#   bash scripts/gpu-check.sh --part build,tests       # one call
+#   bash scripts/gpu-check.sh --part bench --quick     # the next (the build is reused)
+#   bash scripts/gpu-check.sh --part e2e --quick [--jobs cnn,transformer]
+#
+# The build lives outside the source tree (PERF_GPU_BUILD, default
+# /tmp/perf-build-gpu), so consecutive calls on one machine reuse it. Each part
+# writes its logs under the build folder and leaves in the results folder
+# (PERF_GPU_RESULTS, default gpu-results/) only <part>-summary.txt and
+# <part>.tar.gz with its logs: a handful of small files. Bulky intermediates
+# (exported packages, e2e data sets and weights) stay in the build folder.
 #
 # Offline by design: never runs apt or pip.
 #   LibTorch   from PERF_PYTHON's torch (default python3), or Torch_DIR.
 #   GoogleTest, CLI11, Google Benchmark: installed CMake packages, or the folder
 #              PERF_DEPS_DIR prepared on a connected machine by
 #              `bash scripts/gpu-deps.sh DIR` (then copied here).
-#
-#   bash scripts/gpu-check.sh               # build, tests, benchmarks (~10 min on 16 cores)
-#   bash scripts/gpu-check.sh --quick       # shorter benchmark runs
-#   bash scripts/gpu-check.sh --build-only  # the offline build alone (works without a GPU)
-#   bash scripts/gpu-check.sh --e2e         # also bench/e2e (Python vs C++ training jobs; +10-20 min)
-# PERF_CMAKE_ARGS adds CMake arguments; PERF_GPU_BUILD / PERF_GPU_RESULTS name the
-# build and results folders (build-gpu/, gpu-results/).
+# PERF_CMAKE_ARGS adds CMake arguments.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-quick=0 build_only=0 e2e=0
-for a in "$@"; do
-  case $a in
+cd "$(dirname "$0")/.." || exit 2
+parts="" quick=0 e2e=0 jobs_arg=()
+while (($#)); do
+  case $1 in
+    --part) parts=${2:?--part needs build, tests, bench or e2e (comma-separated)}; shift ;;
+    --part=*) parts=${1#--part=} ;;
     --quick) quick=1 ;;
-    --build-only) build_only=1 ;;
     --e2e) e2e=1 ;;
-    *) echo "gpu-check: unknown argument $a (valid: --quick, --build-only, --e2e)" >&2; exit 2 ;;
+    --jobs) jobs_arg=(--jobs "${2:?--jobs needs a list like cnn,transformer}"); shift ;;
+    --build-only) parts=build ;;
+    *) echo "gpu-check: unknown argument $1 (valid: --part build,tests,bench,e2e  --quick  --e2e  --jobs LIST)" >&2
+       exit 2 ;;
   esac
+  shift
+done
+[ -n "$parts" ] || { parts=build,tests,bench; ((e2e)) && parts+=,e2e; }
+for p in ${parts//,/ }; do
+  case $p in build | tests | bench | e2e) ;; *) echo "gpu-check: unknown part '$p' (valid: build, tests, bench, e2e)" >&2; exit 2 ;; esac
 done
 py=${PERF_PYTHON:-python3}
 out=${PERF_GPU_RESULTS:-gpu-results}
-build=${PERF_GPU_BUILD:-build-gpu}
+build=${PERF_GPU_BUILD:-/tmp/perf-build-gpu}
 fail() { echo "gpu-check: $*" >&2; exit 2; }
+has() { [[ ",$parts," == *",$1,"* ]]; }
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
 
-# 1. A GPU, unless only the build is asked for.
-if ((!build_only)); then
-  command -v nvidia-smi >/dev/null || fail "refusing: nvidia-smi not found, this is not a machine with an NVIDIA GPU (use --build-only to check the build alone)"
-  nvidia-smi -L >/dev/null 2>&1 || fail "refusing: nvidia-smi sees no GPU (driver missing or no device); use --build-only to check the build alone"
+# A GPU, unless only the build is asked for.
+if [[ $parts != build ]]; then
+  command -v nvidia-smi >/dev/null || fail "refusing: nvidia-smi not found, this is not a machine with an NVIDIA GPU (--part build checks the build alone)"
+  nvidia-smi -L >/dev/null 2>&1 || fail "refusing: nvidia-smi sees no GPU (driver missing or no device); --part build checks the build alone"
   "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null ||
     fail "refusing: $py's torch cannot use the GPU (torch.cuda.is_available() is False)"
 fi
 
-# 2. LibTorch and the test/bench dependencies, offline.
-if [ -n "${Torch_DIR:-}" ]; then
-  prefix_args=(-DTorch_DIR="$Torch_DIR")
-else
-  prefix=$("$py" -c "import torch; print(torch.utils.cmake_prefix_path)" 2>/dev/null) ||
-    fail "no LibTorch: $py cannot import torch; set PERF_PYTHON to a Python with torch, or Torch_DIR"
-  prefix_args=(-DCMAKE_PREFIX_PATH="$prefix" -DPERF_PYTHON="$(command -v "$py")")
-fi
-deps_args=()
-have_gtest=0
-if [ -n "${PERF_DEPS_DIR:-}" ]; then
-  [ -f "$PERF_DEPS_DIR/googletest/CMakeLists.txt" ] || fail "PERF_DEPS_DIR=$PERF_DEPS_DIR has no googletest/CMakeLists.txt"
-  deps_args=(-DPERF_DEPS_DIR="$(cd "$PERF_DEPS_DIR" && pwd)")
-  have_gtest=1
-elif [ -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] || [ -f /usr/local/lib/cmake/GTest/GTestConfig.cmake ] ||
-     [ -f /usr/lib/cmake/GTest/GTestConfig.cmake ]; then
-  have_gtest=1
-fi
-((have_gtest)) || fail "GoogleTest not found and PERF_DEPS_DIR not set. On a connected Debian/Ubuntu machine run
-    bash scripts/gpu-deps.sh perf-deps
-copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh"
-
-mkdir -p "$out"
-jobs=$(nproc)
-gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-echo "== configure and build ($jobs jobs) -> $build"
-# shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
-cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" ${PERF_CMAKE_ARGS:-} \
-  >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; fail "configure failed ($out/configure.log)"; }
-cmake --build "$build" -j "$jobs" >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -30; fail "build failed ($out/build.log)"; }
-echo "   built"
-if ((build_only)); then
-  echo "gpu-check: --build-only: build done in $build (tests and benchmarks need a GPU)"
-  exit 0
-fi
-
-# 3. Machine and environment.
-nvidia-smi >"$out/nvidia-smi.txt" 2>&1
-"$build/examples/doctor" >"$out/environment.txt" 2>&1
+# Ends a part: its logs into <part>.tar.gz, its summary beside it.
+finish() {  # part status started
+  local part=$1 st=$2 t0=$3
+  echo "-- $part: $( ((st)) && echo FAILED || echo ok ) in $(($(date +%s) - t0)) s" | tee -a "$logs/summary.txt"
+  cp "$logs/summary.txt" "$out/$part-summary.txt"
+  tar -czf "$out/$part.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
+}
 status=0
 
-# 4. Tests: one process per test, then every GPU test in one process.
-echo "== tests (ctest, one process per test)"
-(cd "$build" && ctest -j "$jobs" --output-on-failure --timeout 600) >"$out/ctest.log" 2>&1 || status=1
-tail -3 "$out/ctest.log"
-echo "== GPU tests in one process"
-"$build/tests/perf_tests" --gtest_filter='*OnGpu*' >"$out/gpu-tests-one-process.log" 2>&1 || status=1
-tail -3 "$out/gpu-tests-one-process.log"
-
-# 5. Benchmarks with --device cuda, then the Python peers.
-if ((quick)); then
-  opt=(--iters 30); amp=(--iters 5); data=(--samples 2048 --epochs 2 --gpu-batches 32); graph=(--iters 100)
-else
-  opt=(); amp=(); data=(); graph=()
-fi
-run_bench() {  # name args...
-  local name=$1; shift
-  echo "== $name $*"
-  if [ -x "$build/bench/$name" ]; then
-    "$build/bench/$name" "$@" >"$out/$name.txt" 2>&1 || { echo "   FAILED (see $out/$name.txt)"; status=1; }
+if has build; then
+  t0=$(date +%s); logs=$build/gpu-logs/build; rm -rf "$logs"; mkdir -p "$logs"
+  if [ -n "${Torch_DIR:-}" ]; then
+    prefix_args=(-DTorch_DIR="$Torch_DIR")
   else
-    echo "   not built" | tee "$out/$name.txt"
+    prefix=$("$py" -c "import torch; print(torch.utils.cmake_prefix_path)" 2>/dev/null) ||
+      fail "no LibTorch: $py cannot import torch; set PERF_PYTHON to a Python with torch, or Torch_DIR"
+    prefix_args=(-DCMAKE_PREFIX_PATH="$prefix" -DPERF_PYTHON="$(command -v "$py")")
   fi
-}
-run_bench bench_setup --benchmark_min_time=0.05
-run_bench bench_optim --device cuda "${opt[@]}"
-run_bench bench_amp --device cuda "${amp[@]}"
-run_bench bench_data --device cuda "${data[@]}"
-run_bench bench_graph "${graph[@]}"
-# AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each).
-variants=(fp32 bf16_nhwc); ((quick)) && variants=(fp32)
-packages=()
-for variant in "${variants[@]}"; do
-  pkg=$out/resnet_cuda_$variant.pt2
-  extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
-  "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --input 8,3,64,64 --dynamic-batch 1:64 \
-    --device cuda "${extra[@]}" >"$out/export_$variant.log" 2>&1 && packages+=(--package "$pkg") ||
-    { echo "   export $variant FAILED (see $out/export_$variant.log)"; status=1; }
-done
-((${#packages[@]})) && run_bench bench_compiled --device cuda "${packages[@]}"
-rm -f "$out"/resnet_cuda_*.pt2
-# DDP's own overhead on one GPU: NCCL at world size 1.
-RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
-  run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
-if ((e2e)); then
-  echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
-  e2e_args=(); ((quick)) && e2e_args=(--quick)
-  "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$out/e2e" "${e2e_args[@]}" >"$out/e2e.txt" 2>&1 ||
-    { echo "   FAILED (see $out/e2e.txt)"; status=1; }
-  # The report needs matplotlib; without it, results.jsonl is there for report.py elsewhere.
-  "$py" bench/e2e/report.py "$out/e2e/results.jsonl" --docs "$out/e2e" --name e2e-cuda >>"$out/e2e.txt" 2>&1 ||
-    echo "   (no report: matplotlib missing? run bench/e2e/report.py on $out/e2e/results.jsonl elsewhere)"
+  deps_args=()
+  if [ -n "${PERF_DEPS_DIR:-}" ]; then
+    [ -f "$PERF_DEPS_DIR/googletest/CMakeLists.txt" ] || fail "PERF_DEPS_DIR=$PERF_DEPS_DIR has no googletest/CMakeLists.txt"
+    deps_args=(-DPERF_DEPS_DIR="$(cd "$PERF_DEPS_DIR" && pwd)")
+  elif ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/local/lib/cmake/GTest/GTestConfig.cmake \
+         /usr/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+    fail "GoogleTest not found and PERF_DEPS_DIR not set. On a connected Debian/Ubuntu machine run
+    bash scripts/gpu-deps.sh perf-deps
+copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh"
+  fi
+  gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+  echo "== build ($(nproc) jobs) -> $build"
+  st=0
+  # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
+  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
+    ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 || { tail -30 "$logs/configure.log"; st=1; }
+  if ((!st)); then
+    cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 || { grep -E "error|Error" "$logs/build.log" | head -30; st=1; }
+  fi
+  {
+    echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
+    grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
+  } >"$logs/summary.txt"
+  finish build $st "$t0"
+  status=$((status | st))
+  ((st)) && exit 1
 fi
-for peer in bench/peer_*.py; do
-  name=$(basename "$peer" .py)
-  echo "== $name"
-  PYTHONUNBUFFERED=1 "$py" "$peer" >"$out/$name.txt" 2>&1 || { echo "   FAILED (see $out/$name.txt)"; status=1; }
-done
+[ -x "$build/tests/perf_tests" ] || fail "no build in $build: run --part build first (same PERF_GPU_BUILD)"
 
-# 6. Summary.
-{
-  echo "== gpu-check summary ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
-  head -n 1 "$out/environment.txt"
-  grep -m1 -E "cuda:0" "$out/environment.txt" || true
-  echo "-- tests"
-  grep -E "tests passed|tests failed" "$out/ctest.log" || echo "ctest: no summary (see ctest.log)"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$out/gpu-tests-one-process.log" | sort | uniq -c || true
-  grep -E "^\s+[0-9]+ - .*\(Failed\)|\[  FAILED  \] [A-Za-z]" "$out/ctest.log" "$out/gpu-tests-one-process.log" | head -20 || true
-  echo "-- headline ratios (B vs A: how many times faster B is)"
-  grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$out"/bench_*.txt || true
-  grep -hE "x \(|ratio|speedup" "$out"/peer_*.txt 2>/dev/null | head -10 || true
-} | tee "$out/summary.txt"
+if has tests; then
+  t0=$(date +%s); logs=$build/gpu-logs/tests; rm -rf "$logs"; mkdir -p "$logs"
+  st=0
+  nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
+  "$build/examples/doctor" >"$logs/environment.txt" 2>&1
+  echo "== tests (ctest, one process per test)"
+  (cd "$build" && ctest -j "$(nproc)" --output-on-failure --timeout 300) >"$logs/ctest.log" 2>&1 || st=1
+  tail -3 "$logs/ctest.log"
+  echo "== GPU tests in one process"
+  # A guard for this script's time, not a fix: a test that hangs shows here as a timeout.
+  timeout 420 "$build/tests/perf_tests" --gtest_filter='*OnGpu*' >"$logs/gpu-tests-one-process.log" 2>&1 || st=1
+  tail -3 "$logs/gpu-tests-one-process.log"
+  {
+    echo "== gpu-check tests ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    head -n 1 "$logs/environment.txt"
+    grep -m1 -E "cuda:0" "$logs/environment.txt" || true
+    grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$logs/gpu-tests-one-process.log" | sort | uniq -c || true
+    grep -E "^\s+[0-9]+ - .*\((Failed|Timeout)\)|\[  FAILED  \] [A-Za-z]" "$logs/ctest.log" \
+      "$logs/gpu-tests-one-process.log" | head -20 || true
+    echo "tests over 60 s:"
+    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  " $0}' || true
+  } >"$logs/summary.txt"
+  finish tests $st "$t0"
+  status=$((status | st))
+fi
+
+if has bench; then
+  t0=$(date +%s); logs=$build/gpu-logs/bench; rm -rf "$logs"; mkdir -p "$logs"
+  work=$build/gpu-work; mkdir -p "$work"
+  st=0
+  if ((quick)); then
+    opt=(--iters 30); amp=(--iters 5); data=(--samples 2048 --epochs 2 --gpu-batches 32); graph=(--iters 100)
+  else
+    opt=(); amp=(); data=(); graph=()
+  fi
+  run_bench() {  # name args...
+    local name=$1; shift
+    echo "== $name $*"
+    if [ -x "$build/bench/$name" ]; then
+      "$build/bench/$name" "$@" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
+    else
+      echo "   not built" | tee "$logs/$name.txt"
+    fi
+  }
+  run_bench bench_setup --benchmark_min_time=0.05
+  run_bench bench_optim --device cuda "${opt[@]}"
+  run_bench bench_amp --device cuda "${amp[@]}"
+  run_bench bench_data --device cuda "${data[@]}"
+  run_bench bench_graph "${graph[@]}"
+  # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
+  variants=(fp32 bf16_nhwc); ((quick)) && variants=(fp32)
+  packages=()
+  for variant in "${variants[@]}"; do
+    pkg=$work/resnet_cuda_$variant.pt2
+    extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
+    "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --input 8,3,64,64 --dynamic-batch 1:64 \
+      --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 ||
+      { echo "   export $variant FAILED (see export_$variant.log)"; st=1; continue; }
+    packages+=(--package "$pkg")
+  done
+  # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
+  compiled=$logs/compiled-cuda.jsonl
+  if ((${#packages[@]})); then
+    run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled"
+    peer_extra=(); ((quick)) && peer_extra=(--no-max-autotune)
+    echo "== peer_compiled ${peer_extra[*]}"
+    PYTHONUNBUFFERED=1 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
+      >"$logs/peer_compiled.txt" 2>&1 || { echo "   FAILED (see peer_compiled.txt)"; st=1; }
+    "$py" bench/report_compiled.py "$compiled" --docs "$logs" --name compiled-cuda \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/peer_compiled.txt" 2>&1 ||
+      echo "   (no report here: run bench/report_compiled.py on compiled-cuda.jsonl where matplotlib is)"
+  fi
+  # DDP's own overhead on one GPU: NCCL at world size 1.
+  RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
+    run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
+  for peer in bench/peer_*.py; do
+    name=$(basename "$peer" .py)
+    [[ $name == peer_compiled ]] && continue  # above, with bench_compiled
+    echo "== $name"
+    PYTHONUNBUFFERED=1 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
+  done
+  {
+    echo "== gpu-check bench ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    echo "-- headline ratios (B vs A: how many times faster B is)"
+    grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$logs"/bench_*.txt || true
+    grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
+  } >"$logs/summary.txt"
+  finish bench $st "$t0"
+  status=$((status | st))
+fi
+
+if has e2e; then
+  t0=$(date +%s); logs=$build/gpu-logs/e2e; rm -rf "$logs"; mkdir -p "$logs"
+  work=$build/gpu-work/e2e
+  st=0
+  echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
+  e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
+  PYTHONUNBUFFERED=1 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
+    >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
+  cp "$work/results.jsonl" "$logs/" 2>/dev/null || true
+  # The report needs matplotlib; without it, results.jsonl is there for report.py elsewhere.
+  "$py" bench/e2e/report.py "$logs/results.jsonl" --docs "$logs" --name e2e-cuda >>"$logs/e2e.txt" 2>&1 ||
+    echo "   (no report here: run bench/e2e/report.py on results.jsonl where matplotlib is)"
+  {
+    echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    grep -E "^(python|cpp) |^exported|FAILED" "$logs/e2e.txt" || true
+  } >"$logs/summary.txt"
+  finish e2e $st "$t0"
+  status=$((status | st))
+fi
 exit $status

@@ -6,6 +6,7 @@
 #include <perf/memory_format.h>
 #include <perf/model.h>
 #include <perf/optim.h>
+#include <perf/setup.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -388,6 +389,118 @@ TEST(Optimize, InferUsesEvalAndInferenceModeThenRestores) {
   EXPECT_TRUE(net->is_training()) << "training mode restored";
   net->eval();
   EXPECT_TRUE(torch::allclose(y, net->forward(perf::channels_last(x)), 1e-5, 1e-5));
+}
+
+// With an example, perf::optimize measures the recipes on it and keeps the
+// fastest: never slower than the plain model (beyond the 2% a candidate must
+// win by), the decision printable and pinnable, the module's values untouched.
+TEST(Optimize, AnExampleIsMeasuredAndTheFastestRecipeKept) {
+  const ScopedCpuBf16 cpu(/*native=*/true);  // bf16 candidates measured on every CPU
+  torch::manual_seed(0);
+  Probe net;
+  net->eval();
+  const auto x = torch::randn({4, 3, 32, 32});
+  const auto y_ref = net->forward(x);
+  std::vector<at::Tensor> before;
+  for (const auto& t : net->parameters()) before.push_back(t.detach().clone());
+  for (const auto& t : net->buffers()) before.push_back(t.detach().clone());
+  auto model = perf::optimize(net, perf::ModelOptions().example(x).tune_seconds(0.3));
+  const auto& c = model.choice();
+  ASSERT_EQ(c.measured_ms.size(), 4u) << c;  // NCHW / channels-last x fp32 / bf16 (no CUDA graph on the CPU)
+  EXPECT_EQ(c.measured_ms[0].first, perf::Recipe()) << "the plain model is measured first";
+  double best = c.measured_ms[0].second, chosen = -1;
+  for (const auto& [recipe, ms] : c.measured_ms) {
+    EXPECT_GT(ms, 0.0);
+    best = std::min(best, ms);
+    if (recipe == c.recipe) chosen = ms;
+  }
+  EXPECT_LE(chosen, c.measured_ms[0].second) << "never slower than the plain model: " << c;
+  EXPECT_LE(chosen, best / 0.98 + 1e-9) << c;
+  EXPECT_NE(c.to_string().find("fastest of 4 measured on [4, 3, 32, 32] Float on cpu"), std::string::npos) << c;
+  EXPECT_NE(c.to_string().find("* " + c.recipe.name()), std::string::npos) << c;
+  // The model runs the chosen recipe; its values are the module's own.
+  const auto y = model.infer(x);
+  EXPECT_EQ(net->saw_channels_last, c.recipe.channels_last());
+  EXPECT_EQ(net->saw_autocast, c.recipe.autocast().has_value());
+  EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), y_ref, 0.05, 0.05)) << "within the chosen precision";
+  size_t i = 0;
+  for (const auto& t : net->parameters()) EXPECT_TRUE(torch::equal(t, before[i++]));
+  for (const auto& t : net->buffers()) EXPECT_TRUE(torch::equal(t, before[i++]));
+  EXPECT_EQ(net->conv->weight.is_contiguous(torch::MemoryFormat::ChannelsLast) && !net->conv->weight.is_contiguous(),
+            c.recipe.channels_last())
+      << "parameters in the chosen layout";
+
+  // Pinned: the same recipe again without measuring (reproducible runs).
+  auto pinned = perf::optimize(net, perf::ModelOptions().recipe(c.recipe));
+  EXPECT_EQ(pinned.recipe(), c.recipe);
+  EXPECT_TRUE(pinned.choice().measured_ms.empty());
+  EXPECT_NE(pinned.choice().to_string().find("pinned by ModelOptions().recipe(...)"), std::string::npos);
+  // The flags say which candidates may be measured.
+  auto fp32_only = perf::optimize(net, perf::ModelOptions().example(x).autocast(false).tune_seconds(0.2));
+  EXPECT_EQ(fp32_only.choice().measured_ms.size(), 2u);
+  EXPECT_FALSE(fp32_only.recipe().autocast().has_value());
+  // No example: the flags are the recipe, and the choice says so.
+  auto fixed = perf::optimize(net, perf::ModelOptions());
+  EXPECT_TRUE(fixed.recipe().channels_last());
+  EXPECT_NE(fixed.choice().to_string().find("not measured: ModelOptions().example(x) measures"), std::string::npos);
+  PERF_EXPECT_THROW_MSG(perf::optimize(net, perf::ModelOptions().recipe(perf::Recipe().graph(true))),
+                        "graph(true) needs a CUDA device");
+  PERF_EXPECT_THROW_MSG(perf::optimize(net, perf::ModelOptions().example(x).tune_seconds(0)),
+                        "tune_seconds must be > 0");
+}
+
+// A model without images: no channels-last candidate (nothing to lay out).
+TEST(Optimize, AnMlpExampleMeasuresPrecisionsOnly) {
+  const ScopedCpuBf16 cpu(/*native=*/true);
+  torch::nn::Sequential mlp(torch::nn::Linear(64, 256), torch::nn::ReLU(), torch::nn::Linear(256, 10));
+  auto model = perf::optimize(mlp, perf::ModelOptions().example(torch::randn({32, 64})).tune_seconds(0.2));
+  ASSERT_EQ(model.choice().measured_ms.size(), 2u) << model.choice();
+  EXPECT_FALSE(model.recipe().channels_last());
+  EXPECT_EQ(model(torch::randn({5, 64})).size(0), 5) << "other shapes run the chosen recipe eagerly";
+}
+
+// On CUDA the best recipe is also measured as a CUDA graph of its forward
+// (static shapes, inference); kept only if faster, and then used only where it
+// is valid: the example's shape, eval mode, no autograd.
+TEST(Optimize, OnGpuAnExampleAlsoMeasuresACudaGraphOfTheBest) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  torch::manual_seed(0);
+  Probe net;
+  net->eval();
+  const auto x = torch::randn({1, 3, 32, 32}, torch::kCUDA);
+  std::vector<at::Tensor> before;
+  for (const auto& t : net->parameters()) before.push_back(t.detach().to(torch::kCPU));
+  auto model = perf::optimize(net, perf::ModelOptions().device(torch::kCUDA).example(x).tune_seconds(0.5));
+  const auto& c = model.choice();
+  ASSERT_EQ(c.measured_ms.size(), 5u) << c;  // 2 layouts x {fp32, bf16}, then the best as a graph
+  EXPECT_TRUE(c.measured_ms.back().first.graph()) << c;
+  EXPECT_LE(c.seconds, 5.0) << "bounded decision time: " << c;
+  double chosen = -1;
+  for (const auto& [recipe, ms] : c.measured_ms)
+    if (recipe == c.recipe) chosen = ms;
+  EXPECT_LE(chosen, c.measured_ms[0].second) << "never slower than the plain model: " << c;
+  // Whatever was kept, it answers like the plain fp32 model within its precision,
+  // for new inputs each call (a graph replays the new input, not the example).
+  const double tol = c.recipe.autocast() ? 0.05 : 1e-4;
+  for (int i = 0; i < 3; ++i) {
+    const auto xi = torch::randn({1, 3, 32, 32}, torch::kCUDA);
+    at::Tensor ref;
+    {
+      perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+      at::NoGradGuard no_grad;
+      ref = net->forward(xi);
+    }
+    const auto y = model.infer(xi);
+    EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), ref, tol, tol)) << c;
+  }
+  // Another shape, and training mode with autograd, run eagerly.
+  EXPECT_EQ(model.infer(torch::randn({3, 3, 32, 32}, torch::kCUDA)).size(0), 3);
+  net->train();
+  const auto yt = model(torch::randn({1, 3, 32, 32}, torch::kCUDA));
+  EXPECT_TRUE(yt.requires_grad()) << "training calls are not replayed";
+  net->eval();
+  size_t i = 0;
+  for (const auto& t : net->parameters()) EXPECT_TRUE(torch::equal(t.detach().to(torch::kCPU), before[i++]));
 }
 
 // --------------------------------------------------------------------------- Conv-BN fusion

@@ -355,3 +355,42 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif
 }
+
+// A package exported the way PyTorch's docs show (torch.export +
+// aoti_compile_and_package, no perf metadata) is checked too, from the input
+// checks inductor generates into it: a 4-channel image for a 3-channel CNN is
+// refused (it once ran and returned numbers), the right input runs and equals
+// eager, an NHWC input is re-laid-out. A package with nothing to read specs
+// from is refused unless the caller opts out of checks.
+TEST(Compiled, PackagesWithoutPerfMetadataAreCheckedFromTheirGeneratedCode) {
+  perf::CompiledModel plain(package("cnn_plain.pt2"));
+  EXPECT_EQ(plain.inputs_from(), "generated code");
+  ASSERT_EQ(plain.inputs().size(), 1u);
+  EXPECT_EQ(plain.inputs()[0].sizes, (std::vector<int64_t>{-1, 3, 32, 32}));
+  EXPECT_EQ(plain.inputs()[0].dtype, at::kFloat);
+  PERF_EXPECT_THROW_MSG(plain(at::randn({6, 4, 32, 32})),
+                        "input 0 has shape [6, 4, 32, 32], the package was exported for [batch, 3, 32, 32]");
+  PERF_EXPECT_THROW_MSG(plain(at::randn({6, 3, 32, 32}, at::kDouble)), "input 0 has dtype Double");
+  PERF_EXPECT_THROW_MSG(plain(at::randn({3, 32, 32})), "input 0 has shape [3, 32, 32]");
+  const auto ref = reference("cnn", 5);
+  EXPECT_LE(max_diff(plain(ref.in[0]), ref.out[0]), 1e-5);
+  EXPECT_LE(max_diff(plain(ref.in[0].contiguous(at::MemoryFormat::ChannelsLast)), ref.out[0]), 1e-5);
+  // Batches up to the export's 64 run, beyond what the generated range checks say (2..15 in torch 2.11).
+  const auto big = ref.in[0].repeat({12, 1, 1, 1}).slice(0, 0, 64);
+  EXPECT_LE(max_diff(plain(big).slice(0, 0, 5), ref.out[0]), 1e-5);
+  std::ostringstream s;
+  s << plain;
+  EXPECT_NE(s.str().find("inputs as the package's generated code checks them"), std::string::npos) << s.str();
+
+  PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("cnn_plain_nosource.pt2")), "carries no input specs perf can read");
+  perf::CompiledModel unchecked(package("cnn_plain_nosource.pt2"), perf::CompiledOptions().check_inputs(false));
+  EXPECT_TRUE(unchecked.inputs().empty());
+  EXPECT_LE(max_diff(unchecked(ref.in[0]), ref.out[0]), 1e-5) << "unchecked, at the caller's risk";
+  // perf's own packages: their metadata, which the generated checks agree with.
+  perf::CompiledModel cnn(package("cnn.pt2"));
+  EXPECT_EQ(cnn.inputs_from(), "perf metadata");
+  const auto generated = perf::detail::specs_from_generated_code(package("cnn.pt2"), "model", 1);
+  ASSERT_TRUE(generated.has_value());
+  EXPECT_EQ(generated->at(0).sizes, cnn.inputs()[0].sizes);
+  EXPECT_EQ(generated->at(0).dtype, cnn.inputs()[0].dtype);
+}

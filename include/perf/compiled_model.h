@@ -31,6 +31,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
 #include <torch/arg.h>
@@ -44,11 +45,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -68,16 +72,20 @@ struct CompiledOptions {
   /// run_single_threaded): no per-run event, so CUDA graphs can capture it;
   /// one thread at a time may call run().
   TORCH_ARG(bool, single_threaded) = false;
-  /// Check inputs before each call (a few comparisons; off only when profiling shows it).
+  /// Check inputs before each call (a few comparisons). false: unchecked, the
+  /// only way to run a package whose input specs perf cannot read, at the
+  /// risk of the generated code reading memory by shapes it was not given.
   TORCH_ARG(bool, check_inputs) = true;
 };
 
-/// One input as the package was exported for it (from perf's metadata).
+/// One input as the package was compiled for it: from perf's metadata
+/// (tools/export_compiled.py), or read from the input checks inductor
+/// generates into every package (a package exported any other way).
 struct CompiledInput {
   at::ScalarType dtype = at::kFloat;
   c10::DeviceType device = c10::kCPU;
-  std::vector<int64_t> sizes;  ///< -1: dynamic (the batch dimension)
-  int64_t min_batch = 0, max_batch = 0;
+  std::vector<int64_t> sizes;            ///< -1: dynamic (the batch dimension)
+  int64_t min_batch = 0, max_batch = 0;  ///< max 0: no upper bound known
   at::MemoryFormat format = at::MemoryFormat::Contiguous;
 };
 
@@ -105,6 +113,9 @@ class CompiledModel {
   /// Number of input tensors (from perf's metadata or the package's call spec).
   size_t num_inputs() const noexcept { return num_inputs_; }
   std::optional<size_t> num_outputs() const noexcept { return num_outputs_; }
+  /// Where inputs() came from: "perf metadata" (tools/export_compiled.py) or
+  /// "generated code" (the input checks inductor writes into every package).
+  const std::string& inputs_from() const noexcept;
   const std::unordered_map<std::string, std::string>& metadata() const noexcept;
   const CompiledOptions& options() const noexcept { return options_; }
   /// LibTorch's loader, for what perf does not wrap (constant swapping).
@@ -212,6 +223,106 @@ inline std::string missing_cpu_isa(const std::string& isa) {
   return missing;
 }
 
+// Input specs from the input checks inductor writes into every package's
+// generated wrapper (data/aotinductor/<model>/*.wrapper.cpp; they run only
+// under AOTI_RUNTIME_CHECK_INPUTS=1, and then fail with a bare "API call
+// failed", which is why perf checks itself). Read from their messages, e.g.
+//   "input_handles[0]: unmatched dim value at 1, " << "expected: 3, "
+// dtype, device, static sizes and strides; a dimension with a range check is
+// dynamic. The range itself is not taken: 2.11 writes bounds narrower than the
+// export's (1..64 became 2..15 for a CNN, which runs fine at 64). nullopt when
+// the package has no such code or it does not read as expected.
+inline std::optional<std::vector<CompiledInput>> specs_from_generated_code(const std::string& path,
+                                                                           const std::string& model_name,
+                                                                           size_t num_inputs) {
+  std::string cpp;
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    const std::string dir = "data/aotinductor/" + model_name + "/";
+    const std::string suffix = ".wrapper.cpp";
+    for (const auto& name : reader.getAllRecords()) {
+      if (name.rfind(dir, 0) != 0 || name.size() < suffix.size() ||
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      auto record = reader.getRecord(name);
+      cpp.assign(static_cast<const char*>(std::get<0>(record).get()), std::get<1>(record));
+      break;
+    }
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (cpp.empty()) return std::nullopt;
+  struct Seen {
+    std::optional<at::ScalarType> dtype;
+    std::optional<c10::DeviceType> device;
+    std::map<int64_t, int64_t> sizes, strides;
+    std::set<int64_t> dynamic;
+  };
+  std::map<size_t, Seen> seen;
+  static const std::map<std::string, at::ScalarType> dtypes = {
+      {"kFloat", at::kFloat}, {"kHalf", at::kHalf}, {"kBFloat16", at::kBFloat16}, {"kDouble", at::kDouble},
+      {"kLong", at::kLong},   {"kInt", at::kInt},   {"kShort", at::kShort},       {"kChar", at::kChar},
+      {"kByte", at::kByte},   {"kBool", at::kBool}};
+  auto number_after = [&](size_t from, const std::string& key, int64_t& out) {
+    const auto at = cpp.find(key, from);
+    if (at == std::string::npos || at - from > 400) return false;
+    char* end = nullptr;
+    out = std::strtoll(cpp.c_str() + at + key.size(), &end, 10);
+    return end != cpp.c_str() + at + key.size();
+  };
+  const std::string tag = "\"input_handles[";
+  for (size_t at = cpp.find(tag); at != std::string::npos; at = cpp.find(tag, at + 1)) {
+    char* end = nullptr;
+    const auto index = static_cast<size_t>(std::strtoull(cpp.c_str() + at + tag.size(), &end, 10));
+    const size_t msg = static_cast<size_t>(end - cpp.c_str()) + 3;  // past "]: "
+    if (msg >= cpp.size()) return std::nullopt;
+    Seen& s = seen[index];
+    const std::string text = cpp.substr(msg, 40);
+    int64_t dim = 0, value = 0;
+    if (text.rfind("unmatched dtype", 0) == 0) {
+      const auto k = cpp.find("(at::", msg);
+      const auto close = k == std::string::npos ? k : cpp.find(')', k);
+      if (close == std::string::npos || k - msg > 400) return std::nullopt;
+      const auto it = dtypes.find(cpp.substr(k + 5, close - k - 5));
+      if (it == dtypes.end()) return std::nullopt;
+      s.dtype = it->second;
+    } else if (text.rfind("unmatched dim value at ", 0) == 0) {
+      if (!number_after(msg, "at ", dim) || !number_after(msg, "expected: ", value)) return std::nullopt;
+      s.sizes[dim] = value;
+    } else if (text.rfind("dim value is too ", 0) == 0) {
+      if (!number_after(msg, " at ", dim)) return std::nullopt;
+      s.dynamic.insert(dim);
+    } else if (text.rfind("unmatched stride value at ", 0) == 0) {
+      if (!number_after(msg, "at ", dim) || !number_after(msg, "expected: ", value)) return std::nullopt;
+      s.strides[dim] = value;
+    } else if (text.rfind("unmatched device type", 0) == 0) {
+      const auto k = cpp.find("(cpu)", msg), c = cpp.find("(cuda)", msg);
+      const auto first = std::min(k, c);
+      if (first == std::string::npos || first - msg > 400) return std::nullopt;
+      s.device = first == k ? c10::kCPU : c10::kCUDA;
+    }
+  }
+  if (seen.size() != num_inputs) return std::nullopt;
+  std::vector<CompiledInput> specs;
+  for (size_t i = 0; i < num_inputs; ++i) {
+    if (!seen.count(i) || !seen[i].dtype) return std::nullopt;
+    const Seen& s = seen[i];
+    int64_t rank = 0;
+    for (const auto& kv : s.sizes) rank = std::max(rank, kv.first + 1);
+    for (const auto& kv : s.strides) rank = std::max(rank, kv.first + 1);
+    for (const auto d : s.dynamic) rank = std::max(rank, d + 1);
+    CompiledInput in;
+    in.dtype = *s.dtype;
+    in.device = s.device.value_or(c10::kCPU);
+    for (int64_t d = 0; d < rank; ++d) in.sizes.push_back(s.sizes.count(d) ? s.sizes.at(d) : -1);
+    if (rank > 0 && std::find(in.sizes.begin(), in.sizes.end(), -1) != in.sizes.end()) in.min_batch = 1;
+    if (rank == 4 && s.strides.count(1) && s.strides.at(1) == 1 && s.sizes.count(1) && s.sizes.at(1) > 1)
+      in.format = at::MemoryFormat::ChannelsLast;
+    specs.push_back(std::move(in));
+  }
+  return specs;
+}
+
 // Checks `inputs` against the exported specs (count, device, dtype, rank,
 // static sizes, batch range) and returns them in the exported layout. `who`
 // and `path` name the caller and package in errors; input numbers start at `first`.
@@ -301,6 +412,7 @@ class Package {
         TORCH_CHECK(metadata_.count(key), who, ": '", path, "' lacks metadata ", key);
         inputs_.push_back(parse_input(metadata_.at(key), i));
       }
+      inputs_from_ = "perf metadata";
     }
     try {
       loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
@@ -334,6 +446,12 @@ class Package {
   const std::string& who() const noexcept { return who_; }
   c10::Device device() const noexcept { return device_; }
   const std::vector<CompiledInput>& inputs() const noexcept { return inputs_; }
+  /// Where inputs() came from: "perf metadata", "generated code", or "" (none).
+  const std::string& inputs_from() const noexcept { return inputs_from_; }
+  void set_inputs(std::vector<CompiledInput> inputs, std::string from) {
+    inputs_ = std::move(inputs);
+    inputs_from_ = std::move(from);
+  }
   const std::unordered_map<std::string, std::string>& metadata() const noexcept { return metadata_; }
   std::string meta(const std::string& key) const {
     const auto it = metadata_.find(key);
@@ -348,6 +466,7 @@ class Package {
   std::string who_;
   std::unordered_map<std::string, std::string> metadata_;
   std::vector<CompiledInput> inputs_;
+  std::string inputs_from_;
   c10::Device device_ = c10::kCPU;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
@@ -365,12 +484,23 @@ inline CompiledModel::CompiledModel(const std::string& path, const CompiledOptio
     const auto spec = package_->loader().get_call_spec();
     if (!spec.empty()) num_inputs_ = detail::spec_leaves(spec[0]);
     if (spec.size() > 1) num_outputs_ = detail::spec_leaves(spec[1]);
+    auto specs = detail::specs_from_generated_code(path, options.model_name(), num_inputs_);
+    if (specs) {
+      package_->set_inputs(std::move(*specs), "generated code");
+    } else {
+      TORCH_CHECK(!options.check_inputs(), "perf::CompiledModel: '", path,
+                  "' carries no input specs perf can read (no perf metadata, and no input checks in its generated "
+                  "code that read as expected), so a wrong shape or dtype would run through code that reads memory "
+                  "by the shapes it was compiled for. Export it with tools/export_compiled.py, or open it with "
+                  "perf::CompiledOptions().check_inputs(false) to run it unchecked at that risk.");
+    }
   }
 }
 
 inline const std::string& CompiledModel::path() const noexcept { return package_->path(); }
 inline c10::Device CompiledModel::device() const noexcept { return package_->device(); }
 inline const std::vector<CompiledInput>& CompiledModel::inputs() const noexcept { return package_->inputs(); }
+inline const std::string& CompiledModel::inputs_from() const noexcept { return package_->inputs_from(); }
 inline const std::unordered_map<std::string, std::string>& CompiledModel::metadata() const noexcept {
   return package_->metadata();
 }
@@ -401,7 +531,9 @@ inline std::ostream& operator<<(std::ostream& out, const CompiledModel& model) {
   if (model.options().single_threaded()) out << ", single-threaded (capturable)";
   out << "\n";
   if (model.inputs().empty()) {
-    out << "  inputs: " << model.num_inputs() << " tensor(s) (no perf metadata: dtypes and shapes not checked)\n";
+    out << "  inputs: " << model.num_inputs() << " tensor(s), unchecked (check_inputs(false))\n";
+  } else if (model.inputs_from() == "generated code") {
+    out << "  inputs as the package's generated code checks them (no perf metadata: batch range unknown)\n";
   }
   for (size_t i = 0; i < model.inputs().size(); ++i) {
     const auto& in = model.inputs()[i];

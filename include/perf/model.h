@@ -3,6 +3,8 @@
 //
 //   auto model = perf::optimize(Net(), perf::ModelOptions().device(torch::kCUDA));  // channels-last + autocast
 //   auto y = model(x);                  // x moved to the device, NHWC, forward under autocast
+//   auto fast = perf::optimize(Net(), perf::ModelOptions().device(d).example(x));    // measures the recipes
+//   std::cout << fast.choice();         // on x, keeps the fastest: never slower than the plain model
 //   auto z = model.infer(x);            // eval() + c10::InferenceMode, training mode restored after
 //   model->parameters();                // the underlying module, unchanged
 //
@@ -15,7 +17,9 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
+#include <perf/bench.h>
 #include <perf/config.h>
+#include <perf/cuda_graph.h>
 #include <perf/detail/rng.h>
 #include <perf/memory_format.h>
 #include <perf/module.h>
@@ -25,15 +29,48 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 
+#include <chrono>
 #include <functional>
+#include <iomanip>
 #include <memory>
 #include <optional>
+#include <ostream>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace perf {
+
+/// One way to run a model's forward: memory layout, autocast, CUDA graph.
+struct Recipe {
+  /// 4-D/5-D parameters, buffers and inputs in channels-last.
+  TORCH_ARG(bool, channels_last) = false;
+  /// Forward under perf::Autocast with this dtype; unset: fp32.
+  TORCH_ARG(std::optional<c10::ScalarType>, autocast);
+  /// CUDA only: calls with the example's shape, without autograd, replay a
+  /// CUDA graph of the forward (perf::graph); other calls run eagerly.
+  TORCH_ARG(bool, graph) = false;
+
+ public:  // TORCH_ARG leaves the members after it private
+  /// "NCHW fp32", "channels-last + bf16 autocast + CUDA graph", ...
+  std::string name() const;
+  bool operator==(const Recipe& o) const {
+    return channels_last() == o.channels_last() && autocast() == o.autocast() && graph() == o.graph();
+  }
+};
+
+/// What perf::optimize decided, and why: the recipe, each candidate's median
+/// forward time on the example, and how long deciding took.
+struct RecipeChoice {
+  Recipe recipe;
+  std::vector<std::pair<Recipe, double>> measured_ms;  ///< empty unless an example was measured
+  std::string reason;
+  double seconds = 0;
+  std::string to_string() const;
+};
+std::ostream& operator<<(std::ostream& os, const RecipeChoice& c);
 
 struct ModelOptions {
   /// Where the module and its inputs go. Unset: where the module's parameters are.
@@ -47,6 +84,17 @@ struct ModelOptions {
   TORCH_ARG(std::optional<c10::ScalarType>, autocast_dtype);
   /// Cast floating-point tensor outputs back to float32.
   TORCH_ARG(bool, float_outputs) = false;
+  /// An input (on the target device, or movable there) to measure the
+  /// candidate recipes on — fp32 NCHW, channels-last, autocast, their
+  /// combinations, on CUDA a CUDA graph of the best — keeping the fastest, so
+  /// the result is never slower than the plain model beyond noise. The flags
+  /// above say which candidates are allowed. Undefined: no measurement, the
+  /// flags are the recipe.
+  TORCH_ARG(at::Tensor, example);
+  /// A recipe to use as is (from an earlier choice()), for reproducible runs.
+  TORCH_ARG(std::optional<Recipe>, recipe);
+  /// About how long measuring the example may take.
+  TORCH_ARG(double, tune_seconds) = 1.5;
 };
 
 namespace detail {
@@ -101,8 +149,15 @@ class Optimized {
   auto* operator->() noexcept { return module_.get(); }
   const ModelOptions& options() const noexcept { return options_; }
   c10::Device device() const noexcept { return device_; }
+  /// The recipe in use and why (measured on ModelOptions().example, pinned, or the flags).
+  const RecipeChoice& choice() const noexcept { return choice_; }
+  const Recipe& recipe() const noexcept { return choice_.recipe; }
 
  private:
+  template <typename... Args>
+  auto eager_forward(Args&&... args);
+  void choose(const at::Tensor& example);
+  void capture(const at::Tensor& example);
   at::Tensor prepare(const at::Tensor& t) const;
   template <typename T>
   decltype(auto) prepare_arg(T&& x) const {
@@ -116,6 +171,9 @@ class Optimized {
   ModuleHolder module_;
   ModelOptions options_;
   c10::Device device_ = c10::Device(c10::kCPU);
+  RecipeChoice choice_;
+  std::shared_ptr<Graphed<at::Tensor>> graph_;  // recipe().graph(): replays for the example's shape
+  std::vector<int64_t> graph_sizes_;
 };
 
 /// Moves `module` to the device, converts it to channels-last, and wraps its
@@ -160,6 +218,85 @@ at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inp
 
 // ---------------------------------------------------------------------------
 
+namespace detail {
+
+// A module's forward taking one tensor and returning one: what a CUDA graph recipe can replay.
+template <typename Holder, typename = void>
+struct graphable_forward : std::false_type {};
+template <typename Holder>
+struct graphable_forward<
+    Holder,
+    std::enable_if_t<std::is_same_v<
+        std::decay_t<decltype(std::declval<Holder&>()->forward(std::declval<const at::Tensor&>()))>, at::Tensor>>>
+    : std::true_type {};
+
+// Every 4-D/5-D parameter and buffer in `fmt`'s layout for its rank (channels-last, or contiguous).
+inline void relayout(torch::nn::Module& module, bool channels_last) {
+  if (channels_last) {
+    to_channels_last(module);
+    return;
+  }
+  at::NoGradGuard no_grad;
+  auto convert = [](at::Tensor& t) {
+    if (t.defined() && (t.dim() == 4 || t.dim() == 5) && !t.is_contiguous()) t.set_data(t.contiguous());
+  };
+  for (auto& p : module.parameters()) convert(p);
+  for (auto& b : module.buffers()) convert(b);
+}
+
+// eval() for a scope, the training flag restored after (InferenceScope without InferenceMode).
+class EvalScope {
+ public:
+  explicit EvalScope(torch::nn::Module& m) : m_(m), was_(m.is_training()) { m_.eval(); }
+  ~EvalScope() { m_.train(was_); }
+  EvalScope(const EvalScope&) = delete;
+  EvalScope& operator=(const EvalScope&) = delete;
+
+ private:
+  torch::nn::Module& m_;
+  bool was_;
+};
+
+inline bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example) {
+  if (example.dim() == 4 || example.dim() == 5) return true;
+  for (const auto& p : module.parameters())
+    if (p.dim() == 4 || p.dim() == 5) return true;
+  return false;
+}
+
+}  // namespace detail
+
+inline std::string Recipe::name() const {
+  std::string n = channels_last() ? "channels-last" : "NCHW";
+  n += autocast() ? std::string(" + ") +
+                        (*autocast() == at::kBFloat16 ? "bf16"
+                         : *autocast() == at::kHalf   ? "fp16"
+                                                      : c10::toString(*autocast())) +
+                        " autocast"
+                  : " fp32";
+  if (graph()) n += " + CUDA graph";
+  return n;
+}
+
+inline std::string RecipeChoice::to_string() const {
+  std::ostringstream s;
+  s << *this;
+  return s.str();
+}
+
+inline std::ostream& operator<<(std::ostream& os, const RecipeChoice& c) {
+  os << "perf::optimize: " << c.recipe.name() << " (" << c.reason << ")\n";
+  if (c.measured_ms.empty()) return os;
+  const double base = c.measured_ms.front().second;
+  for (const auto& [recipe, ms] : c.measured_ms) {
+    os << "  " << (recipe == c.recipe ? "* " : "  ") << std::left << std::setw(44) << recipe.name() << std::right
+       << std::fixed << std::setprecision(3) << std::setw(9) << ms << " ms  " << std::setprecision(2) << std::setw(5)
+       << base / ms << "x\n";
+  }
+  os << "  decided in " << std::fixed << std::setprecision(2) << c.seconds << " s\n";
+  return os;
+}
+
 template <typename M>
 Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::move(module)), options_(options) {
   if constexpr (detail::is_shared_ptr_v<M>) {
@@ -167,6 +304,8 @@ Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::mo
   } else {
     TORCH_CHECK(!module_.is_empty(), "perf::optimize: the module holder is empty");
   }
+  TORCH_CHECK(options_.tune_seconds() > 0, "perf::ModelOptions::tune_seconds must be > 0, got ",
+              options_.tune_seconds());
   if (options_.device()) {
     device_ = *options_.device();
     module_->to(device_);
@@ -175,25 +314,170 @@ Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::mo
     if (!params.empty()) device_ = params.front().device();
   }
   if (options_.autocast()) Autocast::resolve_dtype(device_, options_.autocast_dtype());  // fail at construction
-  if (options_.channels_last()) to_channels_last(*module_);
+  if (options_.recipe()) {
+    const Recipe& r = *options_.recipe();
+    TORCH_CHECK(!r.graph() || device_.is_cuda(),
+                "perf::ModelOptions::recipe: graph(true) needs a CUDA device, the "
+                "model is on ",
+                device_);
+    TORCH_CHECK(!r.graph() || options_.example().defined(),
+                "perf::ModelOptions::recipe: graph(true) needs ModelOptions().example(x) to capture");
+    if (r.autocast()) Autocast::resolve_dtype(device_, r.autocast());
+    choice_.recipe = r;
+    choice_.reason = "pinned by ModelOptions().recipe(...)";
+  } else if (options_.example().defined()) {
+    choose(options_.example());
+  } else {
+    choice_.recipe.channels_last(options_.channels_last());
+    if (options_.autocast() && (options_.autocast_dtype() || Autocast::default_enabled(device_)))
+      choice_.recipe.autocast(Autocast::resolve_dtype(device_, options_.autocast_dtype()));
+    choice_.reason =
+        "the flags of ModelOptions, not measured: ModelOptions().example(x) measures the recipes and "
+        "keeps the fastest";
+  }
+  if (choice_.recipe.channels_last()) to_channels_last(*module_);
+  if (choice_.recipe.graph()) capture(options_.example());
+}
+
+// Measures the allowed recipes on `example` (eval mode, inference), fastest
+// wins; a candidate must beat a simpler one by 2% to be kept (noise). Layout
+// candidates are measured in groups (converting parameters between them, each
+// group twice, alternating), the calls of a group alternately (perf::compare).
+// The module's values never change: eval mode mutates no buffers, and
+// relayout keeps every value.
+template <typename M>
+void Optimized<M>::choose(const at::Tensor& example_in) {
+  const auto started = std::chrono::steady_clock::now();
+  const at::Tensor example = example_in.to(device_);
+  std::vector<bool> layouts = {false};
+  if (options_.channels_last() && detail::has_image_tensors(*module_, example)) layouts.push_back(true);
+  std::vector<std::optional<c10::ScalarType>> precisions = {std::nullopt};
+  if (options_.autocast() && (options_.autocast_dtype() || Autocast::default_enabled(device_)))
+    precisions.push_back(Autocast::resolve_dtype(device_, options_.autocast_dtype()));
+  // One untimed call of the plain model: what a call costs, for the budget.
+  detail::relayout(*module_, false);
+  double call_s = 0;
+  {
+    InferenceScope scope(*module_);
+    choice_.recipe = Recipe();
+    eager_forward(example);
+    Timer timer(device_);
+    timer.start();
+    eager_forward(example);
+    timer.stop();
+    call_s = timer.elapsed_ms() / 1e3;
+  }
+  const size_t candidates = layouts.size() * precisions.size();
+  const int iters = static_cast<int>(std::clamp<double>(
+      options_.tune_seconds() / (2.0 * static_cast<double>(candidates) * std::max(call_s, 1e-5)), 3.0, 25.0));
+  std::vector<std::vector<double>> samples(candidates);
+  std::vector<Recipe> recipes(candidates);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t l = 0; l < layouts.size(); ++l) {
+      detail::relayout(*module_, layouts[l]);
+      InferenceScope scope(*module_);
+      std::vector<std::pair<std::string, std::function<void()>>> group;
+      for (size_t p = 0; p < precisions.size(); ++p) {
+        const size_t k = l * precisions.size() + p;
+        recipes[k] = Recipe().channels_last(layouts[l]).autocast(precisions[p]);
+        group.emplace_back(recipes[k].name(), [this, k, &recipes, &example] {
+          choice_.recipe = recipes[k];
+          eager_forward(example);
+        });
+      }
+      const auto stats = compare(group, BenchOptions().warmup(2).iters(iters).device(device_));
+      for (size_t p = 0; p < stats.size(); ++p) samples[l * precisions.size() + p].push_back(stats[p].median_ms);
+    }
+  }
+  std::vector<double> ms(candidates);
+  for (size_t k = 0; k < candidates; ++k) ms[k] = *std::min_element(samples[k].begin(), samples[k].end());
+  size_t best = 0;  // ties (within 2%) go to the simpler recipe, listed first
+  for (size_t k = 1; k < candidates; ++k)
+    if (ms[k] < ms[best] * 0.98) best = k;
+  choice_.recipe = recipes[best];
+  for (size_t k = 0; k < candidates; ++k) choice_.measured_ms.emplace_back(recipes[k], ms[k]);
+  detail::relayout(*module_, choice_.recipe.channels_last());
+  std::ostringstream why;
+  why << "fastest of " << candidates << " measured on " << example.sizes() << " " << example.scalar_type() << " on "
+      << device_;
+  // CUDA: the best recipe's forward, replayed as a CUDA graph (static shapes, inference).
+  if constexpr (detail::graphable_forward<M>::value) {
+    if (device_.is_cuda() && options_.example().defined()) {
+      Recipe graphed = choice_.recipe;
+      graphed.graph(true);
+      const Recipe eager = choice_.recipe;
+      choice_.recipe = graphed;
+      capture(example);
+      detail::EvalScope eval(*module_);
+      at::NoGradGuard no_grad;
+      const auto stats = compare({{"eager", [&] { eager_forward(example); }}, {"graph", [&] { (*graph_)(example); }}},
+                                 BenchOptions().warmup(2).iters(iters).device(device_));
+      choice_.measured_ms.emplace_back(graphed, stats[1].median_ms);
+      if (stats[1].median_ms < stats[0].median_ms * 0.98) {
+        why << ", then as a CUDA graph";
+      } else {
+        choice_.recipe = eager;
+        graph_.reset();
+      }
+    }
+  }
+  choice_.reason = why.str();
+  choice_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+}
+
+// Captures the recipe's eager forward in eval mode for the example's shape
+// (perf::graph: warm-up on a side stream, forward under NoGradGuard). Not under
+// InferenceMode: its static buffers would be inference tensors, which a call
+// under NoGradGuard could not copy into.
+template <typename M>
+void Optimized<M>::capture(const at::Tensor& example) {
+  if constexpr (detail::graphable_forward<M>::value) {
+    const at::Tensor x = prepare(example.to(device_));
+    graph_sizes_ = example.sizes().vec();
+    detail::EvalScope eval(*module_);
+    graph_ = std::make_shared<Graphed<at::Tensor>>(
+        [this](const std::vector<at::Tensor>& in) -> at::Tensor { return eager_forward(in[0]); },
+        std::vector<at::Tensor>{x}, GraphOptions());
+  } else {
+    TORCH_CHECK(false, "perf::Recipe::graph: the module's forward must take one tensor and return one");
+  }
 }
 
 template <typename M>
 at::Tensor Optimized<M>::prepare(const at::Tensor& t) const {
   if (!t.defined()) return t;
   at::Tensor out = t.device() == device_ ? t : t.to(device_, /*non_blocking=*/true);
-  if (options_.channels_last() && (out.dim() == 4 || out.dim() == 5)) out = channels_last(out);
+  if (choice_.recipe.channels_last() && (out.dim() == 4 || out.dim() == 5)) out = channels_last(out);
   return out;
 }
 
 template <typename M>
 template <typename... Args>
 auto Optimized<M>::forward(Args&&... args) {
+  // The CUDA graph: one input of the example's shape, eval mode, no autograd.
+  if constexpr (sizeof...(Args) == 1 && (std::is_convertible_v<Args&&, const at::Tensor&> && ...) &&
+                detail::graphable_forward<M>::value) {
+    if (graph_ && !at::GradMode::is_enabled() && !module_->is_training()) {
+      const at::Tensor& x = (args, ...);
+      if (x.defined() && x.sizes() == c10::IntArrayRef(graph_sizes_)) {
+        at::Tensor out = (*graph_)(x.device() == device_ ? x : x.to(device_, /*non_blocking=*/true));
+        if (options_.float_outputs() && at::isFloatingType(out.scalar_type()) && out.scalar_type() != at::kFloat)
+          out = out.to(at::kFloat);
+        return out;
+      }
+    }
+  }
+  return eager_forward(std::forward<Args>(args)...);
+}
+
+template <typename M>
+template <typename... Args>
+auto Optimized<M>::eager_forward(Args&&... args) {
   std::optional<Autocast> ac;
-  if (options_.autocast()) ac.emplace(device_, options_.autocast_dtype());
+  if (choice_.recipe.autocast()) ac.emplace(device_, choice_.recipe.autocast());
   auto run = [&] { return module_->forward(prepare_arg(std::forward<Args>(args))...); };
   decltype(run()) out;
-  if (!options_.channels_last()) {
+  if (!choice_.recipe.channels_last()) {
     out = run();
   } else {
     try {

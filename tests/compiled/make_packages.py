@@ -4,7 +4,9 @@ Exporting takes about a minute per model on 2 cores, so results are cached under
 $PERF_CACHE_DIR (default ~/.cache/perf), keyed on the sources and torch's version.
 Writes OUT/<name>.pt2 and OUT/<name>.ref.pt (inputs and eager outputs for batch 1
 and 5, read back by tests/test_compiled.cpp), OUT/mlp_cuda_marked.pt2 (the MLP
-package relabelled as a CUDA one) and OUT/stamp.
+package relabelled as a CUDA one), OUT/cnn_plain.pt2 (the CNN exported without
+perf's tool, as PyTorch's docs show), OUT/cnn_plain_nosource.pt2 (the same
+without its generated source) and OUT/stamp.
 
 Training packages (tools/export_compiled.py --train, for perf::CompiledTrainStep):
 OUT/<name>.pt2 and OUT/<name>.ref.pt holding the initial state, STEPS batches,
@@ -136,6 +138,17 @@ def build(out: str) -> None:
                 ref[f"b{b}_out"] = ys
         torch.save(ref, os.path.join(out, f"{name}.ref.pt"))
         export_compiled(model, make_inputs(4), os.path.join(out, f"{name}.pt2"), dynamic_batch=(1, 64))
+    # The CNN exported the way PyTorch's docs show, without perf's tool (so without perf's metadata), and
+    # the same package with its generated source removed (nothing left to read input specs from).
+    torch.manual_seed(0)
+    cnn = models.make_cnn().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(cnn, (torch.randn(4, 3, 32, 32),), dynamic_shapes=({0: batch},))
+    plain = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(out, "cnn_plain.pt2"))
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(os.path.join(out, "cnn_plain_nosource.pt2"), "w") as zout:
+        for item in zin.infolist():
+            if not item.filename.endswith(".wrapper.cpp"):
+                zout.writestr(item, zin.read(item.filename))
     # CUDA packages without compiling one: the MLPs with their device key changed.
     for name in ("mlp", "mlp_train"):
         src, dst = os.path.join(out, f"{name}.pt2"), os.path.join(out, f"{name}_cuda_marked.pt2")

@@ -1,0 +1,76 @@
+"""Python peer of bench_compiled.cpp: the same ResNet-style CNN (bench/resnet.py,
+twin of bench/resnet.h) at the same batch sizes, inference, in Python: eager fp32
+and torch.compile (default; on CUDA also mode="reduce-overhead" and
+"max-autotune", unless --no-max-autotune; on the CPU max-autotune with --full). Medians per call (CUDA
+events on a GPU), one JSON line per configuration appended to --json.
+
+    python bench/peer_compiled.py --device cpu --width 32 --image 64 --batches 1 32 --json out.jsonl
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from resnet import make_resnet  # noqa: E402
+
+
+def median_ms(fn, device, warmup, iters):
+    if device == "cuda":
+        from cuda_timing import median_ms as cuda_median
+        return cuda_median(fn, warmup, iters)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--full", action="store_true", help="also max-autotune on the CPU (slow to compile)")
+    p.add_argument("--no-max-autotune", action="store_true", help="skip max-autotune on CUDA too (minutes to compile)")
+    p.add_argument("--json", required=True, help="file to append one JSON line per configuration to")
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("peer_compiled: --device cuda but torch.cuda.is_available() is False")
+    torch.manual_seed(0)
+    model = make_resnet(a.width).to(a.device).eval()
+    modes = [("torch.compile default", {})]
+    if a.device == "cuda":
+        modes.append(("torch.compile reduce-overhead", {"mode": "reduce-overhead"}))
+    if (a.device == "cuda" or a.full) and not a.no_max_autotune:
+        modes.append(("torch.compile max-autotune", {"mode": "max-autotune"}))
+    compiled = {name: torch.compile(model, **kw) for name, kw in modes}
+    with open(a.json, "a") as out:
+        for batch in a.batches:
+            x = torch.randn(batch, 3, a.image, a.image, device=a.device)
+            with torch.inference_mode():
+                configs = [("Python eager fp32", lambda: model(x))]
+                for name, fn in compiled.items():
+                    started = time.time()
+                    fn(x)  # compiles here, for this shape
+                    print(f"{name}, batch {batch}: compiled in {time.time() - started:.0f} s", flush=True)
+                    configs.append((f"Python {name}", lambda fn=fn: fn(x)))
+                for name, fn in configs:
+                    ms = median_ms(fn, a.device, 5, a.iters)
+                    print(f"{a.device} batch {batch} {name}: {ms:.3f} ms", flush=True)
+                    out.write(json.dumps({"lang": "python", "config": name, "device": a.device, "batch": batch,
+                                          "median_ms": ms, "torch": torch.__version__}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
