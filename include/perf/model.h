@@ -342,7 +342,7 @@ Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::mo
 // Measures the allowed recipes on `example` (eval mode, inference), fastest
 // wins; a candidate must beat a simpler one by 2% to be kept (noise). Layout
 // candidates are measured in groups (converting parameters between them, each
-// group twice, alternating), the calls of a group alternately (perf::compare).
+// group twice where time allows), the calls of a group alternately (perf::compare).
 // The module's values never change: eval mode mutates no buffers, and
 // relayout keeps every value.
 template <typename M>
@@ -368,11 +368,16 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
     call_s = timer.elapsed_ms() / 1e3;
   }
   const size_t candidates = layouts.size() * precisions.size();
-  const int iters = static_cast<int>(std::clamp<double>(
-      options_.tune_seconds() / (2.0 * static_cast<double>(candidates) * std::max(call_s, 1e-5)), 3.0, 25.0));
+  // Calls per candidate within tune_seconds (the plain model's cost standing
+  // for all): two alternating passes where there is room, else one pass of
+  // three calls, so a slow model's decision stays near the budget.
+  const double calls = options_.tune_seconds() / (static_cast<double>(candidates) * std::max(call_s, 1e-5));
+  const int passes = calls >= 10 ? 2 : 1;
+  const int warmup = passes == 2 ? 2 : 1;
+  const int iters = static_cast<int>(std::clamp<double>(calls / passes - warmup, 2.0, 25.0));
   std::vector<std::vector<double>> samples(candidates);
   std::vector<Recipe> recipes(candidates);
-  for (int pass = 0; pass < 2; ++pass) {
+  for (int pass = 0; pass < passes; ++pass) {
     for (size_t l = 0; l < layouts.size(); ++l) {
       detail::relayout(*module_, layouts[l]);
       InferenceScope scope(*module_);
@@ -385,7 +390,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
           eager_forward(example);
         });
       }
-      const auto stats = compare(group, BenchOptions().warmup(2).iters(iters).device(device_));
+      const auto stats = compare(group, BenchOptions().warmup(warmup).iters(iters).device(device_));
       for (size_t p = 0; p < stats.size(); ++p) samples[l * precisions.size() + p].push_back(stats[p].median_ms);
     }
   }
