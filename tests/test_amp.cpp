@@ -501,6 +501,24 @@ TEST(Optimize, OnGpuAnExampleAlsoMeasuresACudaGraphOfTheBest) {
   net->eval();
   size_t i = 0;
   for (const auto& t : net->parameters()) EXPECT_TRUE(torch::equal(t.detach().to(torch::kCPU), before[i++]));
+
+  // A forward that cannot be captured (a host sync) stays eager, says why, and the process stays healthy.
+  struct SyncingImpl : torch::nn::Module {
+    SyncingImpl() { fc = register_module("fc", torch::nn::Linear(8, 8)); }
+    torch::Tensor forward(const torch::Tensor& x) {
+      const double s = x.abs().sum().item<double>();  // cudaStreamSynchronize: illegal while capturing
+      return fc(x) * (s > -1.0 ? 1.0 : 0.0);
+    }
+    torch::nn::Linear fc{nullptr};
+  };
+  auto syncing = std::make_shared<SyncingImpl>();
+  const auto xs = torch::randn({4, 8}, torch::kCUDA);
+  auto eager_only = perf::optimize(syncing, perf::ModelOptions().device(torch::kCUDA).example(xs).tune_seconds(0.2));
+  EXPECT_FALSE(eager_only.recipe().graph()) << eager_only.choice();
+  EXPECT_NE(eager_only.choice().to_string().find("not as a CUDA graph: capture failed"), std::string::npos)
+      << eager_only.choice();
+  EXPECT_TRUE(torch::allclose(eager_only.infer(xs), syncing->forward(xs), 0.05, 0.05));
+  EXPECT_EQ(torch::ones({3}, torch::kCUDA).sum().item<float>(), 3.0f) << "CUDA still usable after the failed capture";
 }
 
 // --------------------------------------------------------------------------- Conv-BN fusion

@@ -412,17 +412,26 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
       graphed.graph(true);
       const Recipe eager = choice_.recipe;
       choice_.recipe = graphed;
-      capture(example);
-      detail::EvalScope eval(*module_);
-      at::NoGradGuard no_grad;
-      const auto stats = compare({{"eager", [&] { eager_forward(example); }}, {"graph", [&] { (*graph_)(example); }}},
-                                 BenchOptions().warmup(2).iters(iters).device(device_));
-      choice_.measured_ms.emplace_back(graphed, stats[1].median_ms);
-      if (stats[1].median_ms < stats[0].median_ms * 0.98) {
-        why << ", then as a CUDA graph";
-      } else {
+      try {
+        capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, and says why
+      } catch (const std::exception& e) {
         choice_.recipe = eager;
         graph_.reset();
+        const std::string what = e.what();
+        why << "; not as a CUDA graph: capture failed (" << what.substr(0, what.find('\n')) << ")";
+      }
+      if (graph_) {
+        detail::EvalScope eval(*module_);
+        at::NoGradGuard no_grad;
+        const auto stats = compare({{"eager", [&] { eager_forward(example); }}, {"graph", [&] { (*graph_)(example); }}},
+                                   BenchOptions().warmup(2).iters(iters).device(device_));
+        choice_.measured_ms.emplace_back(graphed, stats[1].median_ms);
+        if (stats[1].median_ms < stats[0].median_ms * 0.98) {
+          why << ", then as a CUDA graph";
+        } else {
+          choice_.recipe = eager;
+          graph_.reset();
+        }
       }
     }
   }
