@@ -106,20 +106,31 @@ template <typename T>
 constexpr bool is_shared_ptr_v = is_shared_ptr<T>::value;
 }  // namespace detail
 
-/// eval() + c10::InferenceMode for a scope; restores the training mode.
-/// Takes a plain module, a module holder or a std::shared_ptr to a module.
-class InferenceScope {
+namespace detail {
+// eval() for a scope, the training mode restored after.
+class EvalScope {
  public:
-  explicit InferenceScope(ModuleRef module) : module_(std::move(module)), was_training_(module_->is_training()) {
+  explicit EvalScope(ModuleRef module) : module_(std::move(module)), was_training_(module_->is_training()) {
     module_->eval();
   }
-  ~InferenceScope() { module_->train(was_training_); }
-  InferenceScope(const InferenceScope&) = delete;
-  InferenceScope& operator=(const InferenceScope&) = delete;
+  ~EvalScope() { module_->train(was_training_); }
+  EvalScope(const EvalScope&) = delete;
+  EvalScope& operator=(const EvalScope&) = delete;
 
  private:
   ModuleRef module_;
   bool was_training_;
+};
+}  // namespace detail
+
+/// eval() + c10::InferenceMode for a scope; restores the training mode.
+/// Takes a plain module, a module holder or a std::shared_ptr to a module.
+class InferenceScope {
+ public:
+  explicit InferenceScope(ModuleRef module) : eval_(std::move(module)) {}
+
+ private:
+  detail::EvalScope eval_;
   c10::InferenceMode inference_;
 };
 
@@ -230,7 +241,7 @@ struct graphable_forward<
         std::decay_t<decltype(std::declval<Holder&>()->forward(std::declval<const at::Tensor&>()))>, at::Tensor>>>
     : std::true_type {};
 
-// Every 4-D/5-D parameter and buffer in `fmt`'s layout for its rank (channels-last, or contiguous).
+// Every 4-D/5-D parameter and buffer channels-last (for its rank), or contiguous.
 inline void relayout(torch::nn::Module& module, bool channels_last) {
   if (channels_last) {
     to_channels_last(module);
@@ -243,19 +254,6 @@ inline void relayout(torch::nn::Module& module, bool channels_last) {
   for (auto& p : module.parameters()) convert(p);
   for (auto& b : module.buffers()) convert(b);
 }
-
-// eval() for a scope, the training flag restored after (InferenceScope without InferenceMode).
-class EvalScope {
- public:
-  explicit EvalScope(torch::nn::Module& m) : m_(m), was_(m.is_training()) { m_.eval(); }
-  ~EvalScope() { m_.train(was_); }
-  EvalScope(const EvalScope&) = delete;
-  EvalScope& operator=(const EvalScope&) = delete;
-
- private:
-  torch::nn::Module& m_;
-  bool was_;
-};
 
 inline bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example) {
   if (example.dim() == 4 || example.dim() == 5) return true;
