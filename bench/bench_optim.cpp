@@ -1,7 +1,10 @@
 // Optimizer step time on a ResNet-50-shaped parameter set (161 tensors, 25.6M
 // parameters): torch::optim::AdamW vs perf::optim::AdamW (fused and _foreach_),
-// and torch::optim::SGD vs perf::optim::SGD, measured alternately in one run.
-// Also the achieved memory traffic against a device copy's bandwidth.
+// and torch::optim::SGD vs perf::optim::SGD, measured alternately in one run;
+// then perf's flat mode (.flat(true): one buffer per dtype) against the fused
+// multi-tensor path, on ResNet-50 and on a transformer-shaped set (many small
+// LayerNorm and bias vectors). Also the achieved memory traffic against a
+// device copy's bandwidth.
 #include <perf/bench.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
@@ -38,9 +41,35 @@ std::vector<std::vector<int64_t>> resnet50_shapes() {
   return s;
 }
 
-std::vector<torch::Tensor> make_params(const torch::Device& device) {
+// A GPT-style decoder, 12 layers of width 256 (11.8M parameters in 148 tensors,
+// 98 of them vectors): where per-tensor overhead shows.
+std::vector<std::vector<int64_t>> transformer_shapes() {
+  const int64_t d = 256;
+  std::vector<std::vector<int64_t>> s = {{8192, d}, {1024, d}};  // token and position embeddings
+  for (int layer = 0; layer < 12; ++layer) {
+    for (const auto& shape : std::vector<std::vector<int64_t>>{{d},
+                                                               {d},  // ln1
+                                                               {3 * d, d},
+                                                               {3 * d},  // qkv
+                                                               {d, d},
+                                                               {d},  // attention out
+                                                               {d},
+                                                               {d},  // ln2
+                                                               {4 * d, d},
+                                                               {4 * d},  // mlp in
+                                                               {d, 4 * d},
+                                                               {d}})  // mlp out
+      s.push_back(shape);
+  }
+  s.push_back({d});
+  s.push_back({d});  // final norm
+  return s;
+}
+
+std::vector<torch::Tensor> make_params(const torch::Device& device,
+                                       const std::vector<std::vector<int64_t>>& shapes = resnet50_shapes()) {
   std::vector<torch::Tensor> ps;
-  for (const auto& shape : resnet50_shapes()) {
+  for (const auto& shape : shapes) {
     auto p = torch::randn(shape, device).requires_grad_(true);
     p.mutable_grad() = torch::randn(shape, device);
     ps.push_back(p);
@@ -106,11 +135,57 @@ int main(int argc, char** argv) {
   const double copy_gbs = 2.0 * static_cast<double>(src.nbytes()) / (copy.median_ms * 1e6);
   std::cout << std::fixed << std::setprecision(1) << "copy bandwidth (1 GiB copy_, read+write): " << copy_gbs
             << " GB/s\n";
-  const std::pair<const perf::Comparison*, double> rows[] = {{&adamw, 7.0}, {&adam, 7.0}, {&sgd, 5.0}};
-  for (const auto& [cmp, words] : rows) {
-    const double gbs = words * 4.0 * static_cast<double>(numel) / (cmp->b.median_ms * 1e6);
-    std::cout << std::setprecision(1) << cmp->b.name << " achieved: " << gbs << " GB/s = " << std::setprecision(0)
-              << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
+
+  // Flat mode against the fused multi-tensor path, side by side.
+  std::cout << std::setprecision(3) << "\nflat mode (.flat(true)) vs the fused multi-tensor path\n\n";
+  auto p_flat = make_params(device);
+  perf::optim::AdamW adamw_flat(p_flat, perf::optim::AdamWOptions(1e-3).flat(true));
+  const auto flat_adamw = perf::compare(
+      "perf AdamW (fused)", [&] { fused.step(); }, "perf AdamW (flat)", [&] { adamw_flat.step(); }, opts);
+  std::cout << flat_adamw << "  [" << adamw_flat.kernels().at(0) << "]\n";
+  auto p_flat_adam = make_params(device);
+  perf::optim::Adam adam_flat(p_flat_adam, perf::optim::AdamOptions(1e-3).flat(true));
+  const auto flat_adam = perf::compare(
+      "perf Adam (fused)", [&] { adam_fused.step(); }, "perf Adam (flat)", [&] { adam_flat.step(); }, opts);
+  std::cout << flat_adam << "\n";
+  auto p_flat_sgd = make_params(device);
+  perf::optim::SGD sgd_flat(p_flat_sgd, perf::optim::SGDOptions(0.1).momentum(0.9).flat(true));
+  const auto flat_sgd = perf::compare(
+      "perf SGD (fused)", [&] { sgd_fused.step(); }, "perf SGD (flat)", [&] { sgd_flat.step(); }, opts);
+  std::cout << flat_sgd << "\n";
+
+  const auto tshapes = transformer_shapes();
+  auto t_fused = make_params(device, tshapes), t_flat = make_params(device, tshapes);
+  int64_t t_numel = 0, t_vectors = 0;
+  for (auto& p : t_fused) {
+    t_numel += p.numel();
+    t_vectors += p.dim() == 1;
+  }
+  perf::optim::AdamW t_opt(t_fused, perf::optim::AdamWOptions(1e-3));
+  perf::optim::AdamW t_opt_flat(t_flat, perf::optim::AdamWOptions(1e-3).flat(true));
+  std::cout << "transformer parameter set: " << t_fused.size() << " tensors (" << t_vectors << " vectors), " << t_numel
+            << " parameters\n";
+  const auto flat_t = perf::compare(
+      "perf AdamW (fused)", [&] { t_opt.step(); }, "perf AdamW (flat)", [&] { t_opt_flat.step(); }, opts);
+  std::cout << flat_t << "\n";
+
+  struct Row {
+    const perf::Comparison* cmp;
+    double words;
+    int64_t n;
+    const char* set;
+  };
+  const Row rows[] = {{&adamw, 7.0, numel, "ResNet-50"},     {&adam, 7.0, numel, "ResNet-50"},
+                      {&sgd, 5.0, numel, "ResNet-50"},       {&flat_adamw, 7.0, numel, "ResNet-50"},
+                      {&flat_adam, 7.0, numel, "ResNet-50"}, {&flat_sgd, 5.0, numel, "ResNet-50"},
+                      {&flat_t, 7.0, t_numel, "transformer"}};
+  for (const auto& r : rows) {
+    for (const perf::Stats* b : {&r.cmp->a, &r.cmp->b}) {
+      if (b->name.rfind("perf", 0) != 0) continue;
+      const double gbs = r.words * 4.0 * static_cast<double>(r.n) / (b->median_ms * 1e6);
+      std::cout << std::setprecision(1) << r.set << ", " << b->name << " achieved: " << gbs
+                << " GB/s = " << std::setprecision(0) << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
+    }
   }
   return 0;
 }

@@ -224,7 +224,7 @@ double max_diff(torch::nn::Module& a, torch::nn::Module& b) {
   return d;
 }
 
-enum class OptKind { sgd, adamw, torch_sgd };
+enum class OptKind { sgd, adamw, torch_sgd, adamw_flat };
 
 std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, std::vector<at::Tensor> params) {
   switch (k) {
@@ -232,6 +232,8 @@ std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, std::vector<at::Ten
       return std::make_shared<perf::optim::SGD>(params, perf::optim::SGDOptions(0.05).momentum(0.9));
     case OptKind::adamw:
       return std::make_shared<perf::optim::AdamW>(params, perf::optim::AdamWOptions(1e-2));
+    case OptKind::adamw_flat:
+      return std::make_shared<perf::optim::AdamW>(params, perf::optim::AdamWOptions(1e-2).flat(true));
     case OptKind::torch_sgd:
       return std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
   }
@@ -303,6 +305,20 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
     ref_scaler.update();
   }
   EXPECT_LT(max_diff(*model, *ref), c.tol) << "DDP training differs from one process on the whole batch";
+  if (c.opt == OptKind::adamw_flat) {
+    // Where the gradients live: the flat buffer (one tensor), or DDP's buckets (a tensor per parameter).
+    const auto& line = static_cast<perf::optim::FusedOptimizer&>(*opt).kernels().at(0);
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad());
+    const size_t tensors = perf::optim::detail::coalesce_flat(grads).size();
+    if (c.options.gradient_as_bucket_view()) {
+      EXPECT_NE(line.find("flat (6 tensors for 6 parameters)"), std::string::npos) << line;
+      EXPECT_EQ(tensors, 6u) << "DDP's bucket views, not the optimizer's buffer";
+    } else {
+      EXPECT_NE(line.find("flat (1 tensor for 6 parameters)"), std::string::npos) << line;
+      EXPECT_EQ(tensors, 1u) << "the gradients are the flat buffer";
+    }
+  }
   expect_same_on_every_rank(pg, *model, c.name);
   if (c.options.static_graph() || !c.options.find_unused_parameters()) {
     EXPECT_GE(ddp.buckets().size(), c.options.bucket_cap_mb() < 0.01 ? 2u : 1u) << "buckets after the rebuild";
@@ -342,6 +358,12 @@ void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
       {"AdamW, gradient_as_bucket_view, small buckets",
        perf::DDPOptions().gradient_as_bucket_view(true).bucket_cap_mb(0.0005), OptKind::adamw},
       {"SGD, no_sync accumulation over 3 micro-batches", perf::DDPOptions(), OptKind::sgd, false, 3},
+      // Flat: DDP copies the averaged gradients into the flat buffer (one tensor per step) ...
+      {"AdamW flat, small buckets, GradScaler", perf::DDPOptions().bucket_cap_mb(0.0005), OptKind::adamw_flat, false, 1,
+       true},
+      // ... or, with gradient_as_bucket_view, its buckets own them and the step reads them there.
+      {"AdamW flat, gradient_as_bucket_view", perf::DDPOptions().gradient_as_bucket_view(true).bucket_cap_mb(0.0005),
+       OptKind::adamw_flat},
       {"AdamW, unused parameter, find_unused_parameters",
        perf::DDPOptions().find_unused_parameters(true).bucket_cap_mb(0.001), OptKind::adamw, true},
       {"SGD, static_graph with an unused parameter", perf::DDPOptions().static_graph(true), OptKind::sgd, true},

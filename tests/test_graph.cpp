@@ -109,11 +109,12 @@ struct Run {
   torch::Tensor w;
 };
 
-Run train(bool use_trainstep, torch::Device device, int steps) {
+Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false,
+          const perf::TrainStepOptions& options = {}) {
   torch::manual_seed(0);
   auto model = mlp();
   model->to(device);
-  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
   auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
     return torch::nn::functional::cross_entropy(model->forward(x), t);
   };
@@ -125,9 +126,15 @@ Run train(bool use_trainstep, torch::Device device, int steps) {
   }
   Run r;
   if (use_trainstep) {
-    perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0]);
+    perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0], options);
     EXPECT_EQ(step.graphed(), device.is_cuda());
     for (int i = 0; i < steps; ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<float>());
+    if (flat) {  // the replayed (or eager) steps kept every gradient in the flat buffer
+      const auto ps = model->parameters();
+      for (const auto& p : ps) EXPECT_TRUE(p.grad().is_alias_of(ps.front().grad()));
+      EXPECT_NE(opt.kernels().at(0).find("flat (1 tensor for 12 parameters)"), std::string::npos)
+          << opt.kernels().at(0);
+    }
     PERF_EXPECT_THROW_MSG(step.step(torch::randn({8, 16}, device), ts[0]), "static shapes");
   } else {
     for (int i = 0; i < steps; ++i) {
@@ -195,6 +202,30 @@ std::pair<std::vector<double>, std::vector<double>> e2e_losses(Model model, cons
   };
   auto eager = run(false);
   return {eager, run(true)};
+}
+
+// A flat optimizer under TrainStep (captured on CUDA, its zero_grad a fill of the
+// gradient buffer inside the graph; clipping one norm over the buffer) trains
+// like a non-flat one in an eager loop.
+TEST(TrainStep, AFlatOptimizerTrainsLikeTheEagerLoop) {
+  std::vector<torch::Device> devices = {torch::kCPU};
+  if (has_cuda()) devices.emplace_back(torch::kCUDA);
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  for (const auto& device : devices) {
+    SCOPED_TRACE(device.str());
+    const auto eager = train(false, device, 40);
+    const auto flat = train(true, device, 40, /*flat=*/true);
+    const double tol = device.is_cuda() ? 1e-4 : 1e-6;
+    ASSERT_EQ(flat.losses.size(), eager.losses.size());
+    for (size_t i = 0; i < eager.losses.size(); ++i) EXPECT_NEAR(flat.losses[i], eager.losses[i], tol) << i;
+    EXPECT_TRUE(torch::allclose(flat.w, eager.w, tol, tol));
+    const auto clip = perf::TrainStepOptions().max_grad_norm(0.5);
+    const auto plain_clipped = train(true, device, 40, false, clip);
+    const auto flat_clipped = train(true, device, 40, true, clip);
+    for (size_t i = 0; i < eager.losses.size(); ++i)
+      EXPECT_NEAR(flat_clipped.losses[i], plain_clipped.losses[i], tol) << "clipped, step " << i;
+    EXPECT_FALSE(torch::allclose(flat_clipped.w, flat.w, 1e-4, 1e-4)) << "clipping changed the run";
+  }
 }
 
 TEST(TrainStep, KeptLossesEqualEagerStepByStepOnTheE2eJobs) {

@@ -1,10 +1,14 @@
 // Tests for perf/optim.h: parity with LibTorch's and Python's optimizers.
 #include <gtest/gtest.h>
+#include <perf/amp.h>
+#include <perf/memory_format.h>
 #include <perf/optim.h>
+#include <perf/setup.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "test_util.h"
@@ -37,11 +41,21 @@ Problem make_problem() {
   return pr;
 }
 
-torch::Tensor run(const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make) {
+// in_place: gradients written into the existing .grad() (a flat optimizer's
+// views), else assigned as fresh tensors.
+torch::Tensor run(const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make,
+                  bool in_place = false) {
   Problem pr = make_problem();
   auto opt = make(pr.params);
   for (int k = 0; k < kSteps; ++k) {
-    for (size_t i = 0; i < pr.params.size(); ++i) pr.params[i].mutable_grad() = pr.grads[k][i].clone();
+    for (size_t i = 0; i < pr.params.size(); ++i) {
+      auto& g = pr.params[i].mutable_grad();
+      if (in_place && g.defined()) {
+        g.copy_(pr.grads[k][i]);
+      } else {
+        g = pr.grads[k][i].clone();
+      }
+    }
     opt->step();
   }
   std::vector<torch::Tensor> flat;
@@ -323,46 +337,525 @@ TEST(Optim, BadParametersAreRejected) {
 TEST(Optim, OnGpuMatchesCpuAndCapturesInACudaGraph) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
-  const auto cpu = run(maker<perf::optim::AdamW>(perf::optim::AdamWOptions(1e-2).weight_decay(0.05)));
-  Problem pr = make_problem();
-  std::vector<torch::Tensor> ps;
-  for (auto& p : pr.params) ps.push_back(p.detach().cuda().requires_grad_(true));
-  perf::optim::AdamW opt(ps, perf::optim::AdamWOptions(1e-2).weight_decay(0.05));
-  // Static grads for capture: copy each step's values in, replay the captured step.
-  for (auto& p : ps) p.mutable_grad() = torch::zeros_like(p);
-  auto feed = [&](int k) {
-    for (size_t i = 0; i < ps.size(); ++i) ps[i].grad().copy_(pr.grads[k][i]);
-  };
-  feed(0);
-  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-  auto wait = [](c10::cuda::CUDAStream waiter, c10::cuda::CUDAStream on) {
-    at::cuda::CUDAEvent e;
-    e.record(on);
-    e.block(waiter);
-  };
-  const auto main_stream = c10::cuda::getCurrentCUDAStream();
-  wait(side, main_stream);
-  {
-    c10::cuda::CUDAStreamGuard g(side);
-    opt.step();  // eager step 1 (state created)
+  for (bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat" : "per-parameter");
+    const auto cpu = run(maker<perf::optim::AdamW>(perf::optim::AdamWOptions(1e-2).weight_decay(0.05)));
+    Problem pr = make_problem();
+    std::vector<torch::Tensor> ps;
+    for (auto& p : pr.params) ps.push_back(p.detach().cuda().requires_grad_(true));
+    perf::optim::AdamW opt(ps, perf::optim::AdamWOptions(1e-2).weight_decay(0.05).flat(flat));
+    // Static grads for capture: copy each step's values in, replay the captured step.
+    for (auto& p : ps) p.mutable_grad() = torch::zeros_like(p);
+    auto feed = [&](int k) {
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].grad().copy_(pr.grads[k][i]);
+    };
+    feed(0);
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    auto wait = [](c10::cuda::CUDAStream waiter, c10::cuda::CUDAStream on) {
+      at::cuda::CUDAEvent e;
+      e.record(on);
+      e.block(waiter);
+    };
+    const auto main_stream = c10::cuda::getCurrentCUDAStream();
+    wait(side, main_stream);
+    {
+      c10::cuda::CUDAStreamGuard g(side);
+      opt.step();  // eager step 1 (state created)
+    }
+    wait(main_stream, side);
+    at::cuda::CUDAGraph graph;
+    {
+      c10::cuda::CUDAStreamGuard g(side);
+      graph.capture_begin();
+      opt.step();
+      graph.capture_end();
+    }
+    wait(main_stream, side);
+    EXPECT_EQ(opt.kernels(), (std::vector<std::string>{flat ? "cuda:0 Float: fused, flat (1 tensor for 4 parameters)"
+                                                            : "cuda:0 Float: fused"}));
+    // Capture recorded without running; steps 2..100 are replays.
+    for (int k = 1; k < kSteps; ++k) {
+      feed(k);
+      graph.replay();
+    }
+    std::vector<torch::Tensor> values;
+    for (auto& p : ps) values.push_back(p.detach().cpu().flatten());
+    EXPECT_LE(max_abs_diff(torch::cat(values), cpu), 1e-5);
   }
-  wait(main_stream, side);
+#endif
+}
+
+// ---------------------------------------------------------------------------- flat mode
+
+namespace {
+
+struct FlatNetImpl : torch::nn::Module {
+  FlatNetImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3)))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})))),
+        fc(register_module("fc", torch::nn::Linear(64, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(norm(torch::relu(conv(x)).flatten(1))); }
+  torch::nn::Conv2d conv;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(FlatNet);
+
+using OptPtr = std::unique_ptr<torch::optim::Optimizer>;
+using MakeOpt = std::function<OptPtr(FlatNet&)>;
+// Runs before step k: may freeze, convert or move the model, or add a param group.
+using Hook = std::function<void(int k, FlatNet& net, torch::optim::Optimizer& opt)>;
+
+void clear_grads(torch::optim::Optimizer& opt) {
+  if (auto* f = dynamic_cast<perf::optim::FusedOptimizer*>(&opt)) {
+    f->zero_grad();
+  } else {
+    opt.zero_grad();  // torch::optim: set to none
+  }
+}
+
+// One training step on batch k (the same batches for every optimizer).
+void flat_net_step(FlatNet& net, torch::optim::Optimizer& opt, int k) {
+  torch::manual_seed(1000 + k);
+  const auto& w = net->fc->weight;
+  const auto x = torch::randn({8, 2, 6, 6}).to(w.device(), w.scalar_type());
+  const auto y = torch::randint(0, 3, {8}).to(w.device());
+  clear_grads(opt);
+  torch::nn::functional::cross_entropy(net(x), y).backward();
+  opt.step();
+}
+
+std::vector<torch::Tensor> params_of(FlatNet& net) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().to(torch::kDouble).contiguous().clone());
+  return out;
+}
+
+std::vector<torch::Tensor> train_flat_net(const MakeOpt& make, int steps, const Hook& hook = nullptr,
+                                          std::vector<std::string>* kernels = nullptr) {
+  torch::manual_seed(7);
+  FlatNet net;
+  auto opt = make(net);
+  for (int k = 0; k < steps; ++k) {
+    if (hook) hook(k, net, *opt);
+    flat_net_step(net, *opt, k);
+    auto* f = dynamic_cast<perf::optim::FusedOptimizer*>(opt.get());
+    if (kernels && f) kernels->push_back(f->kernels().at(0));
+  }
+  return params_of(net);
+}
+
+double max_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double d = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  return d;
+}
+
+// Two param groups with different options: the convolution, then the rest.
+template <typename Opt, typename Options>
+MakeOpt two_groups(Options conv, Options rest) {
+  return [conv, rest](FlatNet& net) -> OptPtr {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(net->conv->parameters(), std::make_unique<Options>(conv));
+    auto others = net->norm->parameters();
+    for (auto& p : net->fc->parameters()) others.push_back(p);
+    groups.emplace_back(others);
+    return std::make_unique<Opt>(groups, rest);
+  };
+}
+
+// Both storages of the optimizer's parameters and gradients: one each.
+void expect_one_buffer(FlatNet& net, const std::string& what) {
+  const auto params = net->parameters();
+  const auto& p0 = params.front();
+  for (const auto& p : params) {
+    EXPECT_TRUE(p.is_alias_of(p0)) << what << ": a parameter is not in the flat buffer";
+    ASSERT_TRUE(p.grad().defined()) << what;
+    EXPECT_TRUE(p.grad().is_alias_of(p0.grad())) << what << ": a gradient is not in the flat buffer";
+  }
+  EXPECT_FALSE(p0.is_alias_of(p0.grad()));
+}
+
+}  // namespace
+
+TEST(OptimFlat, MatchesPythonFusedOver100Steps) {
+  using perf::optim::AdamOptions;
+  using perf::optim::AdamWOptions;
+  using perf::optim::SGDOptions;
+  const auto adamw = AdamWOptions(1e-2).betas({0.9, 0.99}).weight_decay(0.05).flat(true);
+  const auto adam = AdamOptions(1e-2).weight_decay(0.01).amsgrad(true).flat(true);
+  const auto nesterov = SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3).flat(true);
+  const auto dampening = SGDOptions(0.05).momentum(0.9).dampening(0.1).maximize(true).flat(true);
+  for (bool in_place : {true, false}) {  // gradients written into the views, or fresh tensors adopted
+    SCOPED_TRACE(in_place ? "gradients in place" : "fresh gradients");
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::AdamW>(adamw), in_place), python_reference().at(0)), 1e-6);
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::Adam>(adam), in_place), python_reference().at(1)), 1e-6);
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::SGD>(nesterov), in_place), python_reference().at(2)), 1e-6);
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::SGD>(dampening), in_place), python_reference().at(3)), 1e-6);
+    // The _foreach_ fallback over the flat buffer.
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::AdamW>(AdamWOptions(adamw).fused(false)), in_place),
+                           python_reference().at(0)),
+              1e-6);
+    EXPECT_LE(max_abs_diff(run(maker<perf::optim::SGD>(SGDOptions(dampening).fused(false)), in_place),
+                           python_reference().at(3)),
+              1e-6);
+  }
+}
+
+TEST(OptimFlat, ParametersGradientsAndStateAreViewsOfOneBuffer) {
+  torch::manual_seed(7);
+  FlatNet net;
+  perf::to_channels_last(*net);  // a channels-last weight keeps its layout inside the buffer
+  const auto before = params_of(net);
+  perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  EXPECT_TRUE(opt.flat());
+  EXPECT_LE(max_diff(params_of(net), before), 0.0) << "flattening changed a value";
+  EXPECT_TRUE(net->conv->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
+  expect_one_buffer(net, "after construction");
+  const auto grad_impl = net->fc->weight.grad().unsafeGetTensorImpl();
+  flat_net_step(net, opt, 0);
+  EXPECT_EQ(net->fc->weight.grad().unsafeGetTensorImpl(), grad_impl) << "backward accumulated into the view";
+  EXPECT_GT(net->fc->weight.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(opt.kernels(), (std::vector<std::string>{"cpu Float: fused, flat (1 tensor for 6 parameters)"}));
+  const auto& st =
+      static_cast<const perf::optim::AdamParamState&>(*opt.state().at(net->fc->weight.unsafeGetTensorImpl()));
+  const auto& st0 =
+      static_cast<const perf::optim::AdamParamState&>(*opt.state().at(net->conv->weight.unsafeGetTensorImpl()));
+  EXPECT_TRUE(st.exp_avg().is_alias_of(st0.exp_avg())) << "state in one buffer";
+  EXPECT_TRUE(st0.exp_avg().is_contiguous(at::MemoryFormat::ChannelsLast)) << "state laid out like its parameter";
+  EXPECT_TRUE(st.step().is_same(st0.step())) << "one step counter for the run";
+  // zero_grad keeps the views and zeroes them, whatever set_to_none says.
+  opt.zero_grad();
+  expect_one_buffer(net, "after zero_grad()");
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+  // LibTorch's zero_grad (through the base class) or the module's drop the views:
+  // the next backward makes fresh gradients, and the step copies them back.
+  static_cast<torch::optim::Optimizer&>(opt).zero_grad();
+  EXPECT_FALSE(net->fc->weight.grad().defined());
+  torch::nn::functional::cross_entropy(net(torch::randn({8, 2, 6, 6})), torch::randint(0, 3, {8})).backward();
+  opt.step();
+  expect_one_buffer(net, "after a step with fresh gradients");
+  net->zero_grad();
+  opt.zero_grad();
+  expect_one_buffer(net, "after module->zero_grad() then the optimizer's");
+}
+
+TEST(OptimFlat, TrainsLikeTorchOptimAndNonFlatWithParamGroups) {
+  using perf::optim::AdamOptions;
+  using perf::optim::AdamWOptions;
+  using perf::optim::SGDOptions;
+  struct Case {
+    std::string name;
+    MakeOpt flat, plain, torch_opt;
+    double vs_torch = 1e-6;  // the _foreach_ path rounds bias corrections differently (as without flat)
+  };
+  const std::vector<Case> cases = {
+      {"AdamW", two_groups<perf::optim::AdamW>(AdamWOptions(2e-2).weight_decay(0.1), AdamWOptions(5e-3).flat(true)),
+       two_groups<perf::optim::AdamW>(AdamWOptions(2e-2).weight_decay(0.1), AdamWOptions(5e-3)),
+       two_groups<torch::optim::AdamW>(torch::optim::AdamWOptions(2e-2).weight_decay(0.1),
+                                       torch::optim::AdamWOptions(5e-3))},
+      {"AdamW foreach", two_groups<perf::optim::AdamW>(AdamWOptions(2e-2).fused(false), AdamWOptions(5e-3).flat(true)),
+       two_groups<perf::optim::AdamW>(AdamWOptions(2e-2).fused(false), AdamWOptions(5e-3)),
+       two_groups<torch::optim::AdamW>(torch::optim::AdamWOptions(2e-2), torch::optim::AdamWOptions(5e-3)), 1e-5},
+      {"Adam amsgrad",
+       two_groups<perf::optim::Adam>(AdamOptions(1e-2).amsgrad(true), AdamOptions(3e-3).weight_decay(0.01).flat(true)),
+       two_groups<perf::optim::Adam>(AdamOptions(1e-2).amsgrad(true), AdamOptions(3e-3).weight_decay(0.01)),
+       two_groups<torch::optim::Adam>(torch::optim::AdamOptions(1e-2).amsgrad(true),
+                                      torch::optim::AdamOptions(3e-3).weight_decay(0.01))},
+      {"SGD nesterov",
+       two_groups<perf::optim::SGD>(SGDOptions(0.05).momentum(0.9).nesterov(true),
+                                    SGDOptions(0.02).momentum(0.5).weight_decay(1e-3).flat(true)),
+       two_groups<perf::optim::SGD>(SGDOptions(0.05).momentum(0.9).nesterov(true),
+                                    SGDOptions(0.02).momentum(0.5).weight_decay(1e-3)),
+       two_groups<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true),
+                                     torch::optim::SGDOptions(0.02).momentum(0.5).weight_decay(1e-3))},
+      {"SGD dampening, plain",
+       two_groups<perf::optim::SGD>(SGDOptions(0.05).momentum(0.9).dampening(0.2), SGDOptions(0.05).flat(true)),
+       two_groups<perf::optim::SGD>(SGDOptions(0.05).momentum(0.9).dampening(0.2), SGDOptions(0.05)),
+       two_groups<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.2),
+                                     torch::optim::SGDOptions(0.05))},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> kernels;
+    const auto flat = train_flat_net(c.flat, 50, nullptr, &kernels);
+    const auto plain = train_flat_net(c.plain, 50);
+    const auto ref = train_flat_net(c.torch_opt, 50);
+    EXPECT_LE(max_diff(flat, ref), c.vs_torch);
+    EXPECT_LE(max_diff(flat, plain), 1e-6);
+    EXPECT_GT(max_diff(flat, train_flat_net(c.flat, 0)), 1e-2) << "the parameters moved";
+    EXPECT_NE(kernels.back().find("flat (1 tensor for 2 parameters)"), std::string::npos) << kernels.back();
+  }
+}
+
+TEST(OptimFlat, AFrozenParameterIsSkippedLikeTorchOptim) {
+  // conv.weight frozen for steps 15-29: it must not move, and its Adam step
+  // count must not advance (bias correction after it thaws).
+  const auto flat = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  };
+  const auto ref = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  };
+  torch::Tensor frozen_at;
+  const Hook hook = [&](int k, FlatNet& net, torch::optim::Optimizer&) {
+    if (k == 15) {
+      net->conv->weight.requires_grad_(false);
+      frozen_at = net->conv->weight.detach().clone();
+    }
+    if (k == 30) {
+      EXPECT_TRUE(torch::equal(net->conv->weight.detach(), frozen_at)) << "a frozen parameter moved";
+      net->conv->weight.requires_grad_(true);
+    }
+  };
+  std::vector<std::string> kernels;
+  const auto a = train_flat_net(flat, 50, hook, &kernels);
+  EXPECT_LE(max_diff(a, train_flat_net(ref, 50, hook)), 1e-6);
+  EXPECT_EQ(kernels.at(14), "cpu Float: fused, flat (1 tensor for 6 parameters)");
+  EXPECT_EQ(kernels.at(20), "cpu Float: fused, flat (1 tensor for 5 parameters)");
+  // Thawed: its own step counter, so its own run.
+  EXPECT_EQ(kernels.at(40), "cpu Float: fused, flat (2 tensors for 6 parameters)");
+}
+
+TEST(OptimFlat, AddParamGroupJoinsTheBufferAtTheNextStep) {
+  auto hook_for = [](auto options) {
+    return [options](int k, FlatNet& net, torch::optim::Optimizer& opt) {
+      if (k != 10) return;
+      auto ps = net->conv->parameters();
+      for (auto& p : net->norm->parameters()) ps.push_back(p);
+      opt.add_param_group(torch::optim::OptimizerParamGroup(ps, std::make_unique<decltype(options)>(options)));
+    };
+  };
+  const auto flat = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::Adam>(net->fc->parameters(), perf::optim::AdamOptions(1e-2).flat(true));
+  };
+  const auto ref = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<torch::optim::Adam>(net->fc->parameters(), torch::optim::AdamOptions(1e-2));
+  };
+  std::vector<std::string> kernels;
+  const auto a = train_flat_net(flat, 30, hook_for(perf::optim::AdamOptions(3e-3)), &kernels);
+  const auto b = train_flat_net(ref, 30, hook_for(torch::optim::AdamOptions(3e-3)));
+  EXPECT_LE(max_diff(a, b), 1e-6);
+  EXPECT_EQ(kernels.at(5), "cpu Float: fused, flat (1 tensor for 2 parameters)");
+  // A group whose options ask for no flat buffer is refused, before anything moves.
+  torch::manual_seed(7);
+  FlatNet net;
+  perf::optim::SGD sgd(net->fc->parameters(), perf::optim::SGDOptions(0.1).flat(true));
+  sgd.add_param_group(torch::optim::OptimizerParamGroup(
+      net->conv->parameters(), std::make_unique<perf::optim::SGDOptions>(perf::optim::SGDOptions(0.1).flat(false))));
+  PERF_EXPECT_THROW_MSG(sgd.zero_grad(), "param group 1 has flat(false) but the optimizer's defaults have flat(true)");
+}
+
+TEST(OptimFlat, ChannelsLastAndDtypeChangesRebuildTheBuffers) {
+  // perf::to_channels_last(model, opt) at step 10, model->to(kDouble) at step 20:
+  // the flat optimizer rebuilds its buffers with the new layout and dtype.
+  const auto flat = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  };
+  const auto plain = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2));
+  };
+  const auto ref = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  };
+  const Hook to_nhwc = [](int k, FlatNet& net, torch::optim::Optimizer& opt) {
+    if (k == 10) perf::to_channels_last(*net, opt);
+  };
+  std::vector<std::string> kernels;
+  const auto a = train_flat_net(flat, 20, to_nhwc, &kernels);
+  EXPECT_LE(max_diff(a, train_flat_net(plain, 20, to_nhwc)), 1e-6);
+  EXPECT_LE(max_diff(a, train_flat_net(ref, 20, to_nhwc)), 1e-6);
+  EXPECT_EQ(kernels.back(), "cpu Float: fused, flat (1 tensor for 6 parameters)");
+
+  // The dtype: the non-flat optimizer needs its state converted by hand; flat does it.
+  const Hook to_double = [](int k, FlatNet& net, torch::optim::Optimizer& opt) {
+    if (k != 10) return;
+    net->to(torch::kDouble);
+    auto* f = dynamic_cast<perf::optim::FusedOptimizer*>(&opt);
+    if (f && f->flat()) return;
+    for (auto& [key, st] : opt.state()) {
+      auto& s = static_cast<perf::optim::AdamParamState&>(*st);
+      s.exp_avg(s.exp_avg().to(torch::kDouble));
+      s.exp_avg_sq(s.exp_avg_sq().to(torch::kDouble));
+    }
+  };
+  kernels.clear();
+  torch::manual_seed(7);
+  FlatNet net;
+  auto opt = flat(net);
+  for (int k = 0; k < 20; ++k) {
+    to_double(k, net, *opt);
+    flat_net_step(net, *opt, k);
+    kernels.push_back(static_cast<perf::optim::FusedOptimizer&>(*opt).kernels().at(0));
+  }
+  EXPECT_LE(max_diff(params_of(net), train_flat_net(plain, 20, to_double)), 1e-6);
+  EXPECT_EQ(kernels.back(), "cpu Double: fused, flat (1 tensor for 6 parameters)");
+  expect_one_buffer(net, "after model->to(kDouble)");
+  EXPECT_EQ(net->fc->weight.scalar_type(), torch::kDouble);
+}
+
+TEST(OptimFlat, CheckpointsMoveBetweenFlatNonFlatAndTorchOptim) {
+  const std::vector<std::pair<std::string, MakeOpt>> kinds = {
+      {"flat",
+       [](FlatNet& net) -> OptPtr {
+         return std::make_unique<perf::optim::AdamW>(net->parameters(),
+                                                     perf::optim::AdamWOptions(1e-2).amsgrad(true).flat(true));
+       }},
+      {"non-flat",
+       [](FlatNet& net) -> OptPtr {
+         return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).amsgrad(true));
+       }},
+      {"torch::optim",
+       [](FlatNet& net) -> OptPtr {
+         return std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                      torch::optim::AdamWOptions(1e-2).amsgrad(true));
+       }},
+  };
+  const auto reference = train_flat_net(kinds[0].second, 20);
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("perf_flat_" + std::to_string(::getpid()) + ".pt")).string();
+  for (const auto& [saver_name, saver] : kinds) {
+    for (const auto& [loader_name, loader] : kinds) {
+      SCOPED_TRACE(saver_name + " -> " + loader_name);
+      torch::manual_seed(7);
+      FlatNet net;
+      auto opt = saver(net);
+      for (int k = 0; k < 10; ++k) flat_net_step(net, *opt, k);
+      torch::save(*opt, path);
+      FlatNet resumed;  // a new process would rebuild the model, load its weights, then the optimizer's
+      {
+        torch::NoGradGuard ng;
+        const auto src = net->parameters(), dst = resumed->parameters();
+        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+      }
+      auto opt2 = loader(resumed);
+      torch::load(*opt2, path);
+      for (int k = 10; k < 20; ++k) flat_net_step(resumed, *opt2, k);
+      EXPECT_LE(max_diff(params_of(resumed), reference), 1e-6);
+    }
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(OptimFlat, GradScalerSkipsAnInfStepAndClipsTheWholeBuffer) {
+  struct Run {
+    std::vector<torch::Tensor> params;
+    std::vector<double> norms;
+    size_t coalesced = 0;
+  };
+  auto train = [](const MakeOpt& make) {
+    torch::manual_seed(7);
+    FlatNet net;
+    auto opt = make(net);
+    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(256.0));
+    Run r;
+    for (int k = 0; k < 30; ++k) {
+      torch::manual_seed(1000 + k);
+      const auto x = torch::randn({8, 2, 6, 6}), y = torch::randint(0, 3, {8});
+      clear_grads(*opt);
+      scaler.scale(torch::nn::functional::cross_entropy(net(x), y)).backward();
+      if (k == 7) {
+        torch::NoGradGuard ng;
+        net->fc->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+      }
+      scaler.unscale_(*opt);
+      std::vector<torch::Tensor> grads;
+      for (auto& p : net->parameters()) grads.push_back(p.grad());
+      r.coalesced = perf::optim::detail::coalesce_flat(grads).size();
+      r.norms.push_back(perf::clip_grad_norm_(net->parameters(), 0.5).item<double>());
+      scaler.step(*opt);
+      scaler.update();
+    }
+    r.params = params_of(net);
+    return r;
+  };
+  const auto flat = train([](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  });
+  const auto plain = train([](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2));
+  });
+  const auto ref = train([](FlatNet& net) -> OptPtr {
+    return std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  });
+  EXPECT_EQ(flat.coalesced, 1u) << "a flat optimizer's gradients are one tensor for clipping and unscaling";
+  EXPECT_EQ(plain.coalesced, 6u);
+  EXPECT_LE(max_diff(flat.params, ref.params), 1e-6);
+  EXPECT_LE(max_diff(flat.params, plain.params), 1e-6);
+  EXPECT_TRUE(std::isinf(flat.norms.at(7))) << "the poisoned step's norm";
+  for (size_t k = 0; k < flat.norms.size(); ++k) {
+    if (k != 7) {
+      EXPECT_NEAR(flat.norms[k], ref.norms[k], 1e-5 * ref.norms[k]) << "step " << k;
+    }
+  }
+}
+
+TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
+  using perf::optim::AdamWOptions;
+  auto a = torch::randn({4}, torch::requires_grad());
+  PERF_EXPECT_THROW_MSG(perf::optim::AdamW({a, a}, AdamWOptions().flat(true)),
+                        "parameter 1 of group 0 is the same tensor as parameter 0 of group 0");
+  // Two parameters over one storage (tied through a view): flattening would untie them.
+  const auto base = torch::randn({8});
+  auto lo = base.narrow(0, 0, 4).detach().requires_grad_(true);
+  auto hi = base.narrow(0, 4, 4).detach().requires_grad_(true);
+  const auto lo_ptr = lo.data_ptr();
+  PERF_EXPECT_THROW_MSG(perf::optim::SGD({lo, hi}, perf::optim::SGDOptions(0.1).flat(true)),
+                        "parameter 1 of group 0 shares memory with parameter 0 of group 0");
+  EXPECT_EQ(lo.data_ptr(), lo_ptr) << "nothing moved";
+  EXPECT_FALSE(lo.grad().defined());
+  // flat is one setting for the optimizer.
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{a}, std::make_unique<AdamWOptions>(AdamWOptions().flat(true)));
+  PERF_EXPECT_THROW_MSG(perf::optim::AdamW(groups, AdamWOptions()),
+                        "param group 0 has flat(true) but the optimizer's defaults have flat(false)");
+  EXPECT_FALSE(a.grad().defined()) << "nothing flattened";
+  // Sparse gradients.
+  auto w = torch::zeros({10, 3}, torch::requires_grad());
+  perf::optim::AdamW opt({w}, AdamWOptions().flat(true));
+  w.mutable_grad() = torch::zeros({10, 3}).to_sparse();
+  PERF_EXPECT_THROW_MSG(opt.step(), "does not support sparse gradients");
+}
+
+// The model moves to the GPU after the optimizer flattened it on the CPU: the
+// buffers follow (state included) and training goes on as on the CPU. Under
+// capture, a change that needs a rebuild is refused before any kernel runs.
+TEST(OptimFlat, OnGpuFollowsTheModelAndRefusesARebuildUnderCapture) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  const auto make = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  };
+  const auto cpu = train_flat_net(make, 30);
+  std::vector<std::string> kernels;
+  const auto moved = train_flat_net(
+      make, 30,
+      [](int k, FlatNet& net, torch::optim::Optimizer&) {
+        if (k == 10) net->to(torch::kCUDA);
+      },
+      &kernels);
+  EXPECT_LE(max_diff(moved, cpu), 1e-4);
+  EXPECT_EQ(kernels.back(), "cuda:0 Float: fused, flat (1 tensor for 6 parameters)");
+
+  torch::manual_seed(7);
+  FlatNet net;
+  net->to(torch::kCUDA);
+  perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  flat_net_step(net, opt, 0);
+  auto extra = torch::zeros({3}, torch::TensorOptions().device(torch::kCUDA).requires_grad(true));
+  opt.add_param_group(torch::optim::OptimizerParamGroup({extra}));
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  side.synchronize();
   at::cuda::CUDAGraph graph;
   {
     c10::cuda::CUDAStreamGuard g(side);
     graph.capture_begin();
-    opt.step();
-    graph.capture_end();
+    PERF_EXPECT_THROW_MSG(opt.step(), "cannot happen while a CUDA graph is being captured");
+    graph.capture_end();  // nothing was recorded
   }
-  wait(main_stream, side);
-  EXPECT_EQ(opt.kernels(), (std::vector<std::string>{"cuda:0 Float: fused"}));
-  // Capture recorded without running; steps 2..100 are replays.
-  for (int k = 1; k < kSteps; ++k) {
-    feed(k);
-    graph.replay();
-  }
-  std::vector<torch::Tensor> flat;
-  for (auto& p : ps) flat.push_back(p.detach().cpu().flatten());
-  EXPECT_LE(max_abs_diff(torch::cat(flat), cpu), 1e-5);
+  opt.step();  // eagerly: the rebuild happens, and the new parameter joins the buffer
+  EXPECT_TRUE(extra.is_alias_of(net->fc->weight));
 #endif
 }

@@ -267,6 +267,7 @@ inline std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::Optimi
   }
   for (auto& [key, grads] : groups) {
     auto& [found_inf, inv] = per_device[key.first];
+    grads = optim::detail::coalesce_flat(grads);  // a flat optimizer's gradients: one tensor
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv);
   }
   std::vector<torch::Tensor> found;

@@ -929,7 +929,13 @@ inline at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro
 }
 
 inline at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
-  opt_.zero_grad();  // set to none: in a capture, the step allocates the static grads in the graph's pool
+  // Set to none: in a capture, the step allocates the static grads in the graph's
+  // pool; a flat optimizer zeroes its gradient buffer in place instead.
+  if (fused_) {
+    fused_->zero_grad();
+  } else {
+    opt_.zero_grad();
+  }
   const int64_t k = options_.accumulation_steps();
   auto* scaler = options_.scaler();
   at::Tensor total;

@@ -20,6 +20,13 @@
 // Checkpoints are interchangeable with torch::optim's Adam/AdamW/SGD in both
 // directions (torch::save with one, torch::load with the other).
 //
+// .flat(true): parameters, gradients and optimizer state each live in one
+// contiguous buffer per (device, dtype); every parameter and its .grad() are
+// views into them, so a step is one kernel call per param group over millions
+// of contiguous elements instead of a walk over many small tensors.
+//
+//   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).flat(true));
+//
 //   torch::Tensor norm = perf::clip_grad_norm_(model->parameters(), 1.0);  // device tensor, no host sync
 #pragma once
 
@@ -35,13 +42,18 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -61,12 +73,17 @@ struct AdamOptionsT : public torch::optim::OptimizerCloneableOptions<AdamOptions
   TORCH_ARG(bool, maximize) = false;
   /// true: fused kernels or an error; false: _foreach_ kernels; unset: fused where available.
   TORCH_ARG(std::optional<bool>, fused);
+  /// true: one contiguous buffer per (device, dtype) for parameters, gradients
+  /// and state (see FusedOptimizer::flat()). Set on the defaults: it is one
+  /// setting for the whole optimizer; a param group may leave it unset or repeat
+  /// it. Not written to checkpoints (it is how memory is held, not training state).
+  TORCH_ARG(std::optional<bool>, flat);
 
  public:
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  void serialize(torch::serialize::InputArchive& archive) override;
+  inline void serialize(torch::serialize::OutputArchive& archive) const override;
+  inline void serialize(torch::serialize::InputArchive& archive) override;
 };
 using AdamOptions = AdamOptionsT<false>;
 using AdamWOptions = AdamOptionsT<true>;
@@ -80,8 +97,8 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
   TORCH_ARG(torch::Tensor, max_exp_avg_sq);
 
  public:
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  void serialize(torch::serialize::InputArchive& archive) override;
+  inline void serialize(torch::serialize::OutputArchive& archive) const override;
+  inline void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 /// SGD options: the names of torch::optim::SGDOptions, plus maximize and fused.
@@ -94,20 +111,22 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, nesterov) = false;
   TORCH_ARG(bool, maximize) = false;
   TORCH_ARG(std::optional<bool>, fused);
+  /// As AdamOptions::flat.
+  TORCH_ARG(std::optional<bool>, flat);
 
  public:
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  void serialize(torch::serialize::InputArchive& archive) override;
+  inline void serialize(torch::serialize::OutputArchive& archive) const override;
+  inline void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDParamState> {
   TORCH_ARG(torch::Tensor, momentum_buffer);
 
  public:
-  void serialize(torch::serialize::OutputArchive& archive) const override;
-  void serialize(torch::serialize::InputArchive& archive) override;
+  inline void serialize(torch::serialize::OutputArchive& archive) const override;
+  inline void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 /// Common base: a torch::optim::Optimizer whose step can take GradScaler's
@@ -116,36 +135,31 @@ struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDPara
 /// Optimizer.zero_grad does: a gradient that is a view (DDP's
 /// gradient_as_bucket_view) is zeroed or dropped without LibTorch's in-place
 /// detach_, which refuses views. The perf::optim optimizers' zero_grad() is this.
-inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true) {
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& p : group.params()) {
-      auto& g = p.mutable_grad();
-      if (!g.defined()) continue;
-      if (g.grad_fn()) {
-        g = g.detach();
-      } else {
-        g.requires_grad_(false);
-      }
-      if (set_to_none) {
-        g.reset();
-      } else {
-        g.zero_();
-      }
-    }
-  }
-}
+inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true);
+
+namespace detail {
+struct FlatStore;
+struct Bucket;
+}  // namespace detail
 
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
+  inline ~FusedOptimizer() override;
+  inline FusedOptimizer(FusedOptimizer&&) noexcept;
+  FusedOptimizer& operator=(FusedOptimizer&&) = delete;
 
   /// As torch::optim::Optimizer::zero_grad, and also for gradients that are
   /// views (perf::DistributedDataParallel's gradient_as_bucket_view).
-  void zero_grad(bool set_to_none = true) { perf::optim::zero_grad(*this, set_to_none); }
+  /// Flat mode: the gradient buffer is zeroed in place (one fill per buffer)
+  /// whatever set_to_none says, since the gradients must stay views into it;
+  /// a gradient that is someone else's view (DDP's buckets) is treated as
+  /// without flat.
+  void zero_grad(bool set_to_none = true);
 
   /// As torch::optim::Optimizer::step: the closure (if any) runs with grad
   /// enabled, the update without.
-  torch::Tensor step(LossClosure closure = nullptr) override;
+  inline torch::Tensor step(LossClosure closure = nullptr) override;
 
   /// The update with gradients scaled by `grad_scale` (unscaled inside the
   /// kernel), skipped on the device where `found_inf` is nonzero. No host sync
@@ -153,8 +167,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// grad_scale unset: the gradients were already unscaled (GradScaler::unscale_).
   void step_scaled(const std::optional<torch::Tensor>& grad_scale, const torch::Tensor& found_inf);
 
-  /// One line per (device, dtype) group of the last step: "cpu Float: fused" or
-  /// "cpu Float: foreach".
+  /// One line per (device, dtype) group of the last step: "cpu Float: fused",
+  /// "cpu Float: foreach", or in flat mode "cpu Float: fused, flat (1 tensor for
+  /// 161 parameters)".
   const std::vector<std::string>& kernels() const noexcept { return kernels_; }
 
   /// Copies each group's lr option into its CUDA lr tensor where it changed
@@ -167,6 +182,27 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void skip_updates(bool skip) noexcept { skip_updates_ = skip; }
   bool skipping_updates() const noexcept { return skip_updates_; }
 
+  /// Whether this optimizer holds its parameters, gradients and state flat
+  /// (options .flat(true)). In flat mode:
+  /// - each parameter's data and .grad() are views into one buffer per
+  ///   (device, dtype), parameters of a param group adjacent; state tensors
+  ///   are views too, laid out like their parameter (channels-last included);
+  /// - the buffers are rebuilt (values kept) at the next step or zero_grad
+  ///   after add_param_group, torch::load, model->to(device or dtype) or
+  ///   perf::to_channels_last; never while a CUDA graph is being captured;
+  /// - a parameter with requires_grad false (frozen) or without a gradient is
+  ///   skipped, as torch::optim skips one without a gradient; since zero_grad
+  ///   zeroes in place, a parameter that took no part in a backward is stepped
+  ///   with a zero gradient (torch::optim's zero_grad(false) behaviour);
+  /// - a gradient replaced by a fresh tensor (model->zero_grad(), assigning
+  ///   .grad()) is copied back into the buffer at the next step; one that is a
+  ///   view of another buffer (perf::DistributedDataParallel's
+  ///   gradient_as_bucket_view) stays where it is and that parameter is
+  ///   stepped on its own, as without flat;
+  /// - perf::clip_grad_norm_ and GradScaler work on the whole gradient buffer
+  ///   (one kernel) when given all of its parameters.
+  bool flat() const noexcept { return flat_ != nullptr; }
+
  protected:
   virtual void update(const std::optional<torch::Tensor>& grad_scale,
                       const std::optional<torch::Tensor>& found_inf) = 0;
@@ -176,6 +212,24 @@ class FusedOptimizer : public torch::optim::Optimizer {
   std::optional<torch::Tensor> effective_found_inf(const std::optional<torch::Tensor>& found_inf,
                                                    const c10::Device& device);
 
+  // Flat mode. A subclass names its per-parameter state tensors (up to three
+  // kinds, plus Adam's step counter) so that FusedOptimizer can lay them out.
+  virtual std::unique_ptr<torch::optim::OptimizerParamState> make_state() const = 0;
+  virtual std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const = 0;
+  virtual torch::Tensor* state_step(torch::optim::OptimizerParamState&) const { return nullptr; }
+  virtual std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const = 0;
+  // Called by the subclass constructor once its options are checked.
+  void init_flat(bool flat, const char* name);
+  // The (device, dtype) buckets of group g in flat mode, each entry a run of
+  // adjacent parameters: kinds[k] says which state tensors this group uses
+  // (created where missing); split_first: momentum buffers created now go in
+  // their own bucket (SGD's first step).
+  std::vector<detail::Bucket> flat_buckets(size_t g, std::array<bool, 3> kinds, bool split_first);
+  // Rebuilds the buffers if anything moved since they were built.
+  void ensure_flat();
+  // Flat: the next step or zero_grad rebuilds (state was replaced by torch::load).
+  void invalidate_flat() noexcept;
+
   std::vector<std::string> kernels_;
   bool skip_updates_ = false;
 
@@ -184,8 +238,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
     torch::Tensor value;
     double host = std::numeric_limits<double>::quiet_NaN();
   };
+  bool flat_stale() const;
+  void flatten();
   std::map<std::pair<size_t, std::string>, LrSlot> lr_tensors_;  // (group, device)
   std::map<std::string, torch::Tensor> ones_;                    // device -> 1.0f
+  std::unique_ptr<detail::FlatStore> flat_;
+  const char* name_ = "perf::optim";
 };
 
 /// A FusedOptimizer whose state and options serialize as ParamState / Options,
@@ -199,6 +257,7 @@ class SerializableFusedOptimizer : public FusedOptimizer {
   }
   void load(torch::serialize::InputArchive& archive) override {
     torch::optim::serialize<ParamState, Options>(archive, *this);
+    this->invalidate_flat();  // flat: the loaded state is copied into the buffers at the next step
   }
 };
 
@@ -213,6 +272,19 @@ class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Dec
 
  protected:
   void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state() const override {
+    return std::make_unique<AdamParamState>();
+  }
+  std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const override {
+    auto& a = static_cast<AdamParamState&>(s);
+    return {&a.exp_avg(), &a.exp_avg_sq(), &a.max_exp_avg_sq()};
+  }
+  torch::Tensor* state_step(torch::optim::OptimizerParamState& s) const override {
+    return &static_cast<AdamParamState&>(s).step();
+  }
+  std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
+    return static_cast<const Options&>(o).flat();
+  }
 };
 using Adam = AdamT<false>;
 using AdamW = AdamT<true>;
@@ -225,7 +297,17 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
       : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
  protected:
-  void update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) override;
+  inline void update(const std::optional<torch::Tensor>& grad_scale,
+                     const std::optional<torch::Tensor>& found_inf) override;
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state() const override {
+    return std::make_unique<SGDParamState>();
+  }
+  std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const override {
+    return {&static_cast<SGDParamState&>(s).momentum_buffer(), nullptr, nullptr};
+  }
+  std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
+    return static_cast<const SGDOptions&>(o).flat();
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -236,19 +318,162 @@ constexpr const char* adam_name() {
   return Decoupled ? "perf::optim::AdamW" : "perf::optim::Adam";
 }
 
-// Tensors of one (device, dtype) group, in parameter order.
+// Tensors of one (device, dtype) group, in parameter order; in flat mode each
+// entry is a run of adjacent parameters.
 struct Bucket {
   c10::Device device;
   c10::ScalarType dtype;
   bool first = false;  // SGD: momentum buffers not yet created
   std::vector<at::Tensor> params, grads, a, b, c, steps;
+  std::vector<at::Tensor> unique_steps;  // each counter once (runs may share one)
+  bool flat = false;
+  int64_t parameters = 0;  // flat: parameters covered by the entries
 };
 
-inline Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool first = false) {
+inline Bucket& bucket_for(std::vector<Bucket>& buckets, const c10::Device& device, c10::ScalarType dtype,
+                          bool first = false) {
   for (auto& b : buckets)
-    if (b.device == p.device() && b.dtype == p.scalar_type() && b.first == first) return b;
-  buckets.push_back(Bucket{p.device(), p.scalar_type(), first, {}, {}, {}, {}, {}, {}});
+    if (b.device == device && b.dtype == dtype && b.first == first) return b;
+  buckets.push_back(Bucket{device, dtype, first, {}, {}, {}, {}, {}, {}, {}, false, 0});
   return buckets.back();
+}
+
+inline Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool first = false) {
+  return bucket_for(buckets, p.device(), p.scalar_type(), first);
+}
+
+// Python's Optimizer.zero_grad for one gradient, views included (LibTorch's
+// in-place detach_ refuses them).
+inline void clear_grad(at::Tensor& g, bool set_to_none) {
+  if (!g.defined()) return;
+  if (g.grad_fn()) {
+    g = g.detach();
+  } else {
+    g.requires_grad_(false);
+  }
+  if (set_to_none) {
+    g.reset();
+  } else {
+    g.zero_();
+  }
+}
+
+// ---- flat mode
+
+// Where one parameter lives in its (device, dtype) buffers.
+struct FlatSlot {
+  at::Tensor param;  // the user's parameter (same TensorImpl)
+  size_t group = 0, key = 0;
+  size_t pos = 0;  // index among the key's slots: adjacent slots are adjacent in memory
+  int64_t offset = 0;
+  std::vector<int64_t> sizes, strides;
+  at::Tensor grad;                                     // the gradient view
+  std::array<at::Tensor, 3> state;                     // state views, made when first needed
+  torch::optim::OptimizerParamState* owner = nullptr;  // the state_ entry they were handed to
+};
+
+struct FlatKey {
+  c10::Device device;
+  c10::ScalarType dtype;
+  int64_t numel = 0;  // with alignment padding (zeros, never written)
+  size_t slots = 0;
+  at::Tensor params, grads;
+  std::array<at::Tensor, 3> state;
+};
+
+struct FlatStore {
+  std::vector<FlatKey> keys;
+  std::vector<FlatSlot> slots;      // group order, then parameter order
+  std::vector<size_t> group_begin;  // slots of group g: [group_begin[g], group_begin[g + 1])
+  bool built = false;
+};
+
+// Each parameter starts at a 256-byte boundary (vectorised loads; the CUDA
+// allocator's granularity).
+inline int64_t flat_align(int64_t n, c10::ScalarType dtype) {
+  const int64_t a = std::max<int64_t>(1, 256 / static_cast<int64_t>(c10::elementSize(dtype)));
+  return (n + a - 1) / a * a;
+}
+
+// A tensor over `buffer`'s storage that is not an autograd view (LibTorch's
+// zero_grad detach_()es gradients in place, which views refuse).
+inline at::Tensor plain_view(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  return at::empty({0}, buffer.options()).set_(buffer.storage(), offset, sizes, strides);
+}
+
+inline at::Tensor slot_view(const at::Tensor& buffer, const FlatSlot& s) {
+  return plain_view(buffer, s.offset, s.sizes, s.strides);
+}
+
+// A tensor alone in its storage (autograd's fresh gradient) rather than a view
+// of a bigger buffer (a DDP bucket, another optimizer's flat buffer).
+inline bool owns_storage(const at::Tensor& t) {
+  return t.layout() == at::kStrided && t.storage_offset() == 0 && t.storage().nbytes() == t.nbytes();
+}
+
+inline bool same_storage(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.layout() == at::kStrided && b.layout() == at::kStrided &&
+         a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
+}
+
+// Flat gradient buffers alive: storage -> number of parameters in it, so that
+// clip_grad_norm_ and GradScaler can treat a complete set as one tensor.
+inline std::mutex& flat_registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::unordered_map<const void*, size_t>& flat_registry() {
+  static std::unordered_map<const void*, size_t> r;
+  return r;
+}
+inline void flat_register(const FlatStore& f, bool add) {
+  std::lock_guard<std::mutex> lock(flat_registry_mutex());
+  for (const auto& k : f.keys) {
+    if (!k.grads.defined()) continue;
+    const void* impl = k.grads.storage().unsafeGetStorageImpl();
+    if (add) {
+      flat_registry()[impl] = k.slots;
+    } else {
+      flat_registry().erase(impl);
+    }
+  }
+}
+
+/// `grads` with every complete set of a flat optimizer's gradients replaced
+/// by its whole buffer (padding is zeros): one tensor instead of many for
+/// norms, unscaling and scaling. Order otherwise kept.
+inline std::vector<at::Tensor> coalesce_flat(const std::vector<at::Tensor>& grads) {
+  std::unordered_map<const void*, std::unordered_set<const void*>> seen;  // storage -> grads
+  {
+    std::lock_guard<std::mutex> lock(flat_registry_mutex());
+    if (flat_registry().empty()) return grads;
+    for (const auto& g : grads) {
+      if (!g.defined() || g.is_sparse()) continue;
+      const void* st = g.storage().unsafeGetStorageImpl();
+      auto it = flat_registry().find(st);
+      if (it != flat_registry().end()) seen[st].insert(g.unsafeGetTensorImpl());
+    }
+    for (auto it = seen.begin(); it != seen.end();) {
+      it = it->second.size() == flat_registry().at(it->first) ? std::next(it) : seen.erase(it);
+    }
+  }
+  if (seen.empty()) return grads;
+  std::vector<at::Tensor> out;
+  std::unordered_set<const void*> done;
+  for (const auto& g : grads) {
+    if (!g.defined() || g.is_sparse()) {
+      out.push_back(g);
+      continue;
+    }
+    const void* st = g.storage().unsafeGetStorageImpl();
+    if (!seen.count(st)) {
+      out.push_back(g);
+    } else if (done.insert(st).second) {
+      const auto n = static_cast<int64_t>(g.storage().nbytes() / g.element_size());
+      out.push_back(plain_view(g, 0, {n}, {1}));
+    }
+  }
+  return out;
 }
 
 inline bool fused_available(const Bucket& b) {
@@ -268,7 +493,12 @@ inline bool use_fused(const std::optional<bool>& fused, const Bucket& b, const c
 }
 
 inline std::string kernel_line(const Bucket& b, bool fused) {
-  return b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
+  std::string line = b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
+  if (b.flat) {
+    line += ", flat (" + std::to_string(b.params.size()) + (b.params.size() == 1 ? " tensor" : " tensors") + " for " +
+            std::to_string(b.parameters) + (b.parameters == 1 ? " parameter)" : " parameters)");
+  }
+  return line;
 }
 
 // Checks shared by the constructors: floating parameters, one device per group.
@@ -464,6 +694,323 @@ inline std::optional<torch::Tensor> FusedOptimizer::effective_found_inf(const st
   return one;
 }
 
+// --------------------------------------------------------------------------- flat mode
+
+inline FusedOptimizer::FusedOptimizer(FusedOptimizer&&) noexcept = default;
+
+inline FusedOptimizer::~FusedOptimizer() {
+  if (flat_ && flat_->built) detail::flat_register(*flat_, false);
+}
+
+inline void FusedOptimizer::init_flat(bool flat, const char* name) {
+  name_ = name;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto f = flat_option(param_groups_[g].options());
+    TORCH_CHECK(!f || *f == flat, name, ": param group ", g, " has flat(", *f ? "true" : "false",
+                ") but the optimizer's defaults have flat(", flat ? "true" : "false",
+                "); flat is one setting for the whole optimizer: set it on the defaults and leave the groups' unset");
+  }
+  if (!flat) return;
+  flat_ = std::make_unique<detail::FlatStore>();
+  flatten();
+}
+
+inline void FusedOptimizer::invalidate_flat() noexcept {
+  if (flat_) flat_->built = false;
+}
+
+inline void FusedOptimizer::ensure_flat() {
+  if (flat_ && flat_stale()) flatten();
+}
+
+// Cheap per-step check (pointer compares): same groups and parameters, each
+// parameter still backed by its slot, state still the views handed out.
+inline bool FusedOptimizer::flat_stale() const {
+  const auto& f = *flat_;
+  if (!f.built || f.group_begin.size() != param_groups_.size() + 1) return true;
+  size_t i = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    if (f.group_begin[g + 1] - f.group_begin[g] != params.size()) return true;
+    for (const auto& p : params) {
+      const auto& s = f.slots[i++];
+      const auto& k = f.keys[s.key];
+      if (p.unsafeGetTensorImpl() != s.param.unsafeGetTensorImpl() || !detail::same_storage(p, k.params) ||
+          p.storage_offset() != s.offset || p.strides() != at::IntArrayRef(s.strides) ||
+          p.sizes() != at::IntArrayRef(s.sizes))
+        return true;
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      auto* owner = it == state_.end() ? nullptr : it->second.get();
+      if (owner != s.owner) return true;
+      if (owner) {
+        auto ts = state_tensors(*owner);
+        for (size_t j = 0; j < 3; ++j) {
+          if (ts[j] && ts[j]->defined() && ts[j]->unsafeGetTensorImpl() != s.state[j].unsafeGetTensorImpl())
+            return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+// (Re)builds the buffers from the parameters', gradients' and state's current
+// values; the previous buffers (if any) are released once copied from.
+inline void FusedOptimizer::flatten() {
+  const char* name = name_;
+  TORCH_CHECK(!detail::capturing_cuda_graph(), name,
+              ": flat(true) must (re)build its buffers (first use, add_param_group, torch::load, or a parameter "
+              "moved by model->to or perf::to_channels_last), which cannot happen while a CUDA graph is being "
+              "captured; run one step eagerly first");
+  at::NoGradGuard no_grad;
+  auto old = std::move(flat_);
+  auto f = std::make_unique<detail::FlatStore>();
+  // Layout: per (device, dtype), groups in order, parameters in order.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params, seen_storage;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto flag = flat_option(param_groups_[g].options());
+    TORCH_CHECK(!flag || *flag, name, ": param group ", g,
+                " has flat(false) but the optimizer's defaults have flat(true); flat is one setting for the whole "
+                "optimizer: leave the groups' unset");
+    f->group_begin.push_back(f->slots.size());
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      TORCH_CHECK(p.layout() == at::kStrided, name, ": flat(true): parameter ", i, " of group ", g,
+                  " is not a dense (strided) tensor");
+      auto [it, fresh] = seen_params.emplace(p.unsafeGetTensorImpl(), std::make_pair(g, i));
+      TORCH_CHECK(fresh, name, ": flat(true): parameter ", i, " of group ", g, " is the same tensor as parameter ",
+                  it->second.second, " of group ", it->second.first, "; pass each parameter once");
+      const bool in_old = old && std::any_of(old->keys.begin(), old->keys.end(), [&](const detail::FlatKey& k) {
+                            return detail::same_storage(p, k.params);
+                          });
+      if (!in_old) {
+        auto [st, alone] = seen_storage.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(g, i));
+        TORCH_CHECK(alone, name, ": flat(true): parameter ", i, " of group ", g, " shares memory with parameter ",
+                    st->second.second, " of group ", st->second.first,
+                    " (one is a view of the other, e.g. tied weights); flat mode gives each parameter its own place "
+                    "in the buffer, which would untie them: pass the shared tensor once");
+      }
+      size_t key = 0;
+      while (key < f->keys.size() && (f->keys[key].device != p.device() || f->keys[key].dtype != p.scalar_type()))
+        ++key;
+      if (key == f->keys.size()) f->keys.push_back(detail::FlatKey{p.device(), p.scalar_type(), 0, 0, {}, {}, {}});
+      auto& k = f->keys[key];
+      detail::FlatSlot s;
+      s.param = p;
+      s.group = g;
+      s.key = key;
+      s.pos = k.slots++;
+      s.offset = detail::flat_align(k.numel, k.dtype);
+      s.sizes = p.sizes().vec();
+      s.strides = p.is_non_overlapping_and_dense() ? p.strides().vec()
+                                                   : at::IntArrayRef(c10::contiguous_strides(p.sizes())).vec();
+      k.numel = s.offset + p.numel();
+      f->slots.push_back(std::move(s));
+    }
+  }
+  f->group_begin.push_back(f->slots.size());
+  for (auto& k : f->keys) {
+    const auto opts = at::TensorOptions().device(k.device).dtype(k.dtype);
+    k.params = at::zeros({k.numel}, opts);
+    k.grads = at::zeros({k.numel}, opts);
+  }
+  // Values: parameters, gradients (unless another buffer owns them), state.
+  std::vector<at::Tensor> steps;  // a counter per slot with state, for merging
+  std::vector<size_t> step_slots;
+  for (auto& s : f->slots) {
+    auto& k = f->keys[s.key];
+    auto& p = s.param;
+    auto pv = detail::slot_view(k.params, s);
+    pv.copy_(p);
+    p.set_data(pv);
+    s.grad = detail::slot_view(k.grads, s);
+    auto& grad = p.mutable_grad();
+    const bool ours_before =
+        grad.defined() && old && std::any_of(old->keys.begin(), old->keys.end(), [&](const detail::FlatKey& ok) {
+          return detail::same_storage(grad, ok.grads);
+        });
+    if (!grad.defined()) {
+      grad = s.grad;
+    } else if (ours_before || detail::owns_storage(grad)) {
+      TORCH_CHECK(!grad.is_sparse(), name, ": flat(true) does not support sparse gradients (parameter in group ",
+                  s.group, ")");
+      s.grad.copy_(grad);
+      grad = s.grad;
+    }
+    auto it = state_.find(p.unsafeGetTensorImpl());
+    if (it == state_.end()) continue;
+    s.owner = it->second.get();
+    auto ts = state_tensors(*s.owner);
+    for (size_t j = 0; j < 3; ++j) {
+      if (!ts[j] || !ts[j]->defined()) continue;
+      if (!k.state[j].defined()) k.state[j] = at::zeros({k.numel}, k.params.options());
+      s.state[j] = detail::slot_view(k.state[j], s);
+      s.state[j].copy_(*ts[j]);
+      *ts[j] = s.state[j];
+    }
+    if (auto* step = state_step(*s.owner); step && step->defined()) {
+      steps.push_back(step->to(at::kFloat).reshape({}));
+      step_slots.push_back(&s - f->slots.data());
+    }
+  }
+  // Step counters: one tensor per (group, key, value), so that runs stay long.
+  if (!steps.empty()) {
+    const auto values = at::stack(steps).to(at::kCPU).to(at::kDouble);  // one host read, at rebuild only
+    const auto* v = values.const_data_ptr<double>();
+    std::map<std::tuple<size_t, size_t, double>, at::Tensor> shared;
+    for (size_t n = 0; n < step_slots.size(); ++n) {
+      auto& s = f->slots[step_slots[n]];
+      auto& t = shared[{s.group, s.key, v[n]}];
+      if (!t.defined()) t = at::full({}, v[n], at::TensorOptions().device(s.param.device()).dtype(at::kFloat));
+      *state_step(*s.owner) = t;
+    }
+  }
+  if (old && old->built) detail::flat_register(*old, false);
+  f->built = true;
+  detail::flat_register(*f, true);
+  flat_ = std::move(f);
+}
+
+inline std::vector<detail::Bucket> FusedOptimizer::flat_buckets(size_t g, std::array<bool, 3> kinds, bool split_first) {
+  auto& f = *flat_;
+  const bool any_state = kinds[0] || kinds[1] || kinds[2];
+  struct Part {
+    size_t slot;
+    bool ours, first;
+    const void* step;
+  };
+  std::vector<Part> parts;
+  std::map<size_t, at::Tensor> newcomer_steps;  // key -> counter of parameters stepped for the first time
+  for (size_t i = f.group_begin[g]; i < f.group_begin[g + 1]; ++i) {
+    auto& s = f.slots[i];
+    auto& p = s.param;
+    if (!p.requires_grad() || !p.grad().defined()) continue;  // frozen, or no gradient
+    detail::check_grad(p, g, name_);
+    auto& grad = p.mutable_grad();
+    bool ours = grad.unsafeGetTensorImpl() == s.grad.unsafeGetTensorImpl();
+    if (!ours && detail::owns_storage(grad)) {  // a fresh gradient: back into the buffer
+      s.grad.copy_(grad);
+      grad = s.grad;
+      ours = true;
+    }
+    bool first = false;
+    const void* step = nullptr;
+    if (any_state) {
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      const bool created = !slot;
+      if (created) slot = make_state();
+      s.owner = slot.get();
+      auto ts = state_tensors(*slot);
+      auto& k = f.keys[s.key];
+      for (size_t j = 0; j < 3; ++j) {
+        if (!kinds[j] || ts[j]->defined()) continue;
+        if (!k.state[j].defined()) k.state[j] = at::zeros({k.numel}, k.params.options());
+        if (!s.state[j].defined()) s.state[j] = detail::slot_view(k.state[j], s);
+        s.state[j].zero_();  // a parameter's first step: no history
+        *ts[j] = s.state[j];
+        if (j == 0) first = split_first;
+      }
+      if (auto* st = state_step(*slot)) {
+        if (created || !st->defined()) {
+          auto& t = newcomer_steps[s.key];
+          if (!t.defined()) t = at::zeros({}, at::TensorOptions().device(p.device()).dtype(at::kFloat));
+          *st = t;
+        }
+        step = st->unsafeGetTensorImpl();
+      }
+    }
+    parts.push_back({i, ours, first, step});
+  }
+  // A counter shared with parameters not stepped now (frozen, no gradient)
+  // forks: they keep a copy, so each counts only its own steps.
+  if (!parts.empty() && parts.front().step) {
+    std::unordered_map<const void*, size_t> stepping;
+    for (const auto& pt : parts) ++stepping[pt.step];
+    std::unordered_map<const void*, at::Tensor> forks;
+    size_t pi = 0;
+    for (size_t i = f.group_begin[g]; i < f.group_begin[g + 1]; ++i) {
+      if (pi < parts.size() && parts[pi].slot == i) {
+        ++pi;
+        continue;
+      }
+      auto& s = f.slots[i];
+      if (!s.owner) continue;
+      auto* st = state_step(*s.owner);
+      if (!st || !st->defined() || !stepping.count(st->unsafeGetTensorImpl())) continue;
+      auto& fork = forks[st->unsafeGetTensorImpl()];
+      if (!fork.defined()) fork = st->clone();
+      *st = fork;
+    }
+  }
+  // Runs: adjacent slots of one key with the same counter (and first flag).
+  std::vector<detail::Bucket> buckets;
+  size_t run_begin = 0, run_end = 0;  // indices into parts, [begin, end)
+  auto flush = [&] {
+    if (run_begin == run_end) return;
+    const auto& s0 = f.slots[parts[run_begin].slot];
+    const auto& s1 = f.slots[parts[run_end - 1].slot];
+    auto& k = f.keys[s0.key];
+    auto& b = detail::bucket_for(buckets, k.device, k.dtype, parts[run_begin].first);
+    b.flat = true;
+    b.parameters += static_cast<int64_t>(run_end - run_begin);
+    const bool single = run_end - run_begin == 1;
+    const int64_t begin = s0.offset, len = s1.offset + s1.param.numel() - s0.offset;
+    auto range = [&](const at::Tensor& buffer, const at::Tensor& view) {
+      return single ? view : buffer.narrow(0, begin, len);
+    };
+    b.params.push_back(range(k.params, s0.param));
+    b.grads.push_back(parts[run_begin].ours ? range(k.grads, s0.grad) : s0.param.grad());
+    if (kinds[0]) b.a.push_back(range(k.state[0], s0.state[0]));
+    if (kinds[1]) b.b.push_back(range(k.state[1], s0.state[1]));
+    if (kinds[2]) b.c.push_back(range(k.state[2], s0.state[2]));
+    if (parts[run_begin].step) {
+      const auto& step = *state_step(*s0.owner);
+      b.steps.push_back(step);
+      if (std::none_of(b.unique_steps.begin(), b.unique_steps.end(),
+                       [&](const at::Tensor& t) { return t.is_same(step); }))
+        b.unique_steps.push_back(step);
+    }
+    run_begin = run_end;
+  };
+  for (size_t n = 0; n < parts.size(); ++n) {
+    if (n > run_begin) {
+      const auto& prev = parts[n - 1];
+      const auto& cur = parts[n];
+      const auto& ps = f.slots[prev.slot];
+      const auto& cs = f.slots[cur.slot];
+      const bool extend = prev.ours && cur.ours && cs.key == ps.key && cs.pos == ps.pos + 1 && cur.step == prev.step &&
+                          cur.first == prev.first;
+      if (!extend) flush();
+    }
+    run_end = n + 1;
+  }
+  flush();
+  return buckets;
+}
+
+inline void FusedOptimizer::zero_grad(bool set_to_none) {
+  if (!flat_) return perf::optim::zero_grad(*this, set_to_none);
+  ensure_flat();
+  at::NoGradGuard no_grad;
+  for (auto& k : flat_->keys) k.grads.zero_();
+  for (auto& s : flat_->slots) {
+    auto& grad = s.param.mutable_grad();
+    if (grad.unsafeGetTensorImpl() == s.grad.unsafeGetTensorImpl()) continue;
+    if (!grad.defined() || detail::owns_storage(grad)) {
+      grad = s.grad;  // back into the buffer
+      continue;
+    }
+    detail::clear_grad(grad, set_to_none);  // someone else's view (DDP's bucket): as without flat
+  }
+}
+
+inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none) {
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) detail::clear_grad(p.mutable_grad(), set_to_none);
+  }
+}
+
 // --------------------------------------------------------------------------- Adam / AdamW
 
 namespace detail {
@@ -491,41 +1038,49 @@ AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
   for (size_t g = 0; g < this->param_groups_.size(); ++g)
     detail::check_adam_options(static_cast<const Options&>(this->param_groups_[g].options()),
                                " in param group " + std::to_string(g));
+  this->init_flat(defaults.flat().value_or(false), detail::adam_name<D>());
 }
 
 template <bool D>
 void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
   const char* name = detail::adam_name<D>();
   this->kernels_.clear();
+  this->ensure_flat();
   for (size_t g = 0; g < this->param_groups_.size(); ++g) {
     auto& group = this->param_groups_[g];
     const auto& o = static_cast<const Options&>(group.options());
     detail::check_adam_options(o, " in param group " + std::to_string(g));
     std::vector<detail::Bucket> buckets;
-    for (const auto& p : group.params()) {
-      if (!p.grad().defined()) continue;  // skipped, like PyTorch
-      detail::check_grad(p, g, name);
-      auto& slot = this->state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto s = std::make_unique<AdamParamState>();
-        s->step(at::zeros({}, p.options().dtype(at::kFloat)));
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        slot = std::move(s);
+    if (this->flat()) {
+      buckets = this->flat_buckets(g, {true, true, o.amsgrad()}, /*split_first=*/false);
+    } else {
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;  // skipped, like PyTorch
+        detail::check_grad(p, g, name);
+        auto& slot = this->state_[p.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto s = std::make_unique<AdamParamState>();
+          s->step(at::zeros({}, p.options().dtype(at::kFloat)));
+          s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+          s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+          slot = std::move(s);
+        }
+        auto& s = static_cast<AdamParamState&>(*slot);
+        if (o.amsgrad() && !s.max_exp_avg_sq().defined())
+          s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        detail::to_param_device(s.step(), p);
+        detail::to_param_device(s.exp_avg(), p);
+        detail::to_param_device(s.exp_avg_sq(), p);
+        detail::to_param_device(s.max_exp_avg_sq(), p);
+        auto& b = detail::bucket_for(buckets, p);
+        b.params.push_back(p);
+        b.grads.push_back(p.grad());
+        b.a.push_back(s.exp_avg());
+        b.b.push_back(s.exp_avg_sq());
+        if (o.amsgrad()) b.c.push_back(s.max_exp_avg_sq());
+        b.steps.push_back(s.step());
       }
-      auto& s = static_cast<AdamParamState&>(*slot);
-      if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-      detail::to_param_device(s.step(), p);
-      detail::to_param_device(s.exp_avg(), p);
-      detail::to_param_device(s.exp_avg_sq(), p);
-      detail::to_param_device(s.max_exp_avg_sq(), p);
-      auto& b = detail::bucket_for(buckets, p);
-      b.params.push_back(p);
-      b.grads.push_back(p.grad());
-      b.a.push_back(s.exp_avg());
-      b.b.push_back(s.exp_avg_sq());
-      if (o.amsgrad()) b.c.push_back(s.max_exp_avg_sq());
-      b.steps.push_back(s.step());
+      for (auto& b : buckets) b.unique_steps = b.steps;
     }
     const auto [beta1, beta2] = o.betas();
     for (auto& b : buckets) {
@@ -534,7 +1089,7 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
       const auto gs = detail::on_device(grad_scale, b.device);
       const auto fi = this->effective_found_inf(detail::on_device(found_inf, b.device), b.device);
       if (fused) {
-        at::_foreach_add_(b.steps, 1);
+        at::_foreach_add_(b.unique_steps, 1);
         if (b.device.is_cuda()) {  // lr as a device tensor: replayed graphs see the scheduler's value
           const auto& lr = this->lr_tensor(g, b.device, o.lr());
           if constexpr (D) {
@@ -552,12 +1107,12 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
                            o.amsgrad(), o.maximize(), gs, fi);
         }
         // The kernel leaves params alone on inf; undo the step count too (as Python does).
-        if (fi) at::_foreach_sub_(b.steps, std::vector<at::Tensor>(b.steps.size(), *fi));
+        if (fi) at::_foreach_sub_(b.unique_steps, std::vector<at::Tensor>(b.unique_steps.size(), *fi));
         continue;
       }
       // _foreach_ path: Python's capturable multi-tensor Adam (no host sync).
       if (this->skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
-      at::_foreach_add_(b.steps, 1);
+      at::_foreach_add_(b.unique_steps, 1);
       auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
       if (o.weight_decay() != 0) {
         if (D) {
@@ -612,36 +1167,42 @@ inline SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
   for (size_t g = 0; g < param_groups_.size(); ++g)
     detail::check_sgd_options(static_cast<const SGDOptions&>(param_groups_[g].options()),
                               " in param group " + std::to_string(g));
+  init_flat(defaults.flat().value_or(false), "perf::optim::SGD");
 }
 
 inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
   const char* name = "perf::optim::SGD";
   kernels_.clear();
+  ensure_flat();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const SGDOptions&>(group.options());
     detail::check_sgd_options(o, " in param group " + std::to_string(g));
     const bool momentum = o.momentum() != 0;
     std::vector<detail::Bucket> buckets;
-    for (const auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      detail::check_grad(p, g, name);
-      SGDParamState* s = nullptr;
-      if (momentum) {
-        auto& slot = state_[p.unsafeGetTensorImpl()];
-        if (!slot) slot = std::make_unique<SGDParamState>();
-        s = static_cast<SGDParamState*>(slot.get());
-        detail::to_param_device(s->momentum_buffer(), p);
-      }
-      const bool first = momentum && !s->momentum_buffer().defined();
-      auto& b = detail::bucket_for(buckets, p, first);
-      b.params.push_back(p);
-      b.grads.push_back(p.grad());
-      if (momentum) {
-        // Zeros, not empty: a first step skipped on inf (found_inf) returns before
-        // the kernel writes the buffer, and must leave it as if never called.
-        if (first) s->momentum_buffer(at::zeros_like(p.grad()));
-        b.a.push_back(s->momentum_buffer());
+    if (flat()) {
+      buckets = flat_buckets(g, {momentum, false, false}, /*split_first=*/true);
+    } else {
+      for (const auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        detail::check_grad(p, g, name);
+        SGDParamState* s = nullptr;
+        if (momentum) {
+          auto& slot = state_[p.unsafeGetTensorImpl()];
+          if (!slot) slot = std::make_unique<SGDParamState>();
+          s = static_cast<SGDParamState*>(slot.get());
+          detail::to_param_device(s->momentum_buffer(), p);
+        }
+        const bool first = momentum && !s->momentum_buffer().defined();
+        auto& b = detail::bucket_for(buckets, p, first);
+        b.params.push_back(p);
+        b.grads.push_back(p.grad());
+        if (momentum) {
+          // Zeros, not empty: a first step skipped on inf (found_inf) returns before
+          // the kernel writes the buffer, and must leave it as if never called.
+          if (first) s->momentum_buffer(at::zeros_like(p.grad()));
+          b.a.push_back(s->momentum_buffer());
+        }
       }
     }
     for (auto& b : buckets) {
@@ -687,7 +1248,8 @@ namespace perf {
 /// sync (LibTorch's torch::nn::utils::clip_grad_norm_ returns a double, which
 /// syncs), so it runs inside perf::TrainStep's captured step and after
 /// GradScaler::unscale_. norm_type: p > 0 or infinity. Parameters without a
-/// gradient are ignored; none at all returns 0.
+/// gradient are ignored; none at all returns 0. The gradients of a flat
+/// optimizer (all of them) are one tensor: one norm kernel, one scale kernel.
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0);
 
 inline torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type) {
@@ -705,6 +1267,7 @@ inline torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameter
   }
   if (!first) return at::zeros({}, at::kFloat);
   const bool inf = std::isinf(norm_type);
+  for (auto& [key, grads] : groups) grads = optim::detail::coalesce_flat(grads);  // flat: one tensor
   std::vector<at::Tensor> norms;
   for (auto& [key, grads] : groups) {
     for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat))
