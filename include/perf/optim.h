@@ -763,7 +763,8 @@ inline void FusedOptimizer::flatten() {
               "moved by model->to or perf::to_channels_last), which cannot happen while a CUDA graph is being "
               "captured; run one step eagerly first");
   at::NoGradGuard no_grad;
-  auto old = std::move(flat_);
+  // Checks and allocations first: a failure leaves everything as it was.
+  const detail::FlatStore* old = flat_.get();
   auto f = std::make_unique<detail::FlatStore>();
   // Layout: per (device, dtype), groups in order, parameters in order.
   std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params, seen_storage;
@@ -810,10 +811,22 @@ inline void FusedOptimizer::flatten() {
     }
   }
   f->group_begin.push_back(f->slots.size());
+  for (auto& s : f->slots) {  // which state buffers the existing state needs
+    auto it = state_.find(s.param.unsafeGetTensorImpl());
+    if (it == state_.end()) continue;
+    auto ts = state_tensors(*it->second);
+    for (size_t j = 0; j < 3; ++j) {
+      auto& buffer = f->keys[s.key].state[j];
+      if (ts[j] && ts[j]->defined() && !buffer.defined()) buffer = at::empty({0});  // marked, allocated below
+    }
+  }
   for (auto& k : f->keys) {
     const auto opts = at::TensorOptions().device(k.device).dtype(k.dtype);
     k.params = at::zeros({k.numel}, opts);
     k.grads = at::zeros({k.numel}, opts);
+    for (auto& buffer : k.state) {
+      if (buffer.defined()) buffer = at::zeros({k.numel}, opts);
+    }
   }
   // Values: parameters, gradients (unless another buffer owns them), state.
   std::vector<at::Tensor> steps;  // a counter per slot with state, for merging
@@ -844,19 +857,18 @@ inline void FusedOptimizer::flatten() {
     auto ts = state_tensors(*s.owner);
     for (size_t j = 0; j < 3; ++j) {
       if (!ts[j] || !ts[j]->defined()) continue;
-      if (!k.state[j].defined()) k.state[j] = at::zeros({k.numel}, k.params.options());
       s.state[j] = detail::slot_view(k.state[j], s);
       s.state[j].copy_(*ts[j]);
       *ts[j] = s.state[j];
     }
     if (auto* step = state_step(*s.owner); step && step->defined()) {
-      steps.push_back(step->to(at::kFloat).reshape({}));
+      steps.push_back(step->detach().to(at::kCPU, at::kFloat).reshape({}));  // devices may differ
       step_slots.push_back(&s - f->slots.data());
     }
   }
   // Step counters: one tensor per (group, key, value), so that runs stay long.
   if (!steps.empty()) {
-    const auto values = at::stack(steps).to(at::kCPU).to(at::kDouble);  // one host read, at rebuild only
+    const auto values = at::stack(steps).to(at::kDouble);  // host values, read at rebuild only
     const auto* v = values.const_data_ptr<double>();
     std::map<std::tuple<size_t, size_t, double>, at::Tensor> shared;
     for (size_t n = 0; n < step_slots.size(); ++n) {
