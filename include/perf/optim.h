@@ -240,6 +240,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   };
   bool flat_stale() const;
   void flatten();
+  void check_group_flat(size_t g, bool flat) const;
   std::map<std::pair<size_t, std::string>, LrSlot> lr_tensors_;  // (group, device)
   std::map<std::string, torch::Tensor> ones_;                    // device -> 1.0f
   std::unique_ptr<detail::FlatStore> flat_;
@@ -704,15 +705,17 @@ inline FusedOptimizer::~FusedOptimizer() {
 
 inline void FusedOptimizer::init_flat(bool flat, const char* name) {
   name_ = name;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto f = flat_option(param_groups_[g].options());
-    TORCH_CHECK(!f || *f == flat, name, ": param group ", g, " has flat(", *f ? "true" : "false",
-                ") but the optimizer's defaults have flat(", flat ? "true" : "false",
-                "); flat is one setting for the whole optimizer: set it on the defaults and leave the groups' unset");
-  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) check_group_flat(g, flat);
   if (!flat) return;
   flat_ = std::make_unique<detail::FlatStore>();
   flatten();
+}
+
+inline void FusedOptimizer::check_group_flat(size_t g, bool flat) const {
+  const auto f = flat_option(param_groups_[g].options());
+  TORCH_CHECK(!f || *f == flat, name_, ": param group ", g, " has flat(", *f ? "true" : "false",
+              ") but the optimizer's defaults have flat(", flat ? "true" : "false",
+              "); flat is one setting for the whole optimizer: set it on the defaults and leave the groups' unset");
 }
 
 inline void FusedOptimizer::invalidate_flat() noexcept {
@@ -769,10 +772,7 @@ inline void FusedOptimizer::flatten() {
   // Layout: per (device, dtype), groups in order, parameters in order.
   std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params, seen_storage;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto flag = flat_option(param_groups_[g].options());
-    TORCH_CHECK(!flag || *flag, name, ": param group ", g,
-                " has flat(false) but the optimizer's defaults have flat(true); flat is one setting for the whole "
-                "optimizer: leave the groups' unset");
+    check_group_flat(g, true);  // a group added since construction
     f->group_begin.push_back(f->slots.size());
     const auto& params = param_groups_[g].params();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -811,21 +811,20 @@ inline void FusedOptimizer::flatten() {
     }
   }
   f->group_begin.push_back(f->slots.size());
-  for (auto& s : f->slots) {  // which state buffers the existing state needs
+  std::vector<std::array<bool, 3>> needs(f->keys.size(), {false, false, false});  // state buffers in use
+  for (auto& s : f->slots) {
     auto it = state_.find(s.param.unsafeGetTensorImpl());
     if (it == state_.end()) continue;
     auto ts = state_tensors(*it->second);
-    for (size_t j = 0; j < 3; ++j) {
-      auto& buffer = f->keys[s.key].state[j];
-      if (ts[j] && ts[j]->defined() && !buffer.defined()) buffer = at::empty({0});  // marked, allocated below
-    }
+    for (size_t j = 0; j < 3; ++j) needs[s.key][j] = needs[s.key][j] || (ts[j] && ts[j]->defined());
   }
-  for (auto& k : f->keys) {
+  for (size_t key = 0; key < f->keys.size(); ++key) {
+    auto& k = f->keys[key];
     const auto opts = at::TensorOptions().device(k.device).dtype(k.dtype);
     k.params = at::zeros({k.numel}, opts);
     k.grads = at::zeros({k.numel}, opts);
-    for (auto& buffer : k.state) {
-      if (buffer.defined()) buffer = at::zeros({k.numel}, opts);
+    for (size_t j = 0; j < 3; ++j) {
+      if (needs[key][j]) k.state[j] = at::zeros({k.numel}, opts);
     }
   }
   // Values: parameters, gradients (unless another buffer owns them), state.
@@ -845,9 +844,7 @@ inline void FusedOptimizer::flatten() {
         });
     if (!grad.defined()) {
       grad = s.grad;
-    } else if (ours_before || detail::owns_storage(grad)) {
-      TORCH_CHECK(!grad.is_sparse(), name, ": flat(true) does not support sparse gradients (parameter in group ",
-                  s.group, ")");
+    } else if (ours_before || detail::owns_storage(grad)) {  // a sparse gradient is neither: refused at step()
       s.grad.copy_(grad);
       grad = s.grad;
     }
