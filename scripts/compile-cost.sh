@@ -2,7 +2,8 @@
 # What each perf header adds to a translation unit's compile time, over
 # `#include <torch/torch.h>` alone (what a LibTorch program already pays), and
 # over an empty file. Compiles one small TU per header with the flags of a
-# Release build (-O3), best of N runs each, and prints a markdown table.
+# Release build (-O3), best of N runs each (compiler CPU time), and prints a
+# markdown table.
 #   bash scripts/compile-cost.sh [runs]     (default 2)
 source "$(dirname "$0")/common.sh"
 runs=${1:-2}
@@ -12,14 +13,15 @@ cxx=${CXX:-c++}
 flags="-std=c++17 -O3 -DNDEBUG -DPERF_WITH_CUDA=1 -Iinclude $inc -isystem /usr/local/cuda/include -w"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-measure() {  # file -> best wall seconds
+# CPU seconds (user + sys) of the compiler, best of `runs`: steadier than wall
+# time on a shared VM, where one run's wall time moves by a second.
+measure() {  # file -> best CPU seconds
   local best=999
   for ((i = 0; i < runs; i++)); do
-    local t0 t1
-    t0=$(date +%s.%N)
-    $cxx $flags -c "$1" -o "$tmp/o.o" || { echo "compile failed: $1" >&2; exit 1; }
-    t1=$(date +%s.%N)
-    best=$(python3 -c "print(min($best, $t1 - $t0))")
+    local t
+    t=$( { TIMEFORMAT='%U %S'; time $cxx $flags -c "$1" -o "$tmp/o.o" 2>"$tmp/err"; } 2>&1 ) ||
+      { echo "compile failed: $1" >&2; cat "$tmp/err" >&2; exit 1; }
+    best=$(python3 -c "u, s = '$t'.split(); print(min($best, float(u) + float(s)))")
   done
   echo "$best"
 }
