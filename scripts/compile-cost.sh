@@ -3,7 +3,9 @@
 # `#include <torch/torch.h>` alone (what a LibTorch program already pays), and
 # over an empty file. Compiles one small TU per header with the flags of a
 # Release build (-O3), best of N runs each (compiler CPU time), and prints a
-# markdown table.
+# markdown table. The last column is the same translation unit built the way
+# perf::perf_static's users build it (PERF_SEPARATE_COMPILATION: declarations
+# only; the definitions are compiled once, in src/perf.cpp).
 #   bash scripts/compile-cost.sh [runs]     (default 2)
 source "$(dirname "$0")/common.sh"
 runs=${1:-2}
@@ -15,11 +17,11 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # CPU seconds (user + sys) of the compiler, best of `runs`: steadier than wall
 # time on a shared VM, where one run's wall time moves by a second.
-measure() {  # file -> best CPU seconds
+measure() {  # file [extra flags] -> best CPU seconds
   local best=999
   for ((i = 0; i < runs; i++)); do
     local t
-    t=$( { TIMEFORMAT='%U %S'; time $cxx $flags -c "$1" -o "$tmp/o.o" 2>"$tmp/err"; } 2>&1 ) ||
+    t=$( { TIMEFORMAT='%U %S'; time $cxx $flags ${2:-} -c "$1" -o "$tmp/o.o" 2>"$tmp/err"; } 2>&1 ) ||
       { echo "compile failed: $1" >&2; cat "$tmp/err" >&2; exit 1; }
     best=$(python3 -c "u, s = '$t'.split(); print(min($best, float(u) + float(s)))")
   done
@@ -29,14 +31,16 @@ printf 'int main() { return 0; }\n' >"$tmp/empty.cpp"
 printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
 base=$(measure "$tmp/empty.cpp")
 torch=$(measure "$tmp/torch.cpp")
-echo "| header | alone (s) | with torch/torch.h (s) | added over torch/torch.h (s) |"
-echo "| --- | --- | --- | --- |"
-printf '| (torch/torch.h only) | - | %.1f | - |\n' "$torch"
+echo "| header | alone (s) | with torch/torch.h (s) | added over torch/torch.h (s) | added, perf::perf_static (s) |"
+echo "| --- | --- | --- | --- | --- |"
+printf '| (torch/torch.h only) | - | %.1f | - | - |\n' "$torch"
 for h in include/perf/*.h; do
   name=${h#include/}
   printf '#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/alone.cpp"
   printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
   a=$(measure "$tmp/alone.cpp")
   w=$(measure "$tmp/with.cpp")
-  printf '| `%s` | %.1f | %.1f | %+.1f |\n' "$name" "$(python3 -c "print($a - $base)")" "$w" "$(python3 -c "print($w - $torch)")"
+  s=$(measure "$tmp/with.cpp" -DPERF_SEPARATE_COMPILATION)
+  printf '| `%s` | %.1f | %.1f | %+.1f | %+.1f |\n' "$name" "$(python3 -c "print($a - $base)")" "$w" \
+    "$(python3 -c "print($w - $torch)")" "$(python3 -c "print($s - $torch)")"
 done

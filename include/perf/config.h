@@ -7,7 +7,20 @@
 // guessed from whether LibTorch's CUDA headers and the CUDA runtime headers are
 // on the include path. With PERF_WITH_CUDA=1 the program must link torch_cuda
 // and c10_cuda (TORCH_LIBRARIES from a CUDA LibTorch does).
+//
+// PERF_SEPARATE_COMPILATION: perf is header-only by default. Defined (the CMake
+// target perf::perf_static does it), each header declares its non-template
+// functions and src/perf.cpp compiles their definitions (perf/impl/*-inl.h)
+// once into a static library, so a translation unit that includes perf parses
+// less (docs/compile-time.md). Every translation unit of a program must agree.
 #pragma once
+
+#ifdef PERF_SEPARATE_COMPILATION
+#define PERF_INLINE
+#else
+#define PERF_HEADER_ONLY
+#define PERF_INLINE inline
+#endif
 
 #define PERF_VERSION_MAJOR 0
 #define PERF_VERSION_MINOR 1
@@ -24,6 +37,10 @@
 #else
 #define PERF_WITH_CUDA 0
 #endif
+#endif
+
+#if defined(PERF_SEPARATE_COMPILATION) && defined(PERF_STATIC_WITH_CUDA) && PERF_STATIC_WITH_CUDA != PERF_WITH_CUDA
+#error "perf::perf_static was built with another PERF_WITH_CUDA: rebuild it with this one, or link perf::perf"
 #endif
 
 #include <torch/version.h>

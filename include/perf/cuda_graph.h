@@ -306,35 +306,15 @@ template <typename R>
 using graph_out_t =
     std::conditional_t<std::is_same_v<std::decay_t<R>, at::Tensor>, at::Tensor, std::vector<at::Tensor>>;
 
-inline std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
+PERF_INLINE std::string shape_str(const at::Tensor& t);
 
-inline std::string first_line(const std::exception& e) {
-  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
-  const std::string what = c10e ? c10e->what_without_backtrace() : e.what();
-  return what.substr(0, what.find('\n'));
-}
+PERF_INLINE std::string first_line(const std::exception& e);
 
-inline const char* capture_hint() {
-  return "Likely causes: a host sync inside the captured code (.item(), .cpu(), printing or branching on a CUDA "
-         "tensor), a CPU tensor or a host-to-device copy from pageable memory, an allocation outside the graph's "
-         "memory pool, or shapes that change between calls. Set eager_fallback(true) to run eagerly with a warning "
-         "instead.";
-}
+PERF_INLINE const char* capture_hint();
 
 // Adds perf's context to a c10::Error and rethrows the same object (its type,
 // e.g. c10::OutOfMemoryError, is kept); other exceptions pass unchanged.
-[[noreturn]] inline void rethrow_with_context(const std::string& context) {
-  try {
-    throw;
-  } catch (c10::Error& e) {
-    e.add_context(context);
-    throw;
-  }
-}
+[[noreturn]] PERF_INLINE void rethrow_with_context(const std::string& context);
 
 // Turns the autocast weight cache off for a scope (and empties it): cached
 // low-precision copies made during capture would be baked into the graph.
@@ -395,23 +375,9 @@ class ForwardSnapshot {
 
 #if PERF_WITH_CUDA
 // `waiter` waits for the work queued so far on `on`, without a host sync.
-inline void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
-  at::cuda::CUDAEvent e;
-  e.record(on);
-  e.block(waiter);
-}
+PERF_INLINE void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on);
 
-inline cudaStreamCaptureMode to_cuda(CaptureErrorMode m) {
-  switch (m) {
-    case CaptureErrorMode::global:
-      return cudaStreamCaptureModeGlobal;
-    case CaptureErrorMode::thread_local_:
-      return cudaStreamCaptureModeThreadLocal;
-    case CaptureErrorMode::relaxed:
-      return cudaStreamCaptureModeRelaxed;
-  }
-  return cudaStreamCaptureModeThreadLocal;
-}
+PERF_INLINE cudaStreamCaptureMode to_cuda(CaptureErrorMode m);
 
 // at::cuda::CUDAGraph that can abandon a failed capture. In LibTorch 2.11,
 // capture_end() throws at cudaStreamEndCapture before it ends the allocator's
@@ -470,70 +436,12 @@ enum class CaptureResult { captured, fell_back };
 // caller in errors. Errors in warm-up are the function's own and always
 // propagate; a host sync found in warm-up, or a failed capture, propagates
 // unless `eager_fallback`, in which case it warns and returns fell_back.
-inline CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10::Device& device, int warmup,
-                                            bool check_syncs, CaptureErrorMode mode,
-                                            const std::optional<c10::MempoolId_t>& pool, bool eager_fallback,
-                                            const std::string& who, const std::function<void()>& warm,
-                                            const std::function<void()>& body,
-                                            const std::function<void()>& after_warmup = nullptr) {
-  c10::cuda::CUDAGuard device_guard(device.index());
-  const auto main = c10::cuda::getCurrentCUDAStream(device.index());
-  const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
-  AutocastCacheOff no_cache;
-  auto fallback = [&](const std::string& what) {
-    TORCH_WARN(who, ": ", what, "; running eagerly as eager_fallback(true) asks");
-    return CaptureResult::fell_back;
-  };
-  stream_wait(side, main);
-  {
-    c10::cuda::CUDAStreamGuard g(side);
-    for (int i = 0; i < warmup; ++i) {
-      const bool checked = check_syncs && i + 1 == warmup;
-      try {
-        std::optional<SyncDebugGuard> sync_errors;
-        if (checked) sync_errors.emplace(c10::cuda::SyncDebugMode::L_ERROR);
-        warm();
-      } catch (const std::exception& e) {
-        const bool sync = checked && first_line(e).find("synchronizing CUDA operation") != std::string::npos;
-        if (sync && eager_fallback) {
-          stream_wait(main, side);
-          return fallback("a host-device sync in the captured code (" + first_line(e) + ")");
-        }
-        rethrow_with_context(sync ? who +
-                                        ": the code to capture makes a host-device sync, which a CUDA graph cannot "
-                                        "contain (found in the last warm-up call, before capture, with sync-debug "
-                                        "mode \"error\"). " +
-                                        capture_hint()
-                                  : who + ": failed in warm-up call " + std::to_string(i + 1) + " of " +
-                                        std::to_string(warmup) + ", before capture (an error of the code itself)");
-      }
-    }
-  }
-  stream_wait(main, side);
-  c10::cuda::device_synchronize();
-  if (after_warmup) after_warmup();
-  const c10::MempoolId_t pool_id = pool.value_or(at::cuda::graph_pool_handle());  // explicit: abandon() knows it
-  {
-    c10::cuda::CUDAStreamGuard g(side);
-    graph.capture_begin(pool_id, to_cuda(mode));
-    try {
-      body();
-      graph.capture_end();
-    } catch (const std::exception& e) {
-      const std::string what = first_line(e);
-      TORCH_CHECK(graph.abandon(), who, ": CUDA graph capture failed (", what,
-                  ") and left CUDA in a state perf could not repair (stream still capturing or generator still in "
-                  "capture); the process must restart before it uses CUDA again");
-      if (eager_fallback) {
-        stream_wait(main, side);
-        return fallback("CUDA graph capture failed (" + what + ")");
-      }
-      rethrow_with_context(who + ": CUDA graph capture failed. " + capture_hint());
-    }
-  }
-  stream_wait(main, side);
-  return CaptureResult::captured;
-}
+PERF_INLINE CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10::Device& device, int warmup,
+                                                 bool check_syncs, CaptureErrorMode mode,
+                                                 const std::optional<c10::MempoolId_t>& pool, bool eager_fallback,
+                                                 const std::string& who, const std::function<void()>& warm,
+                                                 const std::function<void()>& body,
+                                                 const std::function<void()>& after_warmup = nullptr);
 #endif
 
 }  // namespace detail
@@ -548,13 +456,6 @@ struct Graphed<Out>::Bucket {
   std::unique_ptr<detail::SafeCUDAGraph> graph;
 #endif
 };
-
-inline c10::MempoolId_t graph_pool_handle() {
-#if PERF_WITH_CUDA
-  if (c10::cuda::device_count() > 0) return at::cuda::graph_pool_handle();
-#endif
-  return {0, 0};
-}
 
 template <typename Out>
 Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options)
@@ -759,242 +660,8 @@ auto graph(M& module, const at::Tensor& example, const GraphOptions& options) {
   return graph([m = &module](const at::Tensor& x) { return m->forward(x); }, example, options);
 }
 
-// --------------------------------------------------------------------------- TrainStep
-
-inline TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
-                            const at::Tensor& example_input, const at::Tensor& example_target,
-                            const TrainStepOptions& options)
-    : module_(std::move(module)), opt_(optimizer), options_(options) {
-  TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
-  TORCH_CHECK(example_input.defined() && example_target.defined(), "perf::TrainStep: undefined example tensors");
-  loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) { return f(b[0], b[1]); };
-  init({example_input, example_target});
-}
-
-inline TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
-                            const Example& first_batch, const TrainStepOptions& options)
-    : TrainStep(std::move(module), std::move(loss_fn), optimizer, first_batch.data, first_batch.target, options) {}
-
-inline TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
-                            std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
-    : module_(std::move(module)), loss_fn_(std::move(loss_fn)), opt_(optimizer), options_(options) {
-  TORCH_CHECK(loss_fn_, "perf::TrainStep: empty loss function");
-  init(std::move(example_batch));
-}
-
-inline TrainStep::TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
-                            torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch,
-                            const TrainStepOptions& options)
-    : who_(who),
-      options_name_(options_name),
-      module_(std::move(module)),
-      micro_(std::move(micro)),
-      opt_(optimizer),
-      options_(options) {
-  init(std::move(example_batch));
-}
-
-inline void TrainStep::check_batch(const std::vector<at::Tensor>& batch, bool shapes) const {
-  TORCH_CHECK(batch.size() == static_batch_.size(), who_, "::step: expected ", static_batch_.size(),
-              " batch tensors like the example, got ", batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const auto& x = batch[i];
-    const auto& fixed = static_batch_[i];
-    TORCH_CHECK(x.defined() && x.scalar_type() == fixed.scalar_type() && (!shapes || x.sizes() == fixed.sizes()) &&
-                    (shapes || x.dim() == fixed.dim()),
-                who_, "::step: batch tensor ", i, " must be ", fixed.scalar_type(), " ", detail::shape_str(fixed),
-                " like the example (static shapes), got ",
-                x.defined() ? std::string(c10::toString(x.scalar_type())) + " " + detail::shape_str(x)
-                            : std::string("undefined"),
-                shapes ? "; use step_eager() for a batch of another size (e.g. an epoch's last)" : "");
-  }
-}
-
-inline bool TrainStep::is_partial_batch(const std::vector<at::Tensor>& batch) const {
-  if (batch.size() != static_batch_.size()) return false;
-  const int64_t full = static_batch_[0].dim() >= 1 ? static_batch_[0].size(0) : -1;
-  const int64_t n = batch[0].defined() && batch[0].dim() >= 1 ? batch[0].size(0) : -1;
-  if (full < 1 || n < 1 || n >= full) return false;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const auto& x = batch[i];
-    const auto& e = static_batch_[i];
-    if (!x.defined() || x.dim() != e.dim() || e.size(0) != full || x.size(0) != n ||
-        x.sizes().slice(1) != e.sizes().slice(1) || x.scalar_type() != e.scalar_type())
-      return false;
-  }
-  return true;
-}
-
-inline void TrainStep::init(std::vector<at::Tensor> example) {
-  const std::string& opts = options_name_;
-  TORCH_CHECK(!example.empty(), who_, ": the example batch is empty");
-  TORCH_CHECK(options_.warmup() >= 1, opts,
-              "::warmup: must be >= 1 (the optimizer state must exist before capture), got ", options_.warmup());
-  const int64_t k = options_.accumulation_steps();
-  TORCH_CHECK(k >= 1, opts, "::accumulation_steps: must be >= 1, got ", k);
-  if (options_.max_grad_norm()) {
-    TORCH_CHECK(*options_.max_grad_norm() > 0, opts, "::max_grad_norm: must be > 0, got ", *options_.max_grad_norm());
-  }
-  for (const auto& group : opt_.param_groups()) {
-    for (const auto& p : group.params()) {
-      TORCH_CHECK(!detail::ddp_owns(p), who_,
-                  ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
-                  "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
-                  "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
-    }
-  }
-  const auto device = example[0].device();
-  for (size_t i = 0; i < example.size(); ++i) {
-    TORCH_CHECK(example[i].defined(), who_, ": example batch tensor ", i, " is undefined");
-    TORCH_CHECK(example[i].device() == device, who_, ": example batch tensor ", i, " is on ", example[i].device(),
-                " but tensor 0 is on ", device);
-    if (k > 1) {
-      TORCH_CHECK(example[i].dim() >= 1 && example[i].size(0) % k == 0, who_, ": accumulation_steps(", k,
-                  ") needs every batch tensor's dim 0 divisible by ", k, "; tensor ", i, " has shape ",
-                  detail::shape_str(example[i]));
-    }
-    static_batch_.push_back(example[i].clone());
-  }
-  fused_ = dynamic_cast<optim::FusedOptimizer*>(&opt_);
-
-  if (!device.is_cuda() || !options_.graph()) {
-    if (!loss_fn_) return;  // a compiled step: its package checked the batch
-    // Eager. Run the loss once now, so a wrong target dtype or shape fails here
-    // rather than at the first step(); the forward's side effects are undone.
-    detail::ForwardSnapshot snapshot(*module_, static_batch_);
-    try {
-      at::NoGradGuard no_grad;
-      const auto loss = loss_fn_(std::vector<at::Tensor>(static_batch_));
-      TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()),
-                  "perf::TrainStep: the loss function must return a floating-point scalar, got ",
-                  loss.defined() ? std::string(c10::toString(loss.scalar_type())) + " " + detail::shape_str(loss)
-                                 : std::string("undefined"));
-    } catch (const std::exception&) {
-      snapshot.restore();
-      detail::rethrow_with_context("perf::TrainStep: the loss function failed on the example batch");
-    }
-    snapshot.restore();
-    return;
-  }
-#if PERF_WITH_CUDA
-  if (fused_ == nullptr) {
-    TORCH_CHECK(options_.eager_fallback(), who_,
-                ": a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step count and bias "
-                "corrections on the host, so every replay would repeat the captured step); use "
-                "perf::optim::AdamW, Adam or SGD, graph(false), or eager_fallback(true) to run eagerly");
-    TORCH_WARN(who_, ": torch::optim optimizer: running eagerly as eager_fallback(true) asks");
-    return;
-  }
-  // Warm-up with the update skipped on the device: optimizer state and lr
-  // tensors are created, nothing trains. Then undo what the forward changed.
-  detail::ForwardSnapshot snapshot(*module_, static_batch_);
-  std::optional<std::pair<double, int64_t>> scaler_before;
-  if (auto* s = options_.scaler()) scaler_before = std::make_pair(s->get_scale(), s->growth_tracker());
-  auto restore = [&] {
-    snapshot.restore();
-    if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
-  };
-  auto graph = std::make_unique<detail::SafeCUDAGraph>();
-  detail::CaptureResult result{};
-  try {
-    result = detail::capture_on_side_stream(
-        *graph, device, options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), options_.pool(),
-        options_.eager_fallback(), who_,
-        [&] {
-          detail::SkipUpdates skip(fused_);
-          body(static_batch_);
-        },
-        [&] { static_loss_ = body(static_batch_); },  // capture records kernels, runs none
-        restore);
-  } catch (const std::exception&) {
-    restore();
-    throw;
-  }
-  if (result == detail::CaptureResult::captured) {
-    graph_ = std::move(graph);
-    graphed_ = true;
-  } else {
-    restore();  // fell back (maybe before warm-up finished): eager from the original state
-  }
-#endif
-}
-
-inline at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, int64_t k) {
-  at::Tensor loss = loss_fn_(micro);
-  TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
-  at::Tensor part = k > 1 ? loss / static_cast<double>(k) : loss;
-  auto* scaler = options_.scaler();
-  (scaler ? scaler->scale(part) : part).backward();
-  return part.detach();
-}
-
-inline at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
-  // Set to none: in a capture, the step allocates the static grads in the graph's
-  // pool; a flat optimizer zeroes its gradient buffer in place instead.
-  if (fused_) {
-    fused_->zero_grad();
-  } else {
-    opt_.zero_grad();
-  }
-  const int64_t k = options_.accumulation_steps();
-  auto* scaler = options_.scaler();
-  at::Tensor total;
-  for (int64_t i = 0; i < k; ++i) {
-    std::vector<at::Tensor> micro = batch;
-    if (k > 1) {
-      for (auto& t : micro) t = t.chunk(k, 0)[static_cast<size_t>(i)];
-    }
-    at::Tensor part = micro_ ? micro_(micro, k) : backward_micro(micro, k);
-    total = total.defined() ? total + part : part;
-  }
-  if (options_.max_grad_norm()) {
-    std::vector<at::Tensor> params;
-    for (auto& g : opt_.param_groups())
-      for (auto& p : g.params()) params.push_back(p);
-    if (scaler) scaler->unscale_(opt_);
-    clip_grad_norm_(params, *options_.max_grad_norm());
-  }
-  if (scaler) {
-    scaler->step(opt_);
-    scaler->update();
-  } else {
-    opt_.step();
-  }
-  return total;
-}
-
-inline at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
-  bool same = batch.size() == static_batch_.size();
-  for (size_t i = 0; same && i < batch.size(); ++i)
-    same = batch[i].defined() && batch[i].sizes() == static_batch_[i].sizes();
-  if (!same && is_partial_batch(batch)) {  // an epoch's last batch: trained eagerly, counted
-    ++eager_steps_;
-    return step_eager(batch);
-  }
-  check_batch(batch, /*shapes=*/true);
-  if (!graphed_) return step_eager(batch);
-#if PERF_WITH_CUDA
-  for (size_t i = 0; i < batch.size(); ++i) static_batch_[i].copy_(batch[i], /*non_blocking=*/true);
-  fused_->sync_lr();  // outside the graph: the scheduler's current lr
-  graph_->replay();
-#endif
-  return static_loss_.clone();  // the caller's: the next replay overwrites static_loss_
-}
-
-inline at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batch) {
-  check_batch(batch, /*shapes=*/false);
-  const int64_t k = options_.accumulation_steps();
-  std::vector<at::Tensor> on_device;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TORCH_CHECK(k == 1 || batch[i].size(0) % k == 0, who_, "::step_eager: accumulation_steps(", k,
-                ") needs dim 0 divisible by ", k, "; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
-    on_device.push_back(batch[i].to(static_batch_[i].device(), /*non_blocking=*/true));
-  }
-  if (!graphed_) {
-    static_loss_ = body(on_device);  // a fresh tensor each step: the caller's already
-    return static_loss_;
-  }
-  return body(on_device);
-}
-
 }  // namespace perf
+
+#ifdef PERF_HEADER_ONLY
+#include <perf/impl/cuda_graph-inl.h>
+#endif

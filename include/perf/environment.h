@@ -58,60 +58,8 @@ struct Environment {
 Environment environment();
 std::ostream& operator<<(std::ostream& os, const Environment& e);
 
-// ---------------------------------------------------------------------------
-
-inline Environment environment() {
-  Environment e;
-  e.hardware_threads = std::thread::hardware_concurrency();
-  e.intraop_threads = at::get_num_threads();
-  e.interop_threads = static_cast<int64_t>(at::get_num_interop_threads());
-  e.cpu_autocast = detail::cpu_bf16().autocast_choice();
-#if PERF_WITH_CUDA
-  int v = 0;
-  if (cudaRuntimeGetVersion(&v) == cudaSuccess) e.cuda_runtime_version = v;
-  v = 0;
-  if (cudaDriverGetVersion(&v) == cudaSuccess) e.cuda_driver_version = v;
-  try {
-    e.cudnn_version = at::detail::getCUDAHooks().versionCuDNN();
-  } catch (const c10::Error&) {
-    e.cudnn_version = 0;
-  }
-  for (int d = 0; d < detail::cuda_device_count(); ++d) {
-    const auto* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(d));
-    e.devices.push_back(
-        {d, p->name, p->major, p->minor, static_cast<int64_t>(p->totalGlobalMem), p->multiProcessorCount});
-  }
-#endif
-  {
-    std::lock_guard<std::mutex> lock(detail::settings_mutex());
-    e.flags = detail::read_flags();
-  }
-  return e;
-}
-
-inline std::ostream& operator<<(std::ostream& os, const Environment& e) {
-  auto version = [](int64_t v) {
-    if (v == 0) return std::string("n/a");
-    return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-  };
-  os << "perf " << e.perf_version << " on LibTorch " << e.torch_version << "\n";
-  os << "  CUDA support compiled: " << (e.cuda_compiled ? "yes" : "no") << "\n";
-  os << "  CUDA runtime: " << version(e.cuda_runtime_version) << ", driver: " << version(e.cuda_driver_version)
-     << ", cuDNN: " << (e.cudnn_version ? std::to_string(e.cudnn_version) : "n/a") << "\n";
-  os << "  CPU: " << e.hardware_threads << " hardware threads; intra-op " << e.intraop_threads << ", inter-op "
-     << e.interop_threads << "; autocast default " << e.cpu_autocast << "\n";
-  if (e.devices.empty()) os << "  CUDA devices: none\n";
-  for (const auto& d : e.devices) {
-    os << "  cuda:" << d.index << " " << d.name << ", sm_" << d.major << d.minor << ", " << std::fixed
-       << std::setprecision(1) << static_cast<double>(d.total_memory) / (1ull << 30) << " GiB, " << d.multiprocessors
-       << " SMs\n";
-    os.unsetf(std::ios_base::floatfield);
-  }
-  size_t w = 0;
-  for (const auto& [k, v] : e.flags) w = std::max(w, k.size());
-  os << "  flags:\n";
-  for (const auto& [k, v] : e.flags) os << "    " << detail::pad(k, w) << "  " << v << "\n";
-  return os;
-}
-
 }  // namespace perf
+
+#ifdef PERF_HEADER_ONLY
+#include <perf/impl/environment-inl.h>
+#endif

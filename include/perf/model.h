@@ -242,58 +242,11 @@ struct graphable_forward<
     : std::true_type {};
 
 // Every 4-D/5-D parameter and buffer channels-last (for its rank), or contiguous.
-inline void relayout(torch::nn::Module& module, bool channels_last) {
-  if (channels_last) {
-    to_channels_last(module);
-    return;
-  }
-  at::NoGradGuard no_grad;
-  auto convert = [](at::Tensor& t) {
-    if (t.defined() && (t.dim() == 4 || t.dim() == 5) && !t.is_contiguous()) t.set_data(t.contiguous());
-  };
-  for (auto& p : module.parameters()) convert(p);
-  for (auto& b : module.buffers()) convert(b);
-}
+PERF_INLINE void relayout(torch::nn::Module& module, bool channels_last);
 
-inline bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example) {
-  if (example.dim() == 4 || example.dim() == 5) return true;
-  for (const auto& p : module.parameters())
-    if (p.dim() == 4 || p.dim() == 5) return true;
-  return false;
-}
+PERF_INLINE bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example);
 
 }  // namespace detail
-
-inline std::string Recipe::name() const {
-  std::string n = channels_last() ? "channels-last" : "NCHW";
-  n += autocast() ? std::string(" + ") +
-                        (*autocast() == at::kBFloat16 ? "bf16"
-                         : *autocast() == at::kHalf   ? "fp16"
-                                                      : c10::toString(*autocast())) +
-                        " autocast"
-                  : " fp32";
-  if (graph()) n += " + CUDA graph";
-  return n;
-}
-
-inline std::string RecipeChoice::to_string() const {
-  std::ostringstream s;
-  s << *this;
-  return s.str();
-}
-
-inline std::ostream& operator<<(std::ostream& os, const RecipeChoice& c) {
-  os << "perf::optimize: " << c.recipe.name() << " (" << c.reason << ")\n";
-  if (c.measured_ms.empty()) return os;
-  const double base = c.measured_ms.front().second;
-  for (const auto& [recipe, ms] : c.measured_ms) {
-    os << "  " << (recipe == c.recipe ? "* " : "  ") << std::left << std::setw(44) << recipe.name() << std::right
-       << std::fixed << std::setprecision(3) << std::setw(9) << ms << " ms  " << std::setprecision(2) << std::setw(5)
-       << base / ms << "x\n";
-  }
-  os << "  decided in " << std::fixed << std::setprecision(2) << c.seconds << " s\n";
-  return os;
-}
 
 template <typename M>
 Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::move(module)), options_(options) {
@@ -514,56 +467,6 @@ auto Optimized<M>::eager_forward(Args&&... args) {
   return out;
 }
 
-inline torch::nn::Conv2d fuse_conv_bn(const torch::nn::Conv2d& conv, const torch::nn::BatchNorm2d& bn) {
-  TORCH_CHECK(!conv->is_training() && !bn->is_training(),
-              "perf::fuse_conv_bn: fusion is for inference; call eval() on the convolution and the batch norm first");
-  TORCH_CHECK(bn->options.track_running_stats() && bn->running_mean.defined(),
-              "perf::fuse_conv_bn: the BatchNorm2d has no running statistics (track_running_stats(false))");
-  TORCH_CHECK(conv->options.out_channels() == bn->options.num_features(), "perf::fuse_conv_bn: Conv2d has ",
-              conv->options.out_channels(), " output channels but BatchNorm2d has ", bn->options.num_features(),
-              " features");
-  at::NoGradGuard no_grad;
-  const auto& w = conv->weight;
-  const auto& mean = bn->running_mean;
-  const auto b = conv->bias.defined() ? conv->bias : at::zeros_like(mean);
-  const auto gamma = bn->options.affine() ? bn->weight : at::ones_like(mean);
-  const auto beta = bn->options.affine() ? bn->bias : at::zeros_like(mean);
-  const auto scale = gamma * at::rsqrt(bn->running_var + bn->options.eps());
-  const auto& o = conv->options;
-  torch::nn::Conv2d fused(torch::nn::Conv2dOptions(o.in_channels(), o.out_channels(), o.kernel_size())
-                              .stride(o.stride())
-                              .padding(o.padding())
-                              .dilation(o.dilation())
-                              .groups(o.groups())
-                              .padding_mode(o.padding_mode())
-                              .bias(true));
-  fused->to(w.device(), w.scalar_type());
-  fused->weight.set_data((w * scale.reshape({-1, 1, 1, 1})).to(w.scalar_type()));
-  fused->bias.set_data(((b - mean) * scale + beta).to(b.scalar_type()));
-  fused->eval();
-  return fused;
-}
-
-inline torch::nn::Sequential fuse_conv_bn(const torch::nn::Sequential& seq) {
-  TORCH_CHECK(!seq->is_training(), "perf::fuse_conv_bn: fusion is for inference; call eval() on the Sequential first");
-  torch::nn::Sequential out;
-  const auto names = seq->named_children().keys();
-  for (size_t i = 0; i < seq->size(); ++i) {
-    const auto ptr = seq->ptr(i);
-    if (auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(ptr); conv && i + 1 < seq->size()) {
-      if (auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm2dImpl>(seq->ptr(i + 1))) {
-        out->push_back(names[i],
-                       torch::nn::AnyModule(fuse_conv_bn(torch::nn::Conv2d(conv), torch::nn::BatchNorm2d(bn))));
-        ++i;
-        continue;
-      }
-    }
-    out->push_back(names[i], *(seq->begin() + static_cast<std::ptrdiff_t>(i)));
-  }
-  out->eval();
-  return out;
-}
-
 namespace detail {
 
 // The CPU and CUDA autocast settings of this thread.
@@ -640,13 +543,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
 }  // namespace detail
 
-inline at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs, bool preserve_rng_state) {
-  TORCH_CHECK(fn, "perf::checkpoint: empty function");
-  auto st = c10::make_intrusive<detail::CheckpointState>();
-  st->fn = fn;
-  st->preserve_rng = preserve_rng_state;
-  // As a TensorList: LibTorch's custom Function tracks the tensors of a TensorList, not of a std::vector.
-  return detail::CheckpointFunction::apply(st, at::TensorList(inputs))[0];
-}
-
 }  // namespace perf
+
+#ifdef PERF_HEADER_ONLY
+#include <perf/impl/model-inl.h>
+#endif

@@ -82,8 +82,8 @@ struct AdamOptionsT : public torch::optim::OptimizerCloneableOptions<AdamOptions
  public:
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
-  inline void serialize(torch::serialize::OutputArchive& archive) const override;
-  inline void serialize(torch::serialize::InputArchive& archive) override;
+  PERF_INLINE void serialize(torch::serialize::OutputArchive& archive) const override;
+  PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
 };
 using AdamOptions = AdamOptionsT<false>;
 using AdamWOptions = AdamOptionsT<true>;
@@ -97,8 +97,8 @@ struct AdamParamState : public torch::optim::OptimizerCloneableParamState<AdamPa
   TORCH_ARG(torch::Tensor, max_exp_avg_sq);
 
  public:
-  inline void serialize(torch::serialize::OutputArchive& archive) const override;
-  inline void serialize(torch::serialize::InputArchive& archive) override;
+  PERF_INLINE void serialize(torch::serialize::OutputArchive& archive) const override;
+  PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 /// SGD options: the names of torch::optim::SGDOptions, plus maximize and fused.
@@ -117,16 +117,16 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
  public:
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
-  inline void serialize(torch::serialize::OutputArchive& archive) const override;
-  inline void serialize(torch::serialize::InputArchive& archive) override;
+  PERF_INLINE void serialize(torch::serialize::OutputArchive& archive) const override;
+  PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDParamState> {
   TORCH_ARG(torch::Tensor, momentum_buffer);
 
  public:
-  inline void serialize(torch::serialize::OutputArchive& archive) const override;
-  inline void serialize(torch::serialize::InputArchive& archive) override;
+  PERF_INLINE void serialize(torch::serialize::OutputArchive& archive) const override;
+  PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
 };
 
 /// Common base: a torch::optim::Optimizer whose step can take GradScaler's
@@ -135,7 +135,7 @@ struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDPara
 /// Optimizer.zero_grad does: a gradient that is a view (DDP's
 /// gradient_as_bucket_view) is zeroed or dropped without LibTorch's in-place
 /// detach_, which refuses views. The perf::optim optimizers' zero_grad() is this.
-inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true);
+PERF_INLINE void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true);
 
 namespace detail {
 struct FlatStore;
@@ -145,8 +145,8 @@ struct Bucket;
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
-  inline ~FusedOptimizer() override;
-  inline FusedOptimizer(FusedOptimizer&&) noexcept;
+  PERF_INLINE ~FusedOptimizer() override;
+  PERF_INLINE FusedOptimizer(FusedOptimizer&&) noexcept;
   FusedOptimizer& operator=(FusedOptimizer&&) = delete;
 
   /// As torch::optim::Optimizer::zero_grad, and also for gradients that are
@@ -159,7 +159,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
   /// As torch::optim::Optimizer::step: the closure (if any) runs with grad
   /// enabled, the update without.
-  inline torch::Tensor step(LossClosure closure = nullptr) override;
+  PERF_INLINE torch::Tensor step(LossClosure closure = nullptr) override;
 
   /// The update with gradients scaled by `grad_scale` (unscaled inside the
   /// kernel), skipped on the device where `found_inf` is nonzero. No host sync
@@ -298,8 +298,8 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
       : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
  protected:
-  inline void update(const std::optional<torch::Tensor>& grad_scale,
-                     const std::optional<torch::Tensor>& found_inf) override;
+  PERF_INLINE void update(const std::optional<torch::Tensor>& grad_scale,
+                          const std::optional<torch::Tensor>& found_inf) override;
   std::unique_ptr<torch::optim::OptimizerParamState> make_state() const override {
     return std::make_unique<SGDParamState>();
   }
@@ -331,33 +331,14 @@ struct Bucket {
   int64_t parameters = 0;  // flat: parameters covered by the entries
 };
 
-inline Bucket& bucket_for(std::vector<Bucket>& buckets, const c10::Device& device, c10::ScalarType dtype,
-                          bool first = false) {
-  for (auto& b : buckets)
-    if (b.device == device && b.dtype == dtype && b.first == first) return b;
-  buckets.push_back(Bucket{device, dtype, first, {}, {}, {}, {}, {}, {}, {}, false, 0});
-  return buckets.back();
-}
+PERF_INLINE Bucket& bucket_for(std::vector<Bucket>& buckets, const c10::Device& device, c10::ScalarType dtype,
+                               bool first = false);
 
-inline Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool first = false) {
-  return bucket_for(buckets, p.device(), p.scalar_type(), first);
-}
+PERF_INLINE Bucket& bucket_for(std::vector<Bucket>& buckets, const at::Tensor& p, bool first = false);
 
 // Python's Optimizer.zero_grad for one gradient, views included (LibTorch's
 // in-place detach_ refuses them).
-inline void clear_grad(at::Tensor& g, bool set_to_none) {
-  if (!g.defined()) return;
-  if (g.grad_fn()) {
-    g = g.detach();
-  } else {
-    g.requires_grad_(false);
-  }
-  if (set_to_none) {
-    g.reset();
-  } else {
-    g.zero_();
-  }
-}
+PERF_INLINE void clear_grad(at::Tensor& g, bool set_to_none);
 
 // ---- flat mode
 
@@ -391,155 +372,53 @@ struct FlatStore {
 
 // Each parameter starts at a 256-byte boundary (vectorised loads; the CUDA
 // allocator's granularity).
-inline int64_t flat_align(int64_t n, c10::ScalarType dtype) {
-  const int64_t a = std::max<int64_t>(1, 256 / static_cast<int64_t>(c10::elementSize(dtype)));
-  return (n + a - 1) / a * a;
-}
+PERF_INLINE int64_t flat_align(int64_t n, c10::ScalarType dtype);
 
 // A tensor over `buffer`'s storage that is not an autograd view (LibTorch's
 // zero_grad detach_()es gradients in place, which views refuse).
-inline at::Tensor plain_view(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides) {
-  return at::empty({0}, buffer.options()).set_(buffer.storage(), offset, sizes, strides);
-}
+PERF_INLINE at::Tensor plain_view(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes,
+                                  at::IntArrayRef strides);
 
-inline at::Tensor slot_view(const at::Tensor& buffer, const FlatSlot& s) {
-  return plain_view(buffer, s.offset, s.sizes, s.strides);
-}
+PERF_INLINE at::Tensor slot_view(const at::Tensor& buffer, const FlatSlot& s);
 
 // A tensor alone in its storage (autograd's fresh gradient) rather than a view
 // of a bigger buffer (a DDP bucket, another optimizer's flat buffer).
-inline bool owns_storage(const at::Tensor& t) {
-  return t.layout() == at::kStrided && t.storage_offset() == 0 && t.storage().nbytes() == t.nbytes();
-}
+PERF_INLINE bool owns_storage(const at::Tensor& t);
 
-inline bool same_storage(const at::Tensor& a, const at::Tensor& b) {
-  return a.defined() && b.defined() && a.layout() == at::kStrided && b.layout() == at::kStrided &&
-         a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
-}
+PERF_INLINE bool same_storage(const at::Tensor& a, const at::Tensor& b);
 
 // Flat gradient buffers alive: storage -> number of parameters in it, so that
 // clip_grad_norm_ and GradScaler can treat a complete set as one tensor.
-inline std::mutex& flat_registry_mutex() {
-  static std::mutex m;
-  return m;
-}
-inline std::unordered_map<const void*, size_t>& flat_registry() {
-  static std::unordered_map<const void*, size_t> r;
-  return r;
-}
-inline void flat_register(const FlatStore& f, bool add) {
-  std::lock_guard<std::mutex> lock(flat_registry_mutex());
-  for (const auto& k : f.keys) {
-    if (!k.grads.defined()) continue;
-    const void* impl = k.grads.storage().unsafeGetStorageImpl();
-    if (add) {
-      flat_registry()[impl] = k.slots;
-    } else {
-      flat_registry().erase(impl);
-    }
-  }
-}
+PERF_INLINE std::mutex& flat_registry_mutex();
+PERF_INLINE std::unordered_map<const void*, size_t>& flat_registry();
+PERF_INLINE void flat_register(const FlatStore& f, bool add);
 
 /// `grads` with every complete set of a flat optimizer's gradients replaced
 /// by its whole buffer (padding is zeros): one tensor instead of many for
 /// norms, unscaling and scaling. Order otherwise kept.
-inline std::vector<at::Tensor> coalesce_flat(const std::vector<at::Tensor>& grads) {
-  std::unordered_map<const void*, std::unordered_set<const void*>> seen;  // storage -> grads
-  {
-    std::lock_guard<std::mutex> lock(flat_registry_mutex());
-    if (flat_registry().empty()) return grads;
-    for (const auto& g : grads) {
-      if (!g.defined() || g.is_sparse()) continue;
-      const void* st = g.storage().unsafeGetStorageImpl();
-      auto it = flat_registry().find(st);
-      if (it != flat_registry().end()) seen[st].insert(g.unsafeGetTensorImpl());
-    }
-    for (auto it = seen.begin(); it != seen.end();) {
-      it = it->second.size() == flat_registry().at(it->first) ? std::next(it) : seen.erase(it);
-    }
-  }
-  if (seen.empty()) return grads;
-  std::vector<at::Tensor> out;
-  std::unordered_set<const void*> done;
-  for (const auto& g : grads) {
-    if (!g.defined() || g.is_sparse()) {
-      out.push_back(g);
-      continue;
-    }
-    const void* st = g.storage().unsafeGetStorageImpl();
-    if (!seen.count(st)) {
-      out.push_back(g);
-    } else if (done.insert(st).second) {
-      const auto n = static_cast<int64_t>(g.storage().nbytes() / g.element_size());
-      out.push_back(plain_view(g, 0, {n}, {1}));
-    }
-  }
-  return out;
-}
+PERF_INLINE std::vector<at::Tensor> coalesce_flat(const std::vector<at::Tensor>& grads);
 
-inline bool fused_available(const Bucket& b) {
-  const bool dtype_ok =
-      b.dtype == at::kFloat || b.dtype == at::kDouble || b.dtype == at::kHalf || b.dtype == at::kBFloat16;
-  return dtype_ok && (b.device.is_cpu() || b.device.is_cuda());
-}
+PERF_INLINE bool fused_available(const Bucket& b);
 
 // Whether this bucket runs fused; throws if fused(true) cannot be honoured.
-inline bool use_fused(const std::optional<bool>& fused, const Bucket& b, const char* name) {
-  const bool available = fused_available(b);
-  if (fused.has_value() && *fused) {
-    TORCH_CHECK(available, name, ": fused(true) but no fused kernel for ", b.device, " ", b.dtype,
-                " (fused kernels: cpu or cuda, float/double/half/bfloat16); use fused(false) or leave it unset");
-  }
-  return fused.value_or(true) && available;
-}
+PERF_INLINE bool use_fused(const std::optional<bool>& fused, const Bucket& b, const char* name);
 
-inline std::string kernel_line(const Bucket& b, bool fused) {
-  std::string line = b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
-  if (b.flat) {
-    line += ", flat (" + std::to_string(b.params.size()) + (b.params.size() == 1 ? " tensor" : " tensors") + " for " +
-            std::to_string(b.parameters) + (b.parameters == 1 ? " parameter)" : " parameters)");
-  }
-  return line;
-}
+PERF_INLINE std::string kernel_line(const Bucket& b, bool fused);
 
 // Checks shared by the constructors: floating parameters, one device per group.
-inline void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name) {
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& params = groups[g].params();
-    for (size_t i = 0; i < params.size(); ++i) {
-      TORCH_CHECK(params[i].defined(), name, ": parameter ", i, " of group ", g, " is undefined");
-      TORCH_CHECK(at::isFloatingType(params[i].scalar_type()), name, ": parameter ", i, " of group ", g, " has dtype ",
-                  params[i].scalar_type(), "; optimizers need floating-point parameters");
-      TORCH_CHECK(params[i].device() == params[0].device(), name, ": parameters of group ", g,
-                  " are on different devices (", params[0].device(), " and ", params[i].device(), " at index ", i,
-                  "); put each device's parameters in its own group");
-    }
-  }
-}
+PERF_INLINE void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name);
 
-inline void check_grad(const at::Tensor& p, size_t g, const char* name) {
-  TORCH_CHECK(!p.grad().is_sparse(), name, " does not support sparse gradients (parameter in group ", g,
-              "); use a dense embedding (sparse=false) or torch::optim::SGD");
-}
+PERF_INLINE void check_grad(const at::Tensor& p, size_t g, const char* name);
 
 // Moves loaded state to the parameter's device (checkpoints may come from elsewhere).
-inline void to_param_device(at::Tensor& t, const at::Tensor& p) {
-  if (t.defined() && t.device() != p.device()) t = t.to(p.device());
-}
+PERF_INLINE void to_param_device(at::Tensor& t, const at::Tensor& p);
 
 // found_inf / grad_scale for this device (one copy per device and step).
-inline std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const c10::Device& d) {
-  if (!t) return std::nullopt;
-  return t->device() == d ? *t : t->to(d, /*non_blocking=*/true);
-}
+PERF_INLINE std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const c10::Device& d);
 
 // Fallback path with a scaler: unscale, then skip on inf (the one host sync).
-inline bool foreach_prepare_scaled(std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& grad_scale,
-                                   const std::optional<at::Tensor>& found_inf) {
-  if (found_inf && found_inf->item<float>() != 0.0f) return false;
-  if (grad_scale) grads = at::_foreach_div(grads, *grad_scale);
-  return true;
-}
+PERF_INLINE bool foreach_prepare_scaled(std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& grad_scale,
+                                        const std::optional<at::Tensor>& found_inf);
 
 }  // namespace detail
 
@@ -558,10 +437,7 @@ void AdamOptionsT<D>::serialize(torch::serialize::OutputArchive& archive) const 
 
 namespace detail {
 // Options torch::optim does not write (maximize, fused) keep their defaults.
-inline void read_bool_if_present(torch::serialize::InputArchive& archive, const char* key, bool& out) {
-  c10::IValue v;
-  if (archive.try_read(key, v)) out = v.toBool();
-}
+PERF_INLINE void read_bool_if_present(torch::serialize::InputArchive& archive, const char* key, bool& out);
 }  // namespace detail
 
 template <bool D>
@@ -575,450 +451,11 @@ void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
 }
 
-// `step` is written as torch::optim::AdamParamState writes it (an integer; one
-// host read per parameter at save time) and read in either form, so
-// checkpoints move between perf::optim and torch::optim both ways.
-inline void AdamParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  if (step().defined()) archive.write("step", c10::IValue(static_cast<int64_t>(step().item<double>())));
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_exp_avg_sq);
-}
-
-inline void AdamParamState::serialize(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  if (archive.try_read("step", v)) {
-    TORCH_CHECK(v.isInt() || v.isTensor() || v.isDouble(),
-                "perf::optim::Adam: checkpoint entry \"step\" must be an integer or a tensor, got ", v.tagKind());
-    step(v.isTensor() ? v.toTensor().detach().to(at::kFloat).reshape({})
-                      : at::scalar_tensor(v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble(), at::kFloat));
-  }
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
-}
-
-inline void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(dampening);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nesterov);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(maximize);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(fused);
-}
-
-inline void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
-  detail::read_bool_if_present(archive, "maximize", maximize_);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
-}
-
-inline void SGDParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
-}
-
-inline void SGDParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, momentum_buffer);
-}
-
 // --------------------------------------------------------------------------- FusedOptimizer
 
-inline torch::Tensor FusedOptimizer::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  at::NoGradGuard no_grad;
-  update(std::nullopt, std::nullopt);
-  return loss;
-}
-
-inline void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>& grad_scale,
-                                        const torch::Tensor& found_inf) {
-  at::NoGradGuard no_grad;
-  update(grad_scale, found_inf);
-}
-
 namespace detail {
-inline bool capturing_cuda_graph() {
-#if PERF_WITH_CUDA
-  if (!at::hasCUDA()) return false;
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-#else
-  return false;
-#endif
-}
+PERF_INLINE bool capturing_cuda_graph();
 }  // namespace detail
-
-inline const torch::Tensor& FusedOptimizer::lr_tensor(size_t g, const c10::Device& device, double lr) {
-  auto& slot = lr_tensors_[{g, device.str()}];
-  if (!slot.value.defined()) {
-    TORCH_CHECK(!detail::capturing_cuda_graph(),
-                "perf::optim: the first step of an optimizer cannot be captured in a CUDA graph (its state and lr "
-                "tensors must exist first); run one eager step (perf::TrainStep warms up for you)");
-    slot.value = at::full({}, lr, at::device(device).dtype(at::kFloat));
-    slot.host = lr;
-  } else if (slot.host != lr && !detail::capturing_cuda_graph()) {
-    slot.value.fill_(lr);  // outside capture only: a captured fill would freeze this value
-    slot.host = lr;
-  }
-  return slot.value;
-}
-
-inline void FusedOptimizer::sync_lr() {
-  at::NoGradGuard no_grad;
-  for (auto& [key, slot] : lr_tensors_) {
-    const double lr = param_groups_.at(key.first).options().get_lr();
-    if (slot.host != lr) {
-      slot.value.fill_(lr);
-      slot.host = lr;
-    }
-  }
-}
-
-inline std::optional<torch::Tensor> FusedOptimizer::effective_found_inf(const std::optional<torch::Tensor>& found_inf,
-                                                                        const c10::Device& device) {
-  if (!skip_updates_) {
-    if (!found_inf) return std::nullopt;
-    // The fused kernels skip only when found_inf == 1 exactly; a sum over
-    // several devices can be 2.
-    return found_inf->clamp_max(1.0f);
-  }
-  auto& one = ones_[device.str()];
-  if (!one.defined()) one = at::ones({}, at::device(device).dtype(at::kFloat));
-  return one;
-}
-
-// --------------------------------------------------------------------------- flat mode
-
-inline FusedOptimizer::FusedOptimizer(FusedOptimizer&&) noexcept = default;
-
-inline FusedOptimizer::~FusedOptimizer() {
-  if (flat_ && flat_->built) detail::flat_register(*flat_, false);
-}
-
-inline void FusedOptimizer::init_flat(bool flat, const char* name) {
-  name_ = name;
-  for (size_t g = 0; g < param_groups_.size(); ++g) check_group_flat(g, flat);
-  if (!flat) return;
-  flat_ = std::make_unique<detail::FlatStore>();
-  flatten();
-}
-
-inline void FusedOptimizer::check_group_flat(size_t g, bool flat) const {
-  const auto f = flat_option(param_groups_[g].options());
-  TORCH_CHECK(!f || *f == flat, name_, ": param group ", g, " has flat(", *f ? "true" : "false",
-              ") but the optimizer's defaults have flat(", flat ? "true" : "false",
-              "); flat is one setting for the whole optimizer: set it on the defaults and leave the groups' unset");
-}
-
-inline void FusedOptimizer::invalidate_flat() noexcept {
-  if (flat_) flat_->built = false;
-}
-
-inline void FusedOptimizer::ensure_flat() {
-  if (flat_ && flat_stale()) flatten();
-}
-
-// Cheap per-step check (pointer compares): same groups and parameters, each
-// parameter still backed by its slot, state still the views handed out.
-inline bool FusedOptimizer::flat_stale() const {
-  const auto& f = *flat_;
-  if (!f.built || f.group_begin.size() != param_groups_.size() + 1) return true;
-  size_t i = 0;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    const auto& params = param_groups_[g].params();
-    if (f.group_begin[g + 1] - f.group_begin[g] != params.size()) return true;
-    for (const auto& p : params) {
-      const auto& s = f.slots[i++];
-      const auto& k = f.keys[s.key];
-      if (p.unsafeGetTensorImpl() != s.param.unsafeGetTensorImpl() || !detail::same_storage(p, k.params) ||
-          p.storage_offset() != s.offset || p.strides() != at::IntArrayRef(s.strides) ||
-          p.sizes() != at::IntArrayRef(s.sizes))
-        return true;
-      auto it = state_.find(p.unsafeGetTensorImpl());
-      auto* owner = it == state_.end() ? nullptr : it->second.get();
-      if (owner != s.owner) return true;
-      if (owner) {
-        auto ts = state_tensors(*owner);
-        for (size_t j = 0; j < 3; ++j) {
-          if (ts[j] && ts[j]->defined() && ts[j]->unsafeGetTensorImpl() != s.state[j].unsafeGetTensorImpl())
-            return true;
-        }
-      }
-    }
-  }
-  return false;
-}
-
-// (Re)builds the buffers from the parameters', gradients' and state's current
-// values; the previous buffers (if any) are released once copied from.
-inline void FusedOptimizer::flatten() {
-  const char* name = name_;
-  TORCH_CHECK(!detail::capturing_cuda_graph(), name,
-              ": flat(true) must (re)build its buffers (first use, add_param_group, torch::load, or a parameter "
-              "moved by model->to or perf::to_channels_last), which cannot happen while a CUDA graph is being "
-              "captured; run one step eagerly first");
-  at::NoGradGuard no_grad;
-  // Checks and allocations first: a failure leaves everything as it was.
-  const detail::FlatStore* old = flat_.get();
-  auto f = std::make_unique<detail::FlatStore>();
-  // Layout: per (device, dtype), groups in order, parameters in order.
-  std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params, seen_storage;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    check_group_flat(g, true);  // a group added since construction
-    f->group_begin.push_back(f->slots.size());
-    const auto& params = param_groups_[g].params();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      TORCH_CHECK(p.layout() == at::kStrided, name, ": flat(true): parameter ", i, " of group ", g,
-                  " is not a dense (strided) tensor");
-      auto [it, fresh] = seen_params.emplace(p.unsafeGetTensorImpl(), std::make_pair(g, i));
-      TORCH_CHECK(fresh, name, ": flat(true): parameter ", i, " of group ", g, " is the same tensor as parameter ",
-                  it->second.second, " of group ", it->second.first, "; pass each parameter once");
-      const bool in_old = old && std::any_of(old->keys.begin(), old->keys.end(), [&](const detail::FlatKey& k) {
-                            return detail::same_storage(p, k.params);
-                          });
-      if (!in_old) {
-        auto [st, alone] = seen_storage.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(g, i));
-        TORCH_CHECK(alone, name, ": flat(true): parameter ", i, " of group ", g, " shares memory with parameter ",
-                    st->second.second, " of group ", st->second.first,
-                    " (one is a view of the other, e.g. tied weights); flat mode gives each parameter its own place "
-                    "in the buffer, which would untie them: pass the shared tensor once");
-      }
-      size_t key = 0;
-      while (key < f->keys.size() && (f->keys[key].device != p.device() || f->keys[key].dtype != p.scalar_type()))
-        ++key;
-      if (key == f->keys.size()) f->keys.push_back(detail::FlatKey{p.device(), p.scalar_type(), 0, 0, {}, {}, {}});
-      auto& k = f->keys[key];
-      detail::FlatSlot s;
-      s.param = p;
-      s.group = g;
-      s.key = key;
-      s.pos = k.slots++;
-      s.offset = detail::flat_align(k.numel, k.dtype);
-      s.sizes = p.sizes().vec();
-      s.strides = p.is_non_overlapping_and_dense() ? p.strides().vec()
-                                                   : at::IntArrayRef(c10::contiguous_strides(p.sizes())).vec();
-      k.numel = s.offset + p.numel();
-      f->slots.push_back(std::move(s));
-    }
-  }
-  f->group_begin.push_back(f->slots.size());
-  std::vector<std::array<bool, 3>> needs(f->keys.size(), {false, false, false});  // state buffers in use
-  for (auto& s : f->slots) {
-    auto it = state_.find(s.param.unsafeGetTensorImpl());
-    if (it == state_.end()) continue;
-    auto ts = state_tensors(*it->second);
-    for (size_t j = 0; j < 3; ++j) needs[s.key][j] = needs[s.key][j] || (ts[j] && ts[j]->defined());
-  }
-  for (size_t key = 0; key < f->keys.size(); ++key) {
-    auto& k = f->keys[key];
-    const auto opts = at::TensorOptions().device(k.device).dtype(k.dtype);
-    k.params = at::zeros({k.numel}, opts);
-    k.grads = at::zeros({k.numel}, opts);
-    for (size_t j = 0; j < 3; ++j) {
-      if (needs[key][j]) k.state[j] = at::zeros({k.numel}, opts);
-    }
-  }
-  // Values: parameters, gradients (unless another buffer owns them), state.
-  std::vector<at::Tensor> steps;  // a counter per slot with state, for merging
-  std::vector<size_t> step_slots;
-  for (auto& s : f->slots) {
-    auto& k = f->keys[s.key];
-    auto& p = s.param;
-    auto pv = detail::slot_view(k.params, s);
-    pv.copy_(p);
-    p.set_data(pv);
-    s.grad = detail::slot_view(k.grads, s);
-    auto& grad = p.mutable_grad();
-    const bool ours_before =
-        grad.defined() && old && std::any_of(old->keys.begin(), old->keys.end(), [&](const detail::FlatKey& ok) {
-          return detail::same_storage(grad, ok.grads);
-        });
-    if (!grad.defined()) {
-      grad = s.grad;
-    } else if (ours_before || detail::owns_storage(grad)) {  // a sparse gradient is neither: refused at step()
-      s.grad.copy_(grad);
-      grad = s.grad;
-    }
-    auto it = state_.find(p.unsafeGetTensorImpl());
-    if (it == state_.end()) continue;
-    s.owner = it->second.get();
-    auto ts = state_tensors(*s.owner);
-    for (size_t j = 0; j < 3; ++j) {
-      if (!ts[j] || !ts[j]->defined()) continue;
-      s.state[j] = detail::slot_view(k.state[j], s);
-      s.state[j].copy_(*ts[j]);
-      *ts[j] = s.state[j];
-    }
-    if (auto* step = state_step(*s.owner); step && step->defined()) {
-      steps.push_back(step->detach().to(at::kCPU, at::kFloat).reshape({}));  // devices may differ
-      step_slots.push_back(&s - f->slots.data());
-    }
-  }
-  // Step counters: one tensor per (group, key, value), so that runs stay long.
-  if (!steps.empty()) {
-    const auto values = at::stack(steps).to(at::kDouble);  // host values, read at rebuild only
-    const auto* v = values.const_data_ptr<double>();
-    std::map<std::tuple<size_t, size_t, double>, at::Tensor> shared;
-    for (size_t n = 0; n < step_slots.size(); ++n) {
-      auto& s = f->slots[step_slots[n]];
-      auto& t = shared[{s.group, s.key, v[n]}];
-      if (!t.defined()) t = at::full({}, v[n], at::TensorOptions().device(s.param.device()).dtype(at::kFloat));
-      *state_step(*s.owner) = t;
-    }
-  }
-  if (old && old->built) detail::flat_register(*old, false);
-  f->built = true;
-  detail::flat_register(*f, true);
-  flat_ = std::move(f);
-}
-
-inline std::vector<detail::Bucket> FusedOptimizer::flat_buckets(size_t g, std::array<bool, 3> kinds, bool split_first) {
-  auto& f = *flat_;
-  const bool any_state = kinds[0] || kinds[1] || kinds[2];
-  struct Part {
-    size_t slot;
-    bool ours, first;
-    const void* step;
-  };
-  std::vector<Part> parts;
-  std::map<size_t, at::Tensor> newcomer_steps;  // key -> counter of parameters stepped for the first time
-  for (size_t i = f.group_begin[g]; i < f.group_begin[g + 1]; ++i) {
-    auto& s = f.slots[i];
-    auto& p = s.param;
-    if (!p.requires_grad() || !p.grad().defined()) continue;  // frozen, or no gradient
-    detail::check_grad(p, g, name_);
-    auto& grad = p.mutable_grad();
-    bool ours = grad.unsafeGetTensorImpl() == s.grad.unsafeGetTensorImpl();
-    if (!ours && detail::owns_storage(grad)) {  // a fresh gradient: back into the buffer
-      s.grad.copy_(grad);
-      grad = s.grad;
-      ours = true;
-    }
-    bool first = false;
-    const void* step = nullptr;
-    if (any_state) {
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      const bool created = !slot;
-      if (created) slot = make_state();
-      s.owner = slot.get();
-      auto ts = state_tensors(*slot);
-      auto& k = f.keys[s.key];
-      for (size_t j = 0; j < 3; ++j) {
-        if (!kinds[j] || ts[j]->defined()) continue;
-        if (!k.state[j].defined()) k.state[j] = at::zeros({k.numel}, k.params.options());
-        if (!s.state[j].defined()) s.state[j] = detail::slot_view(k.state[j], s);
-        s.state[j].zero_();  // a parameter's first step: no history
-        *ts[j] = s.state[j];
-        if (j == 0) first = split_first;
-      }
-      if (auto* st = state_step(*slot)) {
-        if (created || !st->defined()) {
-          auto& t = newcomer_steps[s.key];
-          if (!t.defined()) t = at::zeros({}, at::TensorOptions().device(p.device()).dtype(at::kFloat));
-          *st = t;
-        }
-        step = st->unsafeGetTensorImpl();
-      }
-    }
-    parts.push_back({i, ours, first, step});
-  }
-  // A counter shared with parameters not stepped now (frozen, no gradient)
-  // forks: they keep a copy, so each counts only its own steps.
-  if (!parts.empty() && parts.front().step) {
-    std::unordered_map<const void*, size_t> stepping;
-    for (const auto& pt : parts) ++stepping[pt.step];
-    std::unordered_map<const void*, at::Tensor> forks;
-    size_t pi = 0;
-    for (size_t i = f.group_begin[g]; i < f.group_begin[g + 1]; ++i) {
-      if (pi < parts.size() && parts[pi].slot == i) {
-        ++pi;
-        continue;
-      }
-      auto& s = f.slots[i];
-      if (!s.owner) continue;
-      auto* st = state_step(*s.owner);
-      if (!st || !st->defined() || !stepping.count(st->unsafeGetTensorImpl())) continue;
-      auto& fork = forks[st->unsafeGetTensorImpl()];
-      if (!fork.defined()) fork = st->clone();
-      *st = fork;
-    }
-  }
-  // Runs: adjacent slots of one key with the same counter (and first flag).
-  std::vector<detail::Bucket> buckets;
-  size_t run_begin = 0, run_end = 0;  // indices into parts, [begin, end)
-  auto flush = [&] {
-    if (run_begin == run_end) return;
-    const auto& s0 = f.slots[parts[run_begin].slot];
-    const auto& s1 = f.slots[parts[run_end - 1].slot];
-    auto& k = f.keys[s0.key];
-    auto& b = detail::bucket_for(buckets, k.device, k.dtype, parts[run_begin].first);
-    b.flat = true;
-    b.parameters += static_cast<int64_t>(run_end - run_begin);
-    const bool single = run_end - run_begin == 1;
-    const int64_t begin = s0.offset, len = s1.offset + s1.param.numel() - s0.offset;
-    auto range = [&](const at::Tensor& buffer, const at::Tensor& view) {
-      return single ? view : buffer.narrow(0, begin, len);
-    };
-    b.params.push_back(range(k.params, s0.param));
-    b.grads.push_back(parts[run_begin].ours ? range(k.grads, s0.grad) : s0.param.grad());
-    if (kinds[0]) b.a.push_back(range(k.state[0], s0.state[0]));
-    if (kinds[1]) b.b.push_back(range(k.state[1], s0.state[1]));
-    if (kinds[2]) b.c.push_back(range(k.state[2], s0.state[2]));
-    if (parts[run_begin].step) {
-      const auto& step = *state_step(*s0.owner);
-      b.steps.push_back(step);
-      if (std::none_of(b.unique_steps.begin(), b.unique_steps.end(),
-                       [&](const at::Tensor& t) { return t.is_same(step); }))
-        b.unique_steps.push_back(step);
-    }
-    run_begin = run_end;
-  };
-  for (size_t n = 0; n < parts.size(); ++n) {
-    if (n > run_begin) {
-      const auto& prev = parts[n - 1];
-      const auto& cur = parts[n];
-      const auto& ps = f.slots[prev.slot];
-      const auto& cs = f.slots[cur.slot];
-      const bool extend = prev.ours && cur.ours && cs.key == ps.key && cs.pos == ps.pos + 1 && cur.step == prev.step &&
-                          cur.first == prev.first;
-      if (!extend) flush();
-    }
-    run_end = n + 1;
-  }
-  flush();
-  return buckets;
-}
-
-inline void FusedOptimizer::zero_grad(bool set_to_none) {
-  if (!flat_) return perf::optim::zero_grad(*this, set_to_none);
-  ensure_flat();
-  at::NoGradGuard no_grad;
-  for (auto& k : flat_->keys) k.grads.zero_();
-  for (auto& s : flat_->slots) {
-    auto& grad = s.param.mutable_grad();
-    if (grad.unsafeGetTensorImpl() == s.grad.unsafeGetTensorImpl()) continue;
-    if (!grad.defined() || detail::owns_storage(grad)) {
-      grad = s.grad;  // back into the buffer
-      continue;
-    }
-    detail::clear_grad(grad, set_to_none);  // someone else's view (DDP's bucket): as without flat
-  }
-}
-
-inline void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none) {
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& p : group.params()) detail::clear_grad(p.mutable_grad(), set_to_none);
-  }
-}
 
 // --------------------------------------------------------------------------- Adam / AdamW
 
@@ -1154,98 +591,8 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
 // --------------------------------------------------------------------------- SGD
 
 namespace detail {
-inline void check_sgd_options(const SGDOptions& o, const std::string& where) {
-  const char* name = "perf::optim::SGD";
-  TORCH_CHECK(o.lr() >= 0, name, ": invalid lr ", o.lr(), where, " (must be >= 0)");
-  TORCH_CHECK(o.momentum() >= 0, name, ": invalid momentum ", o.momentum(), where, " (must be >= 0)");
-  TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay ", o.weight_decay(), where, " (must be >= 0)");
-  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name,
-              ": nesterov requires momentum > 0 and dampening == 0", where, " (got momentum ", o.momentum(),
-              ", dampening ", o.dampening(), ")");
-}
+PERF_INLINE void check_sgd_options(const SGDOptions& o, const std::string& where);
 }  // namespace detail
-
-inline SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, SGDOptions defaults)
-    : SerializableFusedOptimizer<SGDParamState, SGDOptions>(
-          [&] {
-            detail::check_sgd_options(defaults, "");
-            detail::check_params(param_groups, "perf::optim::SGD");
-            return param_groups;
-          }(),
-          std::make_unique<SGDOptions>(defaults)) {
-  for (size_t g = 0; g < param_groups_.size(); ++g)
-    detail::check_sgd_options(static_cast<const SGDOptions&>(param_groups_[g].options()),
-                              " in param group " + std::to_string(g));
-  init_flat(defaults.flat().value_or(false), "perf::optim::SGD");
-}
-
-inline void SGD::update(const std::optional<torch::Tensor>& grad_scale, const std::optional<torch::Tensor>& found_inf) {
-  const char* name = "perf::optim::SGD";
-  kernels_.clear();
-  ensure_flat();
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    auto& group = param_groups_[g];
-    const auto& o = static_cast<const SGDOptions&>(group.options());
-    detail::check_sgd_options(o, " in param group " + std::to_string(g));
-    const bool momentum = o.momentum() != 0;
-    std::vector<detail::Bucket> buckets;
-    if (flat()) {
-      buckets = flat_buckets(g, {momentum, false, false}, /*split_first=*/true);
-    } else {
-      for (const auto& p : group.params()) {
-        if (!p.grad().defined()) continue;
-        detail::check_grad(p, g, name);
-        SGDParamState* s = nullptr;
-        if (momentum) {
-          auto& slot = state_[p.unsafeGetTensorImpl()];
-          if (!slot) slot = std::make_unique<SGDParamState>();
-          s = static_cast<SGDParamState*>(slot.get());
-          detail::to_param_device(s->momentum_buffer(), p);
-        }
-        const bool first = momentum && !s->momentum_buffer().defined();
-        auto& b = detail::bucket_for(buckets, p, first);
-        b.params.push_back(p);
-        b.grads.push_back(p.grad());
-        if (momentum) {
-          // Zeros, not empty: a first step skipped on inf (found_inf) returns before
-          // the kernel writes the buffer, and must leave it as if never called.
-          if (first) s->momentum_buffer(at::zeros_like(p.grad()));
-          b.a.push_back(s->momentum_buffer());
-        }
-      }
-    }
-    for (auto& b : buckets) {
-      const bool fused = detail::use_fused(o.fused(), b, name);
-      kernels_.push_back(detail::kernel_line(b, fused));
-      const auto gs = detail::on_device(grad_scale, b.device);
-      const auto fi = effective_found_inf(detail::on_device(found_inf, b.device), b.device);
-      if (fused) {
-        if (b.device.is_cuda()) {
-          at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), lr_tensor(g, b.device, o.lr()),
-                          o.dampening(), o.nesterov(), o.maximize(), b.first, gs, fi);
-        } else {
-          at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
-                          o.maximize(), b.first, gs, fi);
-        }
-        continue;
-      }
-      // _foreach_ path: Python's multi-tensor SGD.
-      if (skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
-      auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
-      if (o.weight_decay() != 0) grads = at::_foreach_add(grads, b.params, o.weight_decay());
-      if (momentum) {
-        if (b.first) {
-          for (size_t i = 0; i < b.a.size(); ++i) b.a[i].copy_(grads[i]);
-        } else {
-          at::_foreach_mul_(b.a, o.momentum());
-          at::_foreach_add_(b.a, grads, 1 - o.dampening());
-        }
-        grads = o.nesterov() ? at::_foreach_add(grads, b.a, o.momentum()) : b.a;
-      }
-      at::_foreach_add_(b.params, grads, -o.lr());
-    }
-  }
-}
 
 }  // namespace perf::optim
 
@@ -1261,35 +608,8 @@ namespace perf {
 /// optimizer (all of them) are one tensor: one norm kernel, one scale kernel.
 torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0);
 
-inline torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type) {
-  TORCH_CHECK(max_norm >= 0, "perf::clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
-  TORCH_CHECK(norm_type > 0, "perf::clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
-  at::NoGradGuard no_grad;
-  std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> groups;
-  std::optional<c10::Device> first;
-  for (const auto& p : parameters) {
-    if (!p.defined() || !p.grad().defined()) continue;
-    const auto& g = p.grad();
-    TORCH_CHECK(!g.is_sparse(), "perf::clip_grad_norm_: sparse gradients are not supported");
-    if (!first) first = g.device();
-    groups[{g.device().str(), g.scalar_type()}].push_back(g);
-  }
-  if (!first) return at::zeros({}, at::kFloat);
-  const bool inf = std::isinf(norm_type);
-  for (auto& [key, grads] : groups) grads = optim::detail::coalesce_flat(grads);  // flat: one tensor
-  std::vector<at::Tensor> norms;
-  for (auto& [key, grads] : groups) {
-    for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat))
-      norms.push_back(n.to(*first, /*non_blocking=*/true));
-  }
-  const auto stacked = at::stack(norms);
-  const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
-  const auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-  for (auto& [key, grads] : groups) {
-    const auto c = coef.to(grads.front().device(), /*non_blocking=*/true);
-    at::_foreach_mul_(grads, c);
-  }
-  return total;
-}
-
 }  // namespace perf
+
+#ifdef PERF_HEADER_ONLY
+#include <perf/impl/optim-inl.h>
+#endif

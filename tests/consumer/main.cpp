@@ -1,6 +1,7 @@
 #include <perf/perf.h>
 
 #include <iostream>
+#include <string>
 
 int main(int argc, char** argv) {
   const perf::Report r = perf::setup();
@@ -10,7 +11,16 @@ int main(int argc, char** argv) {
     std::cerr << "PERF_WITH_CUDA=" << PERF_WITH_CUDA << ", expected " << expect_cuda << "\n";
     return 1;
   }
+#ifdef PERF_SEPARATE_COMPILATION
+  const std::string mode = "static";  // perf::perf_static: perf::setup() comes from the library
+#else
+  const std::string mode = "header-only";
+#endif
+  if (argc > 2 && mode != argv[2]) {
+    std::cerr << "built " << mode << ", expected " << argv[2] << "\n";
+    return 1;
+  }
   if (r.at("matmul_precision").read_back != "high") return 1;
-  std::cout << "consumer ok (PERF_WITH_CUDA=" << PERF_WITH_CUDA << ")\n";
+  std::cout << "consumer ok (" << mode << ", PERF_WITH_CUDA=" << PERF_WITH_CUDA << ")\n";
   return 0;
 }

@@ -17,8 +17,11 @@ if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} -S ${PERF_SOURCE_DIR} -B ${WORK_DIR}/perf-build ${common}
       -DPERF_BUILD_TESTS=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_INSTALL=ON
       -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/perf-build)  # perf::perf_static
   run(${CMAKE_COMMAND} --install ${WORK_DIR}/perf-build)
-  foreach(f include/perf/perf.h include/perf/setup.h lib/cmake/perf/perfConfig.cmake
+  foreach(f include/perf/perf.h include/perf/setup.h include/perf/impl/setup-inl.h
+            lib/libperf_static.a
+            lib/cmake/perf/perfConfig.cmake
             lib/cmake/perf/perfConfigVersion.cmake)
     if(NOT EXISTS ${WORK_DIR}/prefix/${f})
       message(FATAL_ERROR "install is missing ${f}")
@@ -31,4 +34,5 @@ else()
       -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR})
 endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
-run(${WORK_DIR}/build/consumer ${EXPECT_CUDA})
+run(${WORK_DIR}/build/consumer ${EXPECT_CUDA} header-only)
+run(${WORK_DIR}/build/consumer_static ${EXPECT_CUDA} static)

@@ -1,0 +1,302 @@
+// perf/impl/compiled_model-inl.h — the out-of-line definitions of perf/compiled_model.h.
+// Included by perf/compiled_model.h (header-only, the default), or compiled once into
+// perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
+#pragma once
+
+#include <perf/compiled_model.h>
+
+namespace perf {
+
+namespace detail {
+
+PERF_INLINE std::string sizes_string(const std::vector<int64_t>& sizes) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < sizes.size(); ++i)
+    s << (i ? ", " : "") << (sizes[i] < 0 ? std::string("batch") : std::to_string(sizes[i]));
+  s << "]";
+  return s.str();
+}
+
+PERF_INLINE std::map<std::string, std::string> key_values(const std::string& text) {
+  std::map<std::string, std::string> kv;
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    const auto eq = word.find('=');
+    if (eq != std::string::npos) kv[word.substr(0, eq)] = word.substr(eq + 1);
+  }
+  return kv;
+}
+
+PERF_INLINE int64_t to_int(const std::string& text, const std::string& what) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  TORCH_CHECK(false, "perf: malformed package metadata ", what, "='", text, "'");
+}
+
+PERF_INLINE std::vector<int64_t> int_list(const std::string& text, const std::string& what) {
+  std::vector<int64_t> v;
+  std::istringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) v.push_back(to_int(item, what));
+  return v;
+}
+
+PERF_INLINE at::ScalarType dtype_from_name(const std::string& name) {
+  static const std::map<std::string, at::ScalarType> names = {
+      {"float32", at::kFloat}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16}, {"float64", at::kDouble},
+      {"int64", at::kLong},    {"int32", at::kInt},    {"uint8", at::kByte},        {"bool", at::kBool}};
+  const auto it = names.find(name);
+  TORCH_CHECK(it != names.end(), "perf: package metadata names an unknown dtype '", name, "'");
+  return it->second;
+}
+
+PERF_INLINE CompiledInput parse_input(const std::string& text, size_t index) {
+  const std::string what = "perf.input." + std::to_string(index);
+  auto kv = key_values(text);
+  CompiledInput in;
+  in.dtype = dtype_from_name(kv["dtype"]);
+  TORCH_CHECK(kv["device"] == "cpu" || kv["device"] == "cuda", "perf: package metadata ", what, " has device '",
+              kv["device"], "'");
+  in.device = kv["device"] == "cuda" ? c10::kCUDA : c10::kCPU;
+  in.sizes = int_list(kv["sizes"], what + " sizes");
+  in.format = kv["format"] == "channels_last" ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  if (kv.count("min")) in.min_batch = to_int(kv["min"], what + " min");
+  if (kv.count("max")) in.max_batch = to_int(kv["max"], what + " max");
+  return in;
+}
+
+PERF_INLINE size_t spec_leaves(const std::string& spec) {
+  size_t n = 0;
+  for (size_t at = spec.find("\"type\": null"); at != std::string::npos; at = spec.find("\"type\": null", at + 1)) ++n;
+  return n;
+}
+
+PERF_INLINE std::string missing_cpu_isa(const std::string& isa) {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  auto has = [&](const char* name) { return cpu_flag(caps, name); };
+  std::istringstream in(isa);
+  std::string word, missing;
+  while (in >> word) {
+    bool ok = true;
+    if (word == "AVX2") ok = has("avx2") && has("fma3");
+    if (word == "AVX512") ok = has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
+    if (word == "AVX512_VNNI") ok = has("avx512_vnni");
+    if (word == "AMX_TILE") ok = has("amx_tile");
+    if (!ok) missing += (missing.empty() ? "" : " ") + word;
+  }
+  return missing;
+}
+
+PERF_INLINE std::optional<std::vector<CompiledInput>> specs_from_generated_code(const std::string& path,
+                                                                                const std::string& model_name,
+                                                                                size_t num_inputs) {
+  std::string cpp;
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    const std::string dir = "data/aotinductor/" + model_name + "/";
+    const std::string suffix = ".wrapper.cpp";
+    for (const auto& name : reader.getAllRecords()) {
+      if (name.rfind(dir, 0) != 0 || name.size() < suffix.size() ||
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      auto record = reader.getRecord(name);
+      cpp.assign(static_cast<const char*>(std::get<0>(record).get()), std::get<1>(record));
+      break;
+    }
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (cpp.empty()) return std::nullopt;
+  struct Seen {
+    std::optional<at::ScalarType> dtype;
+    std::optional<c10::DeviceType> device;
+    std::map<int64_t, int64_t> sizes, strides;
+    std::set<int64_t> dynamic;
+  };
+  std::map<size_t, Seen> seen;
+  static const std::map<std::string, at::ScalarType> dtypes = {
+      {"kFloat", at::kFloat}, {"kHalf", at::kHalf}, {"kBFloat16", at::kBFloat16}, {"kDouble", at::kDouble},
+      {"kLong", at::kLong},   {"kInt", at::kInt},   {"kShort", at::kShort},       {"kChar", at::kChar},
+      {"kByte", at::kByte},   {"kBool", at::kBool}};
+  auto number_after = [&](size_t from, const std::string& key, int64_t& out) {
+    const auto at = cpp.find(key, from);
+    if (at == std::string::npos || at - from > 400) return false;
+    char* end = nullptr;
+    out = std::strtoll(cpp.c_str() + at + key.size(), &end, 10);
+    return end != cpp.c_str() + at + key.size();
+  };
+  const std::string tag = "\"input_handles[";
+  for (size_t at = cpp.find(tag); at != std::string::npos; at = cpp.find(tag, at + 1)) {
+    char* end = nullptr;
+    const auto index = static_cast<size_t>(std::strtoull(cpp.c_str() + at + tag.size(), &end, 10));
+    const size_t msg = static_cast<size_t>(end - cpp.c_str()) + 3;  // past "]: "
+    if (msg >= cpp.size()) return std::nullopt;
+    Seen& s = seen[index];
+    const std::string text = cpp.substr(msg, 40);
+    int64_t dim = 0, value = 0;
+    if (text.rfind("unmatched dtype", 0) == 0) {
+      const auto k = cpp.find("(at::", msg);
+      const auto close = k == std::string::npos ? k : cpp.find(')', k);
+      if (close == std::string::npos || k - msg > 400) return std::nullopt;
+      const auto it = dtypes.find(cpp.substr(k + 5, close - k - 5));
+      if (it == dtypes.end()) return std::nullopt;
+      s.dtype = it->second;
+    } else if (text.rfind("unmatched dim value at ", 0) == 0) {
+      if (!number_after(msg, "at ", dim) || !number_after(msg, "expected: ", value)) return std::nullopt;
+      s.sizes[dim] = value;
+    } else if (text.rfind("dim value is too ", 0) == 0) {
+      if (!number_after(msg, " at ", dim)) return std::nullopt;
+      s.dynamic.insert(dim);
+    } else if (text.rfind("unmatched stride value at ", 0) == 0) {
+      if (!number_after(msg, "at ", dim) || !number_after(msg, "expected: ", value)) return std::nullopt;
+      s.strides[dim] = value;
+    } else if (text.rfind("unmatched device type", 0) == 0) {
+      const auto k = cpp.find("(cpu)", msg), c = cpp.find("(cuda)", msg);
+      const auto first = std::min(k, c);
+      if (first == std::string::npos || first - msg > 400) return std::nullopt;
+      s.device = first == k ? c10::kCPU : c10::kCUDA;
+    }
+  }
+  if (seen.size() != num_inputs) return std::nullopt;
+  std::vector<CompiledInput> specs;
+  for (size_t i = 0; i < num_inputs; ++i) {
+    if (!seen.count(i) || !seen[i].dtype) return std::nullopt;
+    const Seen& s = seen[i];
+    int64_t rank = 0;
+    for (const auto& kv : s.sizes) rank = std::max(rank, kv.first + 1);
+    for (const auto& kv : s.strides) rank = std::max(rank, kv.first + 1);
+    for (const auto d : s.dynamic) rank = std::max(rank, d + 1);
+    CompiledInput in;
+    in.dtype = *s.dtype;
+    in.device = s.device.value_or(c10::kCPU);
+    for (int64_t d = 0; d < rank; ++d) in.sizes.push_back(s.sizes.count(d) ? s.sizes.at(d) : -1);
+    if (rank > 0 && std::find(in.sizes.begin(), in.sizes.end(), -1) != in.sizes.end()) in.min_batch = 1;
+    if (rank == 4 && s.strides.count(1) && s.strides.at(1) == 1 && s.sizes.count(1) && s.sizes.at(1) > 1)
+      in.format = at::MemoryFormat::ChannelsLast;
+    specs.push_back(std::move(in));
+  }
+  return specs;
+}
+
+PERF_INLINE std::vector<at::Tensor> check_inputs(const std::string& who, const std::vector<CompiledInput>& specs,
+                                                 const c10::Device& device, const std::vector<at::Tensor>& inputs,
+                                                 size_t expected_count) {
+  TORCH_CHECK(expected_count == 0 || inputs.size() == expected_count, who, " takes ", expected_count, " input(s), got ",
+              inputs.size());
+  std::vector<at::Tensor> out;
+  out.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& x = inputs[i];
+    TORCH_CHECK(x.defined(), who, ": input ", i, " is an undefined tensor");
+    TORCH_CHECK(x.device().type() == device.type() && (!device.is_cuda() || x.device().index() == device.index()), who,
+                ": input ", i, " is on ", x.device(), ", the package runs on ", device, " (move it with .to(", device,
+                "))");
+    if (specs.empty()) {
+      out.push_back(x.is_contiguous() ? x : x.contiguous());
+      continue;
+    }
+    const CompiledInput& want = specs[i];
+    TORCH_CHECK(x.scalar_type() == want.dtype, who, ": input ", i, " has dtype ", x.scalar_type(),
+                ", the package was exported for ", want.dtype, " (convert with .to(", want.dtype, "))");
+    bool shape_ok = x.dim() == static_cast<int64_t>(want.sizes.size());
+    for (int64_t d = 0; shape_ok && d < x.dim(); ++d) shape_ok = want.sizes[d] < 0 || want.sizes[d] == x.size(d);
+    TORCH_CHECK(shape_ok, who, ": input ", i, " has shape ", x.sizes(), ", the package was exported for ",
+                sizes_string(want.sizes));
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      if (want.sizes[d] >= 0) continue;
+      TORCH_CHECK(x.size(d) >= want.min_batch && (want.max_batch <= 0 || x.size(d) <= want.max_batch), who, ": input ",
+                  i, " has batch ", x.size(d), ", the package was exported for batches ", want.min_batch, "..",
+                  want.max_batch, " (shape ", x.sizes(), " vs ", sizes_string(want.sizes), ")");
+    }
+    out.push_back(x.is_contiguous(want.format) ? x : x.contiguous(want.format));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+PERF_INLINE CompiledModel::CompiledModel(const std::string& path, const CompiledOptions& options)
+    : options_(options),
+      package_(std::make_shared<detail::Package>(path, options, "inference", "perf::CompiledModel")) {
+  const auto& md = package_->metadata();
+  num_inputs_ = package_->inputs().size();
+  if (md.count("perf.outputs"))
+    num_outputs_ = static_cast<size_t>(detail::to_int(md.at("perf.outputs"), "perf.outputs"));
+  if (package_->inputs().empty()) {  // not exported by perf's tool: the call spec counts the tensors
+    const auto spec = package_->loader().get_call_spec();
+    if (!spec.empty()) num_inputs_ = detail::spec_leaves(spec[0]);
+    if (spec.size() > 1) num_outputs_ = detail::spec_leaves(spec[1]);
+    auto specs = detail::specs_from_generated_code(path, options.model_name(), num_inputs_);
+    if (specs) {
+      package_->set_inputs(std::move(*specs), "generated code");
+    } else {
+      TORCH_CHECK(!options.check_inputs(), "perf::CompiledModel: '", path,
+                  "' carries no input specs perf can read (no perf metadata, and no input checks in its generated "
+                  "code that read as expected), so a wrong shape or dtype would run through code that reads memory "
+                  "by the shapes it was compiled for. Export it with tools/export_compiled.py, or open it with "
+                  "perf::CompiledOptions().check_inputs(false) to run it unchecked at that risk.");
+    }
+  }
+}
+
+PERF_INLINE const std::string& CompiledModel::path() const noexcept { return package_->path(); }
+
+PERF_INLINE c10::Device CompiledModel::device() const noexcept { return package_->device(); }
+
+PERF_INLINE const std::vector<CompiledInput>& CompiledModel::inputs() const noexcept { return package_->inputs(); }
+
+PERF_INLINE const std::string& CompiledModel::inputs_from() const noexcept { return package_->inputs_from(); }
+
+PERF_INLINE const std::unordered_map<std::string, std::string>& CompiledModel::metadata() const noexcept {
+  return package_->metadata();
+}
+
+PERF_INLINE torch::inductor::AOTIModelPackageLoader& CompiledModel::loader() { return package_->loader(); }
+
+PERF_INLINE std::vector<at::Tensor> CompiledModel::run(const std::vector<at::Tensor>& inputs) {
+  if (!options_.check_inputs()) return package_->run(inputs);
+  return package_->run(
+      detail::check_inputs(package_->who(), package_->inputs(), package_->device(), inputs, num_inputs()));
+}
+
+PERF_INLINE at::Tensor CompiledModel::operator()(const at::Tensor& input) {
+  TORCH_CHECK(num_inputs() <= 1, "perf::CompiledModel '", path(), "' takes ", num_inputs(),
+              " inputs: call run({...}) with all of them");
+  auto out = run({input});
+  TORCH_CHECK(out.size() == 1, "perf::CompiledModel '", path(), "' returned ", out.size(),
+              " outputs: call run({...}) to get all of them");
+  return out[0];
+}
+
+PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& model) {
+  const auto& md = model.metadata();
+  out << "perf::CompiledModel '" << model.path() << "' on " << model.device();
+  if (md.count("perf.torch")) out << ", exported with torch " << md.at("perf.torch");
+  if (model.device().is_cpu() && md.count("AOTI_CPU_ISA")) out << ", CPU ISA " << md.at("AOTI_CPU_ISA");
+  if (model.device().is_cuda() && md.count("AOTI_COMPUTE_CAPABILITY"))
+    out << ", compute capability " << md.at("AOTI_COMPUTE_CAPABILITY");
+  if (model.options().single_threaded()) out << ", single-threaded (capturable)";
+  out << "\n";
+  if (model.inputs().empty()) {
+    out << "  inputs: " << model.num_inputs() << " tensor(s), unchecked (check_inputs(false))\n";
+  } else if (model.inputs_from() == "generated code") {
+    out << "  inputs as the package's generated code checks them (no perf metadata: batch range unknown)\n";
+  }
+  for (size_t i = 0; i < model.inputs().size(); ++i) {
+    const auto& in = model.inputs()[i];
+    out << "  input " << i << ": " << in.dtype << " " << detail::sizes_string(in.sizes);
+    if (in.max_batch > 0) out << " batch " << in.min_batch << ".." << in.max_batch;
+    if (in.format == at::MemoryFormat::ChannelsLast) out << " channels_last";
+    out << "\n";
+  }
+  if (model.num_outputs()) out << "  outputs: " << *model.num_outputs() << "\n";
+  return out;
+}
+
+}  // namespace perf
