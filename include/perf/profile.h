@@ -89,6 +89,7 @@ class Range {
 
  private:
   at::RecordFunction guard_;
+  bool nvtx_ = false;  // pushed an NVTX range: pop it, even if the stubs changed since
 };
 
 // ---------------------------------------------------------------------------

@@ -106,12 +106,14 @@ PERF_INLINE Range::Range(const std::string& name) : guard_(at::RecordScope::USER
   // NVTX through LibTorch's CUDA profiler stubs (registered when torch_cuda is
   // loaded): NVTX's own header defines ~70 functions in every translation unit.
   const auto* stubs = torch::profiler::impl::cudaStubs();
-  if (stubs->enabled()) stubs->rangePush(name.c_str());
+  if (stubs->enabled()) {
+    stubs->rangePush(name.c_str());
+    nvtx_ = true;
+  }
 }
 
 PERF_INLINE Range::~Range() {
-  const auto* stubs = torch::profiler::impl::cudaStubs();
-  if (stubs->enabled()) stubs->rangePop();
+  if (nvtx_) torch::profiler::impl::cudaStubs()->rangePop();
 }
 
 }  // namespace perf
