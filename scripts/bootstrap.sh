@@ -21,7 +21,7 @@ log() { echo "[bootstrap] $*" >&2; }
 
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for p in cmake g++ ninja-build ccache googletest libgtest-dev libbenchmark-dev libcli11-dev libgloo-dev python3-venv; do
+for p in cmake g++ clang ninja-build ccache googletest libgtest-dev libbenchmark-dev libcli11-dev libgloo-dev python3-venv; do
   have "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then

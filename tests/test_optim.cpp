@@ -237,6 +237,28 @@ TEST(Optim, StateDictRoundTripResumesBitIdentically) {
       "sgd");
 }
 
+TEST(Optim, ACheckpointOfAnotherOptimizerIsAClearError) {
+  // LibTorch's own reader stops such a load with a bare internal assert; perf
+  // names the optimizer and the option the checkpoint lacks.
+  const auto path = (std::filesystem::temp_directory_path() / ("perf_opt_kind" + std::to_string(::getpid()) + ".pt"))
+                        .string();
+  auto p = torch::ones({3}, torch::requires_grad());
+  p.mutable_grad() = torch::ones({3});
+  torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  sgd.step();
+  torch::save(sgd, path);
+  perf::optim::AdamW adamw({p}, perf::optim::AdamWOptions(1e-3));
+  PERF_EXPECT_THROW_MSG(torch::load(adamw, path),
+                        "perf::optim::AdamWOptions: the checkpoint's parameter group has no option \"betas\"");
+  perf::optim::AdamW saved({p}, perf::optim::AdamWOptions(1e-3));
+  saved.step();
+  torch::save(saved, path);
+  perf::optim::SGD sgd2({p}, perf::optim::SGDOptions(0.1));
+  PERF_EXPECT_THROW_MSG(torch::load(sgd2, path),
+                        "perf::optim::SGDOptions: the checkpoint's parameter group has no option \"momentum\"");
+  std::filesystem::remove(path);
+}
+
 TEST(Optim, SchedulerLrChangesTakeEffect) {
   auto p = torch::zeros({4}, torch::requires_grad());
   perf::optim::SGD opt({p}, perf::optim::SGDOptions(1.0));

@@ -436,17 +436,23 @@ void AdamOptionsT<D>::serialize(torch::serialize::OutputArchive& archive) const 
 }
 
 namespace detail {
+// An option torch::optim always writes (LibTorch's _TORCH_OPTIM_DESERIALIZE_TORCH_ARG
+// without its bare internal assert, which also trips clang's -Wpedantic in a user's TU).
+PERF_INLINE c10::IValue read_option(torch::serialize::InputArchive& archive, const char* key, const char* who);
 // Options torch::optim does not write (maximize, fused) keep their defaults.
 PERF_INLINE void read_bool_if_present(torch::serialize::InputArchive& archive, const char* key, bool& out);
+// State tensors: absent means undefined (e.g. max_exp_avg_sq without amsgrad).
+PERF_INLINE void read_tensor_if_present(torch::serialize::InputArchive& archive, const char* key, at::Tensor& out);
 }  // namespace detail
 
 template <bool D>
 void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, amsgrad);
+  const char* who = D ? "perf::optim::AdamWOptions" : "perf::optim::AdamOptions";
+  lr(detail::read_option(archive, "lr", who).toDouble());
+  betas(detail::read_option(archive, "betas", who).to<betas_t>());
+  eps(detail::read_option(archive, "eps", who).toDouble());
+  weight_decay(detail::read_option(archive, "weight_decay", who).toDouble());
+  amsgrad(detail::read_option(archive, "amsgrad", who).toBool());
   detail::read_bool_if_present(archive, "maximize", maximize_);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
 }

@@ -1,9 +1,17 @@
 # Builds tests/consumer against perf, either installed (find_package) or as a
-# subdirectory, then runs it. Invoked by ctest with -P.
+# subdirectory (optionally with another compiler and standard: CXX_COMPILER,
+# CXX_STANDARD), then runs it.
+# Invoked by ctest with -P.
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(common -G "${GENERATOR}" -DTorch_DIR=${Torch_DIR} -DPERF_WITH_CUDA=${PERF_WITH_CUDA})
 if(LAUNCHER)
   list(APPEND common -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})
+endif()
+if(CXX_COMPILER)  # another compiler than perf's own build (clang++)
+  list(APPEND common -DCMAKE_CXX_COMPILER=${CXX_COMPILER})
+endif()
+if(CXX_STANDARD)  # the program's standard, newer than perf's floor (C++17)
+  list(APPEND common -DPERF_CONSUMER_CXX_STANDARD=${CXX_STANDARD})
 endif()
 
 function(run)

@@ -174,9 +174,21 @@ PERF_INLINE bool foreach_prepare_scaled(std::vector<at::Tensor>& grads, const st
   return true;
 }
 
+PERF_INLINE c10::IValue read_option(torch::serialize::InputArchive& archive, const char* key, const char* who) {
+  c10::IValue v;
+  TORCH_CHECK(archive.try_read(key, v), who, ": the checkpoint's parameter group has no option \"", key,
+              "\" (torch::optim and perf::optim always write it): not an optimizer checkpoint of this kind");
+  return v;
+}
+
 PERF_INLINE void read_bool_if_present(torch::serialize::InputArchive& archive, const char* key, bool& out) {
   c10::IValue v;
   if (archive.try_read(key, v)) out = v.toBool();
+}
+
+PERF_INLINE void read_tensor_if_present(torch::serialize::InputArchive& archive, const char* key, at::Tensor& out) {
+  c10::IValue v;
+  if (archive.try_read(key, v)) out = v.toTensor();
 }
 
 }  // namespace detail
@@ -199,9 +211,9 @@ PERF_INLINE void AdamParamState::serialize(torch::serialize::InputArchive& archi
     step(v.isTensor() ? v.toTensor().detach().to(at::kFloat).reshape({})
                       : at::scalar_tensor(v.isInt() ? static_cast<double>(v.toInt()) : v.toDouble(), at::kFloat));
   }
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, max_exp_avg_sq);
+  detail::read_tensor_if_present(archive, "exp_avg", exp_avg_);
+  detail::read_tensor_if_present(archive, "exp_avg_sq", exp_avg_sq_);
+  detail::read_tensor_if_present(archive, "max_exp_avg_sq", max_exp_avg_sq_);
 }
 
 PERF_INLINE void SGDOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -215,11 +227,12 @@ PERF_INLINE void SGDOptions::serialize(torch::serialize::OutputArchive& archive)
 }
 
 PERF_INLINE void SGDOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, momentum);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, dampening);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, nesterov);
+  const char* who = "perf::optim::SGDOptions";
+  lr(detail::read_option(archive, "lr", who).toDouble());
+  momentum(detail::read_option(archive, "momentum", who).toDouble());
+  dampening(detail::read_option(archive, "dampening", who).toDouble());
+  weight_decay(detail::read_option(archive, "weight_decay", who).toDouble());
+  nesterov(detail::read_option(archive, "nesterov", who).toBool());
   detail::read_bool_if_present(archive, "maximize", maximize_);
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, fused);
 }
@@ -229,7 +242,7 @@ PERF_INLINE void SGDParamState::serialize(torch::serialize::OutputArchive& archi
 }
 
 PERF_INLINE void SGDParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, momentum_buffer);
+  detail::read_tensor_if_present(archive, "momentum_buffer", momentum_buffer_);
 }
 
 PERF_INLINE torch::Tensor FusedOptimizer::step(LossClosure closure) {

@@ -1,0 +1,187 @@
+// README.md's C++ examples, verbatim, each inside the context it assumes (a
+// model `Net`, a `dataset`, a `loader`, ...). Compiled, not run, under the
+// strict flags but for unused variables (perf_readme_snippets: examples declare
+// what a real program would go on to use); tests/readme_snippets.py checks that
+// every ```cpp block of README.md appears here line for line, so an example
+// that no longer compiles, or one edited in the README alone, fails CI.
+#include <perf/compiled.h>
+#include <perf/perf.h>  // or the one header you need
+#include <torch/torch.h>
+
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <optional>
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() { conv = register_module("conv", torch::nn::Conv2d(3, 8, 3)); fc = register_module("fc", torch::nn::Linear(8, 10)); }
+  torch::Tensor forward(torch::Tensor x) { return fc(torch::adaptive_avg_pool2d(conv(x), 1).flatten(1)); }
+  torch::nn::Conv2d conv{nullptr}; torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Net);
+namespace readme_snippets {
+auto mnist() { return torch::data::datasets::MNIST("data").map(torch::data::transforms::Stack<>()); }
+torch::Tensor loss_fn(const torch::Tensor& a, const torch::Tensor& b) { return torch::nn::functional::cross_entropy(a, b); }
+
+void block1() {
+  auto dataset = mnist();
+std::cout << perf::setup();                                // fast defaults, reported
+auto model = perf::optimize(Net(), perf::ModelOptions().device(torch::kCUDA));  // NHWC + autocast
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));  // fused kernels
+perf::GradScaler scaler;
+auto loader = torch::data::make_data_loader(dataset, perf::loader_options(64));
+for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {    // pinned, async, already on the GPU
+  opt.zero_grad();
+  scaler.scale(loss_fn(model(b.data), b.target)).backward();
+  scaler.step(opt);
+  scaler.update();
+}
+}
+void train_step(const torch::Tensor&, const torch::Tensor&) {}
+void block2() {
+  auto dataset = torch::data::datasets::MNIST("data");
+auto loader = torch::data::make_data_loader(
+    dataset.map(torch::data::transforms::Stack<>()), perf::loader_options(64));
+for (auto& batch : perf::prefetch(*loader, torch::kCUDA,
+                                  perf::PrefetchOptions().channels_last(true).dtype(torch::kHalf)
+                                      .mean({123.7, 116.3, 103.5}).std({58.4, 57.1, 57.4}))) {
+  train_step(batch.data, batch.target);           // already on the GPU, NHWC, normalised
+}
+}
+void block3() {
+  Net model;
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  auto loader = torch::data::make_data_loader(mnist(), 64);
+// C++ with perf
+perf::GradScaler scaler;                                   // init_scale 65536, growth 2, backoff 0.5, interval 2000
+for (auto& batch : *loader) {
+  opt.zero_grad();
+  torch::Tensor loss;
+  {
+    perf::Autocast ac(torch::kCUDA, torch::kHalf);         // RAII `with torch.autocast(...)`
+    loss = loss_fn(model->forward(batch.data), batch.target);
+  }
+  scaler.scale(loss).backward();
+  scaler.unscale_(opt);
+  torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+  scaler.step(opt);                                        // skipped when a gradient is inf/NaN
+  scaler.update();
+}
+}
+void block4(torch::Tensor x) {
+  auto model = perf::optimize(Net(), perf::ModelOptions().device(torch::kCPU).example(x));
+  std::cout << model.choice();
+  // perf::optimize: channels-last + bf16 autocast (fastest of 4 measured on [1, 3, 64, 64] Float on cpu)
+  //     NCHW fp32                                       6.874 ms   1.00x
+  //     NCHW + bf16 autocast                            5.801 ms   1.18x
+  //     channels-last fp32                              5.648 ms   1.22x
+  //   * channels-last + bf16 autocast                   4.104 ms   1.68x
+  //   decided in 1.03 s
+  auto pinned = perf::optimize(Net(), perf::ModelOptions().recipe(model.recipe()));  // reproducible runs
+}
+void block5(torch::Tensor x_example, torch::Tensor x) {
+  Net model;
+  perf::optim::AdamW optimizer(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  torch::optim::StepLR scheduler(optimizer, 1, 0.5);
+  auto loader = torch::data::make_data_loader(mnist(), 64);
+model->eval();
+auto g = perf::graph(model, x_example, perf::GraphOptions().batch_sizes({1, 2, 4, 8, 16, 32}));
+torch::Tensor y = g(x);                    // copy in, replay, output (yours; .clone_outputs(false): a view)
+
+std::optional<perf::TrainStep> step;
+for (auto& batch : perf::prefetch(*loader, torch::kCUDA)) {
+  if (!step) step.emplace(model, [&](const torch::Tensor& x, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(model->forward(x), t);
+  }, optimizer, batch);                    // built from the first batch; optimizer: perf::optim::*
+  torch::Tensor loss = step->step(batch);  // forward + backward + update in one replay, no host sync;
+                                           // the loss is yours (a 0-dim device copy): keep one per step
+  scheduler.step();                        // takes effect at the next replay
+}
+}
+void block6(std::vector<torch::Tensor> params) {
+  Net model;
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+perf::optim::Adam  adam(params, perf::optim::AdamOptions(1e-3).amsgrad(true));
+perf::optim::SGD   sgd(params, perf::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+}
+void block7() {
+  Net model;
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).flat(true));  // likewise Adam, SGD
+opt.kernels();  // {"cuda:0 Float: fused, flat (1 tensor for 161 parameters)"}
+}
+void block8(torch::Tensor x, torch::Tensor y, torch::Tensor x2, torch::Tensor y2) {
+  Net model;
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+auto pg = perf::init_process_group();            // torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK: the GPU)
+perf::DistributedDataParallel ddp(model, pg);    // rank 0's parameters and buffers broadcast to every rank
+auto loss = loss_fn(ddp(x), y);                  // ddp(args...) calls model->forward(args...)
+loss.backward();                                 // gradients averaged across ranks in buckets while backward runs
+opt.step();                                      // perf::optim, torch::optim, perf::GradScaler: unchanged
+{ auto guard = ddp.no_sync(); loss_fn(ddp(x2), y2).backward(); }  // accumulate locally, no communication
+}
+void block9(torch::Tensor x, torch::Tensor tokens, torch::Tensor feats) {
+perf::CompiledModel model("resnet.pt2");             // perf::CompiledOptions(): model_name, device_index, runners
+at::Tensor y = model(x);                             // one input, one output
+std::vector<at::Tensor> outs = model.run({tokens, feats});   // any number of inputs and outputs
+std::cout << model;
+// perf::CompiledModel 'resnet.pt2' on cpu, exported with torch 2.11.0+cu130, CPU ISA AVX512 AVX512_VNNI
+//   input 0: Float [batch, 3, 64, 64] batch 1..64
+//   outputs: 1
+}
+void block10() {
+  Net model;
+c10::Dict<std::string, at::Tensor> state;
+for (const auto& p : model->named_parameters()) state.insert(p.key(), p.value().detach());
+for (const auto& b : model->named_buffers()) state.insert(b.key(), b.value());
+auto bytes = torch::pickle_save(state);
+std::ofstream("weights.pt", std::ios::binary).write(bytes.data(), bytes.size());
+}
+void block11(torch::Device device) {
+  Net model;
+  auto loader = torch::data::make_data_loader(mnist(), 64);
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+perf::CompiledTrainStep step("net_train.pt2", model, opt);   // perf::CompiledTrainOptions()...
+for (auto& b : perf::prefetch(*loader, device)) {
+  torch::Tensor loss = step.step(b.data, b.target);          // yours: keep one per step if you like
+}
+std::cout << step;   // perf::CompiledTrainStep 'net_train.pt2' on cpu, autocast bf16, eager steps
+}
+void block12(int64_t total_images, torch::Device device) {
+  auto loader = torch::data::make_data_loader(mnist(), 64);
+  torch::Tensor loss;
+perf::Progress bar(total_images, perf::ProgressOptions().unit("img").description("epoch 0"));
+for (auto& b : perf::prefetch(*loader, device)) {
+  bar.update(b.data.size(0), {{"loss", loss.detach()}});   // the loss is read only when a line is drawn
+}
+}
+void train() {}
+void block13() {
+perf::GpuMonitor mon(perf::GpuMonitorOptions().interval(std::chrono::milliseconds(100)));
+train();
+std::cout << mon.summary();   // per GPU: SM util mean/max, memory util, memory max of total, SM clock, power, temperature
+}
+void train_step() {}
+void block14() {
+std::cout << perf::advise([&] { train_step(); }, perf::AdviseOptions().steps(20));
+}
+void block15(torch::Tensor x) {
+  Net model;
+// Wrong: times the kernel launches (microseconds), not the matmuls.
+auto t0 = std::chrono::steady_clock::now();
+auto y = model->forward(x);                       // returns at once on CUDA
+auto ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+void block16(torch::Tensor x, std::function<void()> f, std::function<void()> g) {
+  Net model;
+// Right: CUDA events on the stream, warm-up first, statistics over many calls.
+perf::Timer t(torch::kCUDA);                      // events; no host sync until read
+t.start(); auto y = model->forward(x); t.stop();
+double ms = t.elapsed_ms();                       // waits for the stop event only
+perf::Stats s = perf::benchmark([&] { model->forward(x); },
+    perf::BenchOptions().warmup(10).iters(100).min_time(1.0).items_per_call(x.size(0)));
+std::cout << perf::Stats::header() << s;          // min, median, mean, p90, max, items/s
+
+auto c = perf::compare("eager", f, "graphed", g); // A B A B ... alternately
+std::cout << c;                                   // both rows + ratio of medians
+}
+}  // namespace readme_snippets
