@@ -327,6 +327,7 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
 // Opened single-threaded, the package's kernels are captured by perf::graph and
 // replayed: per batch bucket, with the input changing between replays, equal
 // to the same package called uncaptured (the same kernels) and to Python eager.
+// A package never called before is refused under capture (constant folding).
 TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
@@ -336,6 +337,19 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   perf::CompiledModel model(pkg, perf::CompiledOptions().single_threaded(true));
   perf::CompiledModel plain(pkg);  // multi-threaded, uncaptured: the reference
   const auto example = at::zeros({8, 16}, at::kCUDA);
+  {
+    // Never run before: its first call would fold the package's constants into
+    // memory from the graph's pool. Refused before the container is touched;
+    // the same model then runs and is captured after a warm-up.
+    perf::CompiledModel fresh(pkg, perf::CompiledOptions().single_threaded(true));
+    PERF_EXPECT_THROW_MSG(perf::graph(fresh, example, perf::GraphOptions().warmup(0)),
+                          "its first call folds the package's constants into new device memory");
+    EXPECT_LE(max_diff(fresh(example).cpu(), plain(example).cpu()), 1e-6);
+    auto later = perf::graph(fresh, example, perf::GraphOptions().warmup(0));
+    ASSERT_TRUE(later.graphed());
+    const auto x = at::randn({8, 16}, at::kCUDA);
+    EXPECT_LE(max_diff(later(x).cpu(), plain(x).cpu()), 1e-6);
+  }
   auto graphed = perf::graph(model, example, perf::GraphOptions().batch_sizes({1, 4, 8}));
   ASSERT_TRUE(graphed.graphed());
   double worst = 0;

@@ -46,6 +46,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -240,20 +241,33 @@ class Package {
   // Runs the generated code on the current stream (inputs already checked).
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) {
     void* stream = nullptr;
+    bool capturing = false;
 #if PERF_WITH_CUDA
     std::optional<c10::cuda::CUDAGuard> guard;
     if (device_.is_cuda()) {
       guard.emplace(device_);
-      TORCH_CHECK(
-          single_threaded_ || c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None, who_,
-          ": this package was opened multi-threaded, and LibTorch's multi-threaded AOTInductor container "
-          "queries and records a completion event each run, which CUDA graph capture forbids (and which "
-          "would break every later call). Open it with perf::CompiledOptions().single_threaded(true) to "
-          "capture it, or call it outside the capture.");
+      capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+      TORCH_CHECK(!capturing || single_threaded_, who_,
+                  ": this package was opened multi-threaded, and LibTorch's multi-threaded AOTInductor container "
+                  "queries and records a completion event each run, which CUDA graph capture forbids (and which "
+                  "would break every later call). Open it with perf::CompiledOptions().single_threaded(true) to "
+                  "capture it, or call it outside the capture.");
+      // The container's first call folds the package's constants into new
+      // device memory (model_container.h); captured, that memory would come
+      // from the graph's pool and be freed with the graph while the container
+      // keeps using it. (Folding ahead through the runner's run_const_fold is
+      // no way out: it parks the container's only model in pending_models_,
+      // and run_single_threaded then indexes an empty available_models_.)
+      TORCH_CHECK(!capturing || ran_.load(), who_,
+                  ": its first call folds the package's constants into new device memory, which must not happen "
+                  "under CUDA graph capture (it would live in the graph's memory pool and be freed with the graph). "
+                  "Call it once outside the capture first (perf::graph does with GraphOptions().warmup() >= 1).");
       stream = static_cast<void*>(at::cuda::getCurrentCUDAStream(device_.index()).stream());
     }
 #endif
-    return loader_->run(inputs, stream);
+    auto outputs = loader_->run(inputs, stream);
+    if (!capturing) ran_ = true;
+    return outputs;
   }
 
   const std::string& path() const noexcept { return path_; }
@@ -283,6 +297,7 @@ class Package {
   std::string inputs_from_;
   c10::Device device_ = c10::kCPU;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::atomic<bool> ran_{false};  // a call outside capture has run (constants folded)
 };
 
 }  // namespace detail
