@@ -250,12 +250,16 @@ TEST(Optim, ACheckpointOfAnotherOptimizerIsAClearError) {
   perf::optim::AdamW adamw({p}, perf::optim::AdamWOptions(1e-3));
   PERF_EXPECT_THROW_MSG(torch::load(adamw, path),
                         "perf::optim::AdamWOptions: the checkpoint's parameter group has no option \"betas\"");
+  EXPECT_TRUE(adamw.state().empty()) << "nothing applied";
+  EXPECT_DOUBLE_EQ(adamw.param_groups()[0].options().get_lr(), 1e-3);
   perf::optim::AdamW saved({p}, perf::optim::AdamWOptions(1e-3));
   saved.step();
   torch::save(saved, path);
   perf::optim::SGD sgd2({p}, perf::optim::SGDOptions(0.1));
   PERF_EXPECT_THROW_MSG(torch::load(sgd2, path),
                         "perf::optim::SGDOptions: the checkpoint's parameter group has no option \"momentum\"");
+  EXPECT_TRUE(sgd2.state().empty()) << "nothing applied";
+  EXPECT_DOUBLE_EQ(sgd2.param_groups()[0].options().get_lr(), 0.1);
   std::filesystem::remove(path);
 }
 
