@@ -3,7 +3,8 @@
 // strict flags but for unused variables (perf_readme_snippets: examples declare
 // what a real program would go on to use); tests/readme_snippets.py checks that
 // every ```cpp block of README.md appears here line for line, so an example
-// that no longer compiles, or one edited in the README alone, fails CI.
+// that no longer compiles, or one edited in the README alone, fails CI. The
+// examples stand as the README prints them (clang-format off around each).
 #include <perf/compiled.h>
 #include <perf/perf.h>  // or the one header you need
 #include <torch/torch.h>
@@ -14,17 +15,24 @@
 #include <optional>
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() { conv = register_module("conv", torch::nn::Conv2d(3, 8, 3)); fc = register_module("fc", torch::nn::Linear(8, 10)); }
+  NetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(3, 8, 3));
+    fc = register_module("fc", torch::nn::Linear(8, 10));
+  }
   torch::Tensor forward(torch::Tensor x) { return fc(torch::adaptive_avg_pool2d(conv(x), 1).flatten(1)); }
-  torch::nn::Conv2d conv{nullptr}; torch::nn::Linear fc{nullptr};
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(Net);
 namespace readme_snippets {
 auto mnist() { return torch::data::datasets::MNIST("data").map(torch::data::transforms::Stack<>()); }
-torch::Tensor loss_fn(const torch::Tensor& a, const torch::Tensor& b) { return torch::nn::functional::cross_entropy(a, b); }
+torch::Tensor loss_fn(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::nn::functional::cross_entropy(a, b);
+}
 
 void block1() {
   auto dataset = mnist();
+  // clang-format off
 std::cout << perf::setup();                                // fast defaults, reported
 auto model = perf::optimize(Net(), perf::ModelOptions().device(torch::kCUDA));  // NHWC + autocast
 perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));  // fused kernels
@@ -36,10 +44,13 @@ for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {    // pinned, async, alr
   scaler.step(opt);
   scaler.update();
 }
+
+  // clang-format on
 }
 void train_step(const torch::Tensor&, const torch::Tensor&) {}
 void block2() {
   auto dataset = torch::data::datasets::MNIST("data");
+  // clang-format off
 auto loader = torch::data::make_data_loader(
     dataset.map(torch::data::transforms::Stack<>()), perf::loader_options(64));
 for (auto& batch : perf::prefetch(*loader, torch::kCUDA,
@@ -47,11 +58,14 @@ for (auto& batch : perf::prefetch(*loader, torch::kCUDA,
                                       .mean({123.7, 116.3, 103.5}).std({58.4, 57.1, 57.4}))) {
   train_step(batch.data, batch.target);           // already on the GPU, NHWC, normalised
 }
+
+  // clang-format on
 }
 void block3() {
   Net model;
   torch::optim::SGD opt(model->parameters(), 0.1);
   auto loader = torch::data::make_data_loader(mnist(), 64);
+  // clang-format off
 // C++ with perf
 perf::GradScaler scaler;                                   // init_scale 65536, growth 2, backoff 0.5, interval 2000
 for (auto& batch : *loader) {
@@ -67,8 +81,11 @@ for (auto& batch : *loader) {
   scaler.step(opt);                                        // skipped when a gradient is inf/NaN
   scaler.update();
 }
+
+  // clang-format on
 }
 void block4(torch::Tensor x) {
+  // clang-format off
   auto model = perf::optimize(Net(), perf::ModelOptions().device(torch::kCPU).example(x));
   std::cout << model.choice();
   // perf::optimize: channels-last + bf16 autocast (fastest of 4 measured on [1, 3, 64, 64] Float on cpu)
@@ -78,12 +95,15 @@ void block4(torch::Tensor x) {
   //   * channels-last + bf16 autocast                   4.104 ms   1.68x
   //   decided in 1.03 s
   auto pinned = perf::optimize(Net(), perf::ModelOptions().recipe(model.recipe()));  // reproducible runs
+
+  // clang-format on
 }
 void block5(torch::Tensor x_example, torch::Tensor x) {
   Net model;
   perf::optim::AdamW optimizer(model->parameters(), perf::optim::AdamWOptions(1e-3));
   torch::optim::StepLR scheduler(optimizer, 1, 0.5);
   auto loader = torch::data::make_data_loader(mnist(), 64);
+  // clang-format off
 model->eval();
 auto g = perf::graph(model, x_example, perf::GraphOptions().batch_sizes({1, 2, 4, 8, 16, 32}));
 torch::Tensor y = g(x);                    // copy in, replay, output (yours; .clone_outputs(false): a view)
@@ -97,29 +117,41 @@ for (auto& batch : perf::prefetch(*loader, torch::kCUDA)) {
                                            // the loss is yours (a 0-dim device copy): keep one per step
   scheduler.step();                        // takes effect at the next replay
 }
+
+  // clang-format on
 }
 void block6(std::vector<torch::Tensor> params) {
   Net model;
+  // clang-format off
 perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
 perf::optim::Adam  adam(params, perf::optim::AdamOptions(1e-3).amsgrad(true));
 perf::optim::SGD   sgd(params, perf::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+
+  // clang-format on
 }
 void block7() {
   Net model;
+  // clang-format off
 perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).flat(true));  // likewise Adam, SGD
 opt.kernels();  // {"cuda:0 Float: fused, flat (1 tensor for 161 parameters)"}
+
+  // clang-format on
 }
 void block8(torch::Tensor x, torch::Tensor y, torch::Tensor x2, torch::Tensor y2) {
   Net model;
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  // clang-format off
 auto pg = perf::init_process_group();            // torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK: the GPU)
 perf::DistributedDataParallel ddp(model, pg);    // rank 0's parameters and buffers broadcast to every rank
 auto loss = loss_fn(ddp(x), y);                  // ddp(args...) calls model->forward(args...)
 loss.backward();                                 // gradients averaged across ranks in buckets while backward runs
 opt.step();                                      // perf::optim, torch::optim, perf::GradScaler: unchanged
 { auto guard = ddp.no_sync(); loss_fn(ddp(x2), y2).backward(); }  // accumulate locally, no communication
+
+  // clang-format on
 }
 void block9(torch::Tensor x, torch::Tensor tokens, torch::Tensor feats) {
+  // clang-format off
 perf::CompiledModel model("resnet.pt2");             // perf::CompiledOptions(): model_name, device_index, runners
 at::Tensor y = model(x);                             // one input, one output
 std::vector<at::Tensor> outs = model.run({tokens, feats});   // any number of inputs and outputs
@@ -127,52 +159,73 @@ std::cout << model;
 // perf::CompiledModel 'resnet.pt2' on cpu, exported with torch 2.11.0+cu130, CPU ISA AVX512 AVX512_VNNI
 //   input 0: Float [batch, 3, 64, 64] batch 1..64
 //   outputs: 1
+
+  // clang-format on
 }
 void block10() {
   Net model;
+  // clang-format off
 c10::Dict<std::string, at::Tensor> state;
 for (const auto& p : model->named_parameters()) state.insert(p.key(), p.value().detach());
 for (const auto& b : model->named_buffers()) state.insert(b.key(), b.value());
 auto bytes = torch::pickle_save(state);
 std::ofstream("weights.pt", std::ios::binary).write(bytes.data(), bytes.size());
+
+  // clang-format on
 }
 void block11(torch::Device device) {
   Net model;
   auto loader = torch::data::make_data_loader(mnist(), 64);
+  // clang-format off
 perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
 perf::CompiledTrainStep step("net_train.pt2", model, opt);   // perf::CompiledTrainOptions()...
 for (auto& b : perf::prefetch(*loader, device)) {
   torch::Tensor loss = step.step(b.data, b.target);          // yours: keep one per step if you like
 }
 std::cout << step;   // perf::CompiledTrainStep 'net_train.pt2' on cpu, autocast bf16, eager steps
+
+  // clang-format on
 }
 void block12(int64_t total_images, torch::Device device) {
   auto loader = torch::data::make_data_loader(mnist(), 64);
   torch::Tensor loss;
+  // clang-format off
 perf::Progress bar(total_images, perf::ProgressOptions().unit("img").description("epoch 0"));
 for (auto& b : perf::prefetch(*loader, device)) {
   bar.update(b.data.size(0), {{"loss", loss.detach()}});   // the loss is read only when a line is drawn
 }
+
+  // clang-format on
 }
 void train() {}
 void block13() {
+  // clang-format off
 perf::GpuMonitor mon(perf::GpuMonitorOptions().interval(std::chrono::milliseconds(100)));
 train();
 std::cout << mon.summary();   // per GPU: SM util mean/max, memory util, memory max of total, SM clock, power, temperature
+
+  // clang-format on
 }
 void train_step() {}
 void block14() {
+  // clang-format off
 std::cout << perf::advise([&] { train_step(); }, perf::AdviseOptions().steps(20));
+
+  // clang-format on
 }
 void block15(torch::Tensor x) {
   Net model;
+  // clang-format off
 // Wrong: times the kernel launches (microseconds), not the matmuls.
 auto t0 = std::chrono::steady_clock::now();
 auto y = model->forward(x);                       // returns at once on CUDA
 auto ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+  // clang-format on
 }
 void block16(torch::Tensor x, std::function<void()> f, std::function<void()> g) {
   Net model;
+  // clang-format off
 // Right: CUDA events on the stream, warm-up first, statistics over many calls.
 perf::Timer t(torch::kCUDA);                      // events; no host sync until read
 t.start(); auto y = model->forward(x); t.stop();
@@ -183,5 +236,7 @@ std::cout << perf::Stats::header() << s;          // min, median, mean, p90, max
 
 auto c = perf::compare("eager", f, "graphed", g); // A B A B ... alternately
 std::cout << c;                                   // both rows + ratio of medians
+
+  // clang-format on
 }
 }  // namespace readme_snippets

@@ -240,8 +240,8 @@ TEST(Optim, StateDictRoundTripResumesBitIdentically) {
 TEST(Optim, ACheckpointOfAnotherOptimizerIsAClearError) {
   // LibTorch's own reader stops such a load with a bare internal assert; perf
   // names the optimizer and the option the checkpoint lacks.
-  const auto path = (std::filesystem::temp_directory_path() / ("perf_opt_kind" + std::to_string(::getpid()) + ".pt"))
-                        .string();
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("perf_opt_kind" + std::to_string(::getpid()) + ".pt")).string();
   auto p = torch::ones({3}, torch::requires_grad());
   p.mutable_grad() = torch::ones({3});
   torch::optim::SGD sgd({p}, torch::optim::SGDOptions(0.1).momentum(0.9));
