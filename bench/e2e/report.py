@@ -77,9 +77,18 @@ def main():
             laxes[0][j].plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linewidth=1)
         stock = next((r for r in rs if r["config"] == "stock"), None)
         if stock is not None:
-            diff = max(abs(u - v) for u, v in zip(base["losses"], stock["losses"]))
-            md += ["", f"Python eager fp32 and C++ stock run the same fp32 job: largest per-step loss difference "
-                       f"{diff:.1e}."]
+            diffs = [abs(u - v) for u, v in zip(base["losses"], stock["losses"])]
+            close = next((i for i, d in enumerate(diffs) if d > 1e-5), len(diffs))
+            if close == len(diffs):
+                md += ["", f"Python eager fp32 and C++ stock run the same fp32 job: their losses agree within "
+                           f"{max(diffs):.1e} at every step."]
+            else:
+                # Same ops, other summation orders (threads): rounding differences
+                # that training amplifies step by step, not a different job.
+                md += ["", f"Python eager fp32 and C++ stock run the same fp32 job: their losses agree within "
+                           f"{max(diffs[:close] or [0.0]):.1e} for the first {close} steps; from there the two "
+                           f"runs' rounding differences compound, as between any two fp32 runs whose kernels sum "
+                           f"in another order (largest difference {max(diffs):.1e}, step {diffs.index(max(diffs)) + 1})."]
         exported = [r for r in rs if r.get("export_s")]
         if exported:
             md += ["", f"C++ CompiledTrainStep runs a package exported ahead of time by tools/export_compiled.py "
