@@ -177,9 +177,10 @@ if has bench; then
     echo "== peer_compiled ${peer_extra[*]}"
     PYTHONUNBUFFERED=1 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
       >"$logs/peer_compiled.txt" 2>&1 || { echo "   FAILED (see peer_compiled.txt)"; st=1; }
+    # The table needs only Python; the chart is drawn where matplotlib is installed.
     "$py" bench/report_compiled.py "$compiled" --docs "$logs" --name compiled-cuda \
       --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/peer_compiled.txt" 2>&1 ||
-      echo "   (no report here: run bench/report_compiled.py on compiled-cuda.jsonl where matplotlib is)"
+      { echo "   report FAILED (see peer_compiled.txt)"; st=1; }
   fi
   # DDP's own overhead on one GPU: NCCL at world size 1.
   RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
@@ -195,6 +196,7 @@ if has bench; then
     echo "-- headline ratios (B vs A: how many times faster B is)"
     grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$logs"/bench_*.txt || true
     grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
+    grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
   } >"$logs/summary.txt"
   finish bench $st "$t0"
   status=$((status | st))
@@ -209,12 +211,17 @@ if has e2e; then
   PYTHONUNBUFFERED=1 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
   cp "$work/results.jsonl" "$logs/" 2>/dev/null || true
-  # The report needs matplotlib; without it, results.jsonl is there for report.py elsewhere.
-  "$py" bench/e2e/report.py "$logs/results.jsonl" --docs "$logs" --name e2e-cuda >>"$logs/e2e.txt" 2>&1 ||
-    echo "   (no report here: run bench/e2e/report.py on results.jsonl where matplotlib is)"
+  # The table needs only Python; the charts are drawn where matplotlib is installed
+  # (else: report.py on results.jsonl elsewhere).
+  if [ -s "$logs/results.jsonl" ]; then
+    "$py" bench/e2e/report.py "$logs/results.jsonl" --docs "$logs" --name e2e-cuda \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/e2e.txt" 2>&1 ||
+      { echo "   report FAILED (see e2e.txt)"; st=1; }
+  fi
   {
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     grep -E "^(python|cpp) |^exported|FAILED" "$logs/e2e.txt" || true
+    grep -hE "^(## |\| )" "$logs/e2e-cuda.md" 2>/dev/null || true
   } >"$logs/summary.txt"
   finish e2e $st "$t0"
   status=$((status | st))
