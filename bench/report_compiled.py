@@ -3,7 +3,7 @@
     python bench/report_compiled.py results.jsonl --docs docs --name compiled-cpu --machine "..."
 writes docs/<name>.md and docs/<name>.png: per batch size, every configuration's
 median latency and its speed relative to LibTorch eager fp32 (and to Python's
-best torch.compile mode)."""
+best torch.compile mode). Without matplotlib: the table only."""
 import argparse
 import json
 import os

@@ -1,7 +1,8 @@
 """Table (markdown) and charts (PNG) from bench/e2e/run.py's results.jsonl.
 
     python bench/e2e/report.py bench-results/e2e/results.jsonl --docs docs --name e2e-cpu
-writes docs/<name>.md, docs/<name>-throughput.png and docs/<name>-loss.png."""
+writes docs/<name>.md, docs/<name>-throughput.png and docs/<name>-loss.png (without matplotlib: the
+table only)."""
 import argparse
 import json
 import os
