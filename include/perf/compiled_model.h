@@ -90,6 +90,9 @@ struct CompiledInput {
   at::MemoryFormat format = at::MemoryFormat::Contiguous;
 };
 
+/// e.g. `Float [batch, 3, 32, 32] batch 1..64 channels_last`.
+std::ostream& operator<<(std::ostream& out, const CompiledInput& input);
+
 namespace detail {
 class Package;
 }  // namespace detail

@@ -274,6 +274,13 @@ PERF_INLINE at::Tensor CompiledModel::operator()(const at::Tensor& input) {
   return out[0];
 }
 
+PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledInput& input) {
+  out << input.dtype << " " << detail::sizes_string(input.sizes);
+  if (input.max_batch > 0) out << " batch " << input.min_batch << ".." << input.max_batch;
+  if (input.format == at::MemoryFormat::ChannelsLast) out << " channels_last";
+  return out;
+}
+
 PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& model) {
   const auto& md = model.metadata();
   out << "perf::CompiledModel '" << model.path() << "' on " << model.device();
@@ -288,13 +295,7 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& mod
   } else if (model.inputs_from() == "generated code") {
     out << "  inputs as the package's generated code checks them (no perf metadata: batch range unknown)\n";
   }
-  for (size_t i = 0; i < model.inputs().size(); ++i) {
-    const auto& in = model.inputs()[i];
-    out << "  input " << i << ": " << in.dtype << " " << detail::sizes_string(in.sizes);
-    if (in.max_batch > 0) out << " batch " << in.min_batch << ".." << in.max_batch;
-    if (in.format == at::MemoryFormat::ChannelsLast) out << " channels_last";
-    out << "\n";
-  }
+  for (size_t i = 0; i < model.inputs().size(); ++i) out << "  input " << i << ": " << model.inputs()[i] << "\n";
   if (model.num_outputs()) out << "  outputs: " << *model.num_outputs() << "\n";
   return out;
 }

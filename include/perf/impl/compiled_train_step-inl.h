@@ -207,13 +207,7 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledTrainStep&
       << (step.graphed() ? "one CUDA graph per step" : "eager steps");
   if (step.eager_steps() > 0) out << " (" << step.eager_steps() << " uncaptured)";
   out << "\n";
-  for (size_t i = 0; i < step.inputs().size(); ++i) {
-    const auto& in = step.inputs()[i];
-    out << "  batch " << i << ": " << in.dtype << " " << detail::sizes_string(in.sizes);
-    if (in.max_batch > 0) out << " batch " << in.min_batch << ".." << in.max_batch;
-    if (in.format == at::MemoryFormat::ChannelsLast) out << " channels_last";
-    out << "\n";
-  }
+  for (size_t i = 0; i < step.inputs().size(); ++i) out << "  batch " << i << ": " << step.inputs()[i] << "\n";
   return out;
 }
 
