@@ -19,6 +19,13 @@
 # <part>.tar.gz with its logs: a handful of small files. Bulky intermediates
 # (exported packages, e2e data sets and weights) stay in the build folder.
 #
+# Each call keeps to a time budget (PERF_GPU_BUDGET_S, default 540 s: a lent
+# machine stops a command at 600 s, and then no summary would come back): a
+# step the budget stops, or leaves no time for, is named in the summary, and
+# what ran is reported. Each test is bounded by ctest at PERF_GPU_TEST_TIMEOUT
+# (default 120 s). A test that crashes or hangs the one-process GPU run is
+# named, and the tests after it run on in a new process.
+#
 # Offline by design: never runs apt or pip.
 #   LibTorch   from PERF_PYTHON's torch (default python3), or Torch_DIR.
 #   GoogleTest, CLI11, Google Benchmark: installed CMake packages, or the folder
@@ -49,6 +56,30 @@ py=${PERF_PYTHON:-python3}
 out=${PERF_GPU_RESULTS:-gpu-results}
 build=${PERF_GPU_BUILD:-/tmp/perf-build-gpu}
 fail() { echo "gpu-check: $*" >&2; exit 2; }
+budget=${PERF_GPU_BUDGET_S:-540}
+test_timeout=${PERF_GPU_TEST_TIMEOUT:-120}
+[[ $budget =~ ^[1-9][0-9]*$ ]] || fail "PERF_GPU_BUDGET_S must be a whole number of seconds > 0, got '$budget'"
+[[ $test_timeout =~ ^[1-9][0-9]*$ ]] ||
+  fail "PERF_GPU_TEST_TIMEOUT must be a whole number of seconds > 0, got '$test_timeout'"
+started=$(date +%s)
+left() { echo $((budget - ($(date +%s) - started))); }
+# Runs a command within what is left of the call's budget less <reserve> seconds;
+# a command stopped by it, or not started for want of time, is written to the
+# part's budget.txt (and so to its summary).
+within_budget() {  # reserve command...
+  local reserve=$1 t rc
+  shift
+  t=$(($(left) - reserve))
+  if ((t < 20)); then
+    echo "not run, $(left) s left of the call's budget (PERF_GPU_BUDGET_S=$budget): $*" >>"$logs/budget.txt"
+    return 125
+  fi
+  timeout -k 10 "$t" "$@"
+  rc=$?
+  ((rc == 124 || rc == 137)) &&
+    echo "stopped after $t s by the call's budget (PERF_GPU_BUDGET_S=$budget): $*" >>"$logs/budget.txt"
+  return $rc
+}
 has() { [[ ",$parts," == *",$1,"* ]]; }
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -64,6 +95,10 @@ fi
 # Ends a part: its logs into <part>.tar.gz, its summary beside it.
 finish() {  # part status started
   local part=$1 st=$2 t0=$3
+  if [ -s "$logs/budget.txt" ]; then
+    echo "-- time budget:"
+    sed 's/^/  /' "$logs/budget.txt"
+  fi >>"$logs/summary.txt"
   echo "-- $part: $( ((st)) && echo FAILED || echo ok ) in $(($(date +%s) - t0)) s" | tee -a "$logs/summary.txt"
   cp "$logs/summary.txt" "$out/$part-summary.txt"
   tar -czf "$out/$part.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
@@ -94,9 +129,12 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   st=0
   # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
   cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
-    ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 || { tail -30 "$logs/configure.log"; st=1; }
+    -DPERF_TEST_TIMEOUT="$test_timeout" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+    { tail -30 "$logs/configure.log"; st=1; }
   if ((!st)); then
-    cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 || { grep -E "error|Error" "$logs/build.log" | head -30; st=1; }
+    # Stopped by the budget, the next `--part build` on the same machine goes on where this one stopped.
+    within_budget 15 cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
+      { grep -E "error|Error" "$logs/build.log" | head -30; st=1; }
   fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
@@ -108,28 +146,89 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
 fi
 [ -x "$build/tests/perf_tests" ] || fail "no build in $build: run --part build first (same PERF_GPU_BUILD)"
 
+# GoogleTest's per-test lines, as "N ok, N failed, N skipped"; and the tests slower than a bound (ms).
+gtest_outcomes() {
+  awk '$1 == "[" && $NF ~ /ms\)$/ { n[$2]++ }
+       END { printf "%d ok, %d failed, %d skipped", n["OK"], n["FAILED"], n["SKIPPED"] }' "$1" 2>/dev/null
+}
+gtest_slow() {  # log bound_ms
+  awk -v bound="$2" '$1 == "[" && $2 == "OK" && $NF == "ms)" && substr($5, 2) + 0 > bound { print $4, substr($5, 2) / 1000 " s" }' \
+    "$1" 2>/dev/null
+}
+# Every *OnGpu* test in one process, as a user's program runs them. A test that
+# crashes that process, or runs longer than PERF_GPU_TEST_TIMEOUT, is named, and
+# the tests after it run on in a new process (at most 4), so that one crash or
+# hang does not hide the rest.
+unfinished_test() {  # log: the test that started and has not ended, if any
+  awk '$1 == "[" && $2 == "RUN" { t = $4 }
+       $1 == "[" && ($2 == "OK" || $2 == "FAILED" || $2 == "SKIPPED") && $4 == t { t = "" }
+       END { print t }' "$1"
+}
+one_process() {
+  local skip="" round rc log pid current watched since why
+  for round in 1 2 3 4; do
+    if (($(left) < 80)); then
+      echo "one process $round: not run, $(left) s left of the call's budget (PERF_GPU_BUDGET_S=$budget);" \
+        "run --part tests in a call of its own" | tee -a "$logs/one-process-stops.txt"
+      return 1
+    fi
+    log=$logs/gpu-tests-one-process-$round.log
+    # In a process group of its own, so that a stop takes the processes a test started with it.
+    setsid -w "$build/tests/perf_tests" --gtest_filter="*OnGpu*${skip:+-$skip}" >"$log" 2>&1 &
+    pid=$! watched="" since=$(date +%s) why=""
+    while kill -0 "$pid" 2>/dev/null; do
+      sleep 1
+      current=$(unfinished_test "$log")
+      [[ $current != "$watched" ]] && { watched=$current; since=$(date +%s); }
+      if [ -n "$current" ] && (($(date +%s) - since > test_timeout)); then
+        why="stopped after $test_timeout s (PERF_GPU_TEST_TIMEOUT)"
+      elif (($(left) < 20)); then
+        why="stopped by the call's budget (PERF_GPU_BUDGET_S=$budget)"
+      fi
+      [ -n "$why" ] && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null; break; }
+    done
+    wait "$pid"
+    rc=$?
+    ((rc == 0)) && [ -z "$why" ] && return 0
+    current=$(unfinished_test "$log")
+    [ -n "$why" ] || { ((rc > 128)) && why="died of signal $((rc - 128))" || why="exit $rc"; }
+    if [ -z "$current" ]; then
+      ((rc > 128)) && echo "one process $round: $why after its last test" | tee -a "$logs/one-process-stops.txt"
+      return 1
+    fi
+    echo "one process $round: $why in $current; the tests after it run in the next process" |
+      tee -a "$logs/one-process-stops.txt"
+    skip=${skip:+$skip:}$(awk '$1 == "[" && $2 == "RUN" { print $4 }' "$log" | paste -sd: -)
+  done
+  return 1
+}
+
 if has tests; then
   t0=$(date +%s); logs=$build/gpu-logs/tests; rm -rf "$logs"; mkdir -p "$logs"
   st=0
   nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
   "$build/examples/doctor" >"$logs/environment.txt" 2>&1
-  echo "== tests (ctest, one process per test)"
-  (cd "$build" && ctest -j "$(nproc)" --output-on-failure --timeout 300) >"$logs/ctest.log" 2>&1 || st=1
+  echo "== tests (ctest, one process per test; each at most $test_timeout s)"
+  # ctest leaves the one-process run at least 150 s of the call.
+  within_budget 150 ctest --test-dir "$build" -j "$(nproc)" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
   tail -3 "$logs/ctest.log"
   echo "== GPU tests in one process"
-  # A guard for this script's time, not a fix: a test that hangs shows here as a timeout.
-  timeout 420 "$build/tests/perf_tests" --gtest_filter='*OnGpu*' >"$logs/gpu-tests-one-process.log" 2>&1 || st=1
+  one_process || st=1
+  cat "$logs"/gpu-tests-one-process-*.log >"$logs/gpu-tests-one-process.log" 2>/dev/null
   tail -3 "$logs/gpu-tests-one-process.log"
   {
     echo "== gpu-check tests ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     head -n 1 "$logs/environment.txt"
     grep -m1 -E "cuda:0" "$logs/environment.txt" || true
     grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$logs/gpu-tests-one-process.log" | sort | uniq -c || true
-    grep -E "^\s+[0-9]+ - .*\((Failed|Timeout)\)|\[  FAILED  \] [A-Za-z]" "$logs/ctest.log" \
-      "$logs/gpu-tests-one-process.log" | head -20 || true
+    grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
+    echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
+      "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
+    cat "$logs/one-process-stops.txt" 2>/dev/null
+    grep -E "^\[  FAILED  \] [A-Za-z_0-9]+\.[A-Za-z_0-9]+ \([0-9]+ ms\)" "$logs/gpu-tests-one-process.log" | head -20 || true
     echo "tests over 60 s:"
-    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  " $0}' || true
+    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  ctest " $0}' || true
+    gtest_slow "$logs/gpu-tests-one-process.log" 60000 | sed 's/^/  one process: /'
   } >"$logs/summary.txt"
   finish tests $st "$t0"
   status=$((status | st))
@@ -148,7 +247,7 @@ if has bench; then
     local name=$1; shift
     echo "== $name $*"
     if [ -x "$build/bench/$name" ]; then
-      "$build/bench/$name" "$@" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
+      within_budget 30 "$build/bench/$name" "$@" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
     else
       echo "   not built" | tee "$logs/$name.txt"
     fi
@@ -158,13 +257,23 @@ if has bench; then
   run_bench bench_amp --device cuda "${amp[@]}"
   run_bench bench_data --device cuda "${data[@]}"
   run_bench bench_graph "${graph[@]}"
+  # DDP's own overhead on one GPU: NCCL at world size 1.
+  RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
+    run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
+  # The Python peers of the benchmarks above; the compiled one comes last, with bench_compiled.
+  for peer in bench/peer_*.py; do
+    name=$(basename "$peer" .py)
+    [[ $name == peer_compiled ]] && continue
+    echo "== $name"
+    PYTHONUNBUFFERED=1 within_budget 30 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
+  done
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
   variants=(fp32 bf16_nhwc); ((quick)) && variants=(fp32)
   packages=()
   for variant in "${variants[@]}"; do
     pkg=$work/resnet_cuda_$variant.pt2
     extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
-    "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --input 8,3,64,64 --dynamic-batch 1:64 \
+    within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --input 8,3,64,64 --dynamic-batch 1:64 \
       --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 ||
       { echo "   export $variant FAILED (see export_$variant.log)"; st=1; continue; }
     packages+=(--package "$pkg")
@@ -175,22 +284,13 @@ if has bench; then
     run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled"
     peer_extra=(); ((quick)) && peer_extra=(--no-max-autotune)
     echo "== peer_compiled ${peer_extra[*]}"
-    PYTHONUNBUFFERED=1 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
+    PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
       >"$logs/peer_compiled.txt" 2>&1 || { echo "   FAILED (see peer_compiled.txt)"; st=1; }
     # The table needs only Python; the chart is drawn where matplotlib is installed.
     "$py" bench/report_compiled.py "$compiled" --docs "$logs" --name compiled-cuda \
       --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/peer_compiled.txt" 2>&1 ||
       { echo "   report FAILED (see peer_compiled.txt)"; st=1; }
   fi
-  # DDP's own overhead on one GPU: NCCL at world size 1.
-  RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
-    run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
-  for peer in bench/peer_*.py; do
-    name=$(basename "$peer" .py)
-    [[ $name == peer_compiled ]] && continue  # above, with bench_compiled
-    echo "== $name"
-    PYTHONUNBUFFERED=1 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
-  done
   {
     echo "== gpu-check bench ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     echo "-- headline ratios (B vs A: how many times faster B is)"
@@ -208,7 +308,8 @@ if has e2e; then
   st=0
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
-  PYTHONUNBUFFERED=1 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
+  # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).
+  PYTHONUNBUFFERED=1 within_budget 20 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
   cp "$work/results.jsonl" "$logs/" 2>/dev/null || true
   # The table needs only Python; the charts are drawn where matplotlib is installed
