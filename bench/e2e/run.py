@@ -6,7 +6,9 @@
 For each job: one initial state dict and one synthetic data set, saved once and
 loaded by both languages; then every configuration, alternating Python and C++
 (each in its own process), appending to <out>/results.jsonl; then report.py
-writes the table and charts. scripts/bench-e2e.sh is the one command.
+writes the table and charts. scripts/bench-e2e.sh is the one command. A run
+that fails (or a training package that does not export) is reported and the
+other runs go on; the exit status is then 1.
 """
 import argparse
 import hashlib
@@ -96,6 +98,7 @@ def main():
         warmup, steps, window = 5, 40, 5
     runs = [("python", "eager_fp32"), ("cpp", "stock")] if a.check else configs(a.device, a.quick, a.full)
     started = time.time()
+    failed = []
     for job in a.jobs.split(","):
         size = models.JOBS[job][dev_kind]
         samples = size["batch"] * min(warmup + steps, 16)  # epochs repeat after 16 batches
@@ -115,16 +118,38 @@ def main():
             else:
                 cmd = [a.e2e, "--config", config, "--size", ",".join(f"{k}={v}" for k, v in size.items())] + common
                 if config.startswith("perf_compiled"):
-                    package = package or training_package(job, size, a.device, amp, a.out)
+                    if package is None:
+                        try:
+                            package = training_package(job, size, a.device, amp, a.out)
+                        except Exception as e:  # noqa: BLE001  (reported; the job's other runs go on)
+                            print(f"FAILED exporting the {job} training step: {type(e).__name__}: {e}",
+                                  file=sys.stderr, flush=True)
+                            package = False
+                    if package is False:
+                        failed.append(f"{lang} {job} {config} (no package)")
+                        continue
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
             t0 = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            # A run that fails is reported and the others go on (a crash in one configuration, say a CUDA
+            # graph capture, must not hide the rest of a GPU session's table); the exit status says it.
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"FAILED {lang} {job} {config}: timed out after {a.timeout} s (--timeout)", file=sys.stderr,
+                      flush=True)
+                failed.append(f"{lang} {job} {config}")
+                continue
             line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
             if proc.returncode != 0:
-                print(f"FAILED {lang} {job} {config} (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
-                return 1
+                print(f"FAILED {lang} {job} {config} (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr,
+                      flush=True)
+                failed.append(f"{lang} {job} {config}")
+                continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
     print(f"all runs: {time.time() - started:.0f} s")
+    if failed:
+        print(f"FAILED {len(failed)} of the runs: {', '.join(failed)}", file=sys.stderr)
+        return 1
     rows = [json.loads(l) for l in open(results)]
     if a.check:
         worst = 0.0
