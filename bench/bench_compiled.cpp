@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 32};
   int iters = 30;
   std::string json;
+  bool package_graphs = true;
   app.add_option("--package", packages, "packages of bench/resnet.py (scripts/bench-compiled.sh writes them)")
       ->required();
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -34,6 +35,9 @@ int main(int argc, char** argv) {
   app.add_option("--batches", batches, "batch sizes");
   app.add_option("--iters", iters, "timed calls per configuration");
   app.add_option("--json", json, "file to append one JSON line per configuration to");
+  app.add_flag("!--no-package-graphs", package_graphs,
+               "on CUDA, leave out perf::graph of the packages (gpu-check reruns with it when their capture "
+               "crashes the process)");
   CLI11_PARSE(app, argc, argv);
 
   perf::setup();
@@ -83,7 +87,8 @@ int main(int argc, char** argv) {
       std::vector<std::string> names = {"perf::graph(eager recipe)"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
       // Each package opened single-threaded (the mode capture allows), its kernels replayed as one graph.
-      for (const auto& c : compiled) {
+      for (size_t i = 0; package_graphs && i < compiled.size(); ++i) {
+        const auto& c = compiled[i];
         perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
         const auto dtype = c->inputs().at(0).dtype;
         graphs.push_back(perf::graph(Fn([st, dtype](const torch::Tensor& in) mutable { return st(in.to(dtype)); }), x,

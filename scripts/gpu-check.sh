@@ -243,11 +243,12 @@ if has bench; then
   else
     opt=(); amp=(); data=(); graph=()
   fi
-  run_bench() {  # name args...
-    local name=$1; shift
+  run_bench() {  # name args...: returns the benchmark's exit status
+    local name=$1 rc; shift
     echo "== $name $*"
     if [ -x "$build/bench/$name" ]; then
-      within_budget 30 "$build/bench/$name" "$@" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
+      within_budget 30 "$build/bench/$name" "$@" >"$logs/$name.txt" 2>&1 ||
+        { rc=$?; echo "   FAILED (see $name.txt)"; st=1; return $rc; }
     else
       echo "   not built" | tee "$logs/$name.txt"
     fi
@@ -282,6 +283,16 @@ if has bench; then
   compiled=$logs/compiled-cuda.jsonl
   if ((${#packages[@]})); then
     run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled"
+    rc=$?
+    if ((rc > 128 && rc != 137)); then
+      # Most likely perf::graph of a package (an AOTInductor runner under CUDA graph capture): its rows
+      # are left out, the rest measured again.
+      echo "bench_compiled died of signal $((rc - 128)) (log: bench_compiled-died.txt); again with --no-package-graphs" |
+        tee "$logs/bench_compiled-died.note"
+      mv "$logs/bench_compiled.txt" "$logs/bench_compiled-died.txt"
+      rm -f "$compiled"
+      run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" --no-package-graphs
+    fi
     peer_extra=(); ((quick)) && peer_extra=(--no-max-autotune)
     echo "== peer_compiled ${peer_extra[*]}"
     PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
@@ -296,6 +307,7 @@ if has bench; then
     echo "-- headline ratios (B vs A: how many times faster B is)"
     grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$logs"/bench_*.txt || true
     grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
+    cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
   } >"$logs/summary.txt"
   finish bench $st "$t0"
