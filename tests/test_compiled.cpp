@@ -250,8 +250,10 @@ TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
 #if PERF_WITH_CUDA
 namespace {
 // The MLP exported as a CUDA package by the tool a user runs, on the GPU
-// machine itself (inductor compiles for the GPU it sees), into `dir`.
+// machine itself (inductor compiles for the GPU it sees): by the build
+// (tests/compiled/make_cuda_packages.py, with these arguments), else here into `dir`.
 std::string export_cuda_mlp(const TempDir& dir) {
+  if (std::ifstream(package("cuda/mlp_cuda.pt2")).good()) return package("cuda/mlp_cuda.pt2");
   const std::string src = env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR);
   const std::string pkg = dir / "mlp_cuda.pt2";
   const std::string cmd = env_or("PERF_PYTHON", PERF_PYTHON) + " " + src + "/tools/export_compiled.py " + src +

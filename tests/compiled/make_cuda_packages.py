@@ -1,0 +1,83 @@
+"""Export the CUDA tests' packages at build time, on a machine with a GPU.
+
+The GPU tests of perf::CompiledModel and perf::CompiledTrainStep run packages
+compiled by Inductor for the GPU they run on, exported with the tool a user
+runs (tools/export_compiled.py). Exported inside the tests, each export (30-60 s)
+would count against the test's time, and again in gpu-check's one-process run;
+exported here, beside the compilation, the tests find them in OUT:
+
+    OUT/mlp_cuda.pt2          the MLP for inference, batch 1..64
+    OUT/mlp_train_cuda.pt2    the MLP's training step, batch 8
+    OUT/<name>.log            each export's output
+    OUT/stamp                 what was done
+
+Without a CUDA device, or when an export fails, only the stamp and logs are
+written and the tests export the package themselves (so that a failure shows in
+the test that needs it). This script never fails the build.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
+MODELS = os.path.join(HERE, "models.py")
+
+# The same arguments as the tests' own exports (tests/test_compiled.cpp, tests/test_compiled_train.cpp).
+EXPORTS = {
+    "mlp_cuda.pt2": [f"{MODELS}:make_mlp", "--input", "4,16", "--dynamic-batch", "1:64", "--device", "cuda"],
+    "mlp_train_cuda.pt2": [f"{MODELS}:make_mlp", "--train", "--loss", f"{MODELS}:classify_loss", "--input", "8,16",
+                           "--input", "8:int64", "--device", "cuda"],
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    for f in os.listdir(a.out):
+        os.remove(os.path.join(a.out, f))
+    stamp = os.path.join(a.out, "stamp")
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception as e:  # noqa: BLE001  (reported; the tests export themselves)
+        has_cuda, why = False, f"torch could not be imported or initialised ({type(e).__name__}: {e})"
+    else:
+        why = "no CUDA device on this machine at build time"
+    if not has_cuda:
+        with open(stamp, "w") as f:
+            f.write(f"skipped: {why}; the CUDA tests export their packages themselves\n")
+        return 0
+    # Both at once: each is mostly one compiler process.
+    started, runs = time.time(), {}
+    for name, args in EXPORTS.items():
+        log = open(os.path.join(a.out, name[:-4] + ".log"), "w")
+        cmd = [sys.executable, TOOL, *args, "-o", os.path.join(a.out, name[:-4] + ".tmp.pt2")]
+        runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+    lines = []
+    for name, (proc, log) in runs.items():
+        try:
+            rc = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timed out after 900 s"
+        log.close()
+        if rc == 0:
+            os.replace(os.path.join(a.out, name[:-4] + ".tmp.pt2"), os.path.join(a.out, name))
+            lines.append(f"{name}: exported")
+        else:
+            lines.append(f"{name}: FAILED ({rc}; see {name[:-4]}.log); the tests export it themselves")
+            print(f"warning: exporting the CUDA test package {name} failed ({rc}); see {log.name}", file=sys.stderr)
+    lines.append(f"{time.time() - started:.0f} s")
+    with open(stamp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("CUDA test packages: " + "; ".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
