@@ -10,6 +10,7 @@
 #   bash scripts/gpu-check.sh                          # build,tests,bench (+ e2e with --e2e)
 #   bash scripts/gpu-check.sh --part build,tests       # one call
 #   bash scripts/gpu-check.sh --part bench --quick     # the next (the build is reused)
+#   bash scripts/gpu-check.sh --part bench --quick --bench optim,compiled   # some benchmarks only
 #   bash scripts/gpu-check.sh --part e2e --quick [--jobs cnn,transformer]
 #
 # The build lives outside the source tree (PERF_GPU_BUILD, default
@@ -34,7 +35,8 @@
 # PERF_CMAKE_ARGS adds CMake arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-parts="" quick=0 e2e=0 jobs_arg=()
+parts="" quick=0 e2e=0 jobs_arg=() benches=all
+all_benches=setup,optim,amp,data,graph,ddp,compiled
 while (($#)); do
   case $1 in
     --part) parts=${2:?--part needs build, tests, bench or e2e (comma-separated)}; shift ;;
@@ -42,8 +44,9 @@ while (($#)); do
     --quick) quick=1 ;;
     --e2e) e2e=1 ;;
     --jobs) jobs_arg=(--jobs "${2:?--jobs needs a list like cnn,transformer}"); shift ;;
+    --bench) benches=${2:?--bench needs a list of $all_benches}; shift ;;
     --build-only) parts=build ;;
-    *) echo "gpu-check: unknown argument $1 (valid: --part build,tests,bench,e2e  --quick  --e2e  --jobs LIST)" >&2
+    *) echo "gpu-check: unknown argument $1 (valid: --part build,tests,bench,e2e  --quick  --e2e  --jobs LIST  --bench LIST)" >&2
        exit 2 ;;
   esac
   shift
@@ -52,6 +55,11 @@ done
 for p in ${parts//,/ }; do
   case $p in build | tests | bench | e2e) ;; *) echo "gpu-check: unknown part '$p' (valid: build, tests, bench, e2e)" >&2; exit 2 ;; esac
 done
+[[ $benches == all ]] || for b in ${benches//,/ }; do
+  [[ ",$all_benches," == *",$b,"* ]] || { echo "gpu-check: unknown benchmark '$b' in --bench (valid: $all_benches)" >&2; exit 2; }
+done
+# A benchmark --bench asks for (with its Python peer, if it has one).
+wanted() { [[ $benches == all || ",$benches," == *",$1,"* ]]; }
 py=${PERF_PYTHON:-python3}
 out=${PERF_GPU_RESULTS:-gpu-results}
 build=${PERF_GPU_BUILD:-/tmp/perf-build-gpu}
@@ -206,8 +214,8 @@ one_process() {
 if has tests; then
   t0=$(date +%s); logs=$build/gpu-logs/tests; rm -rf "$logs"; mkdir -p "$logs"
   st=0
-  nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
-  "$build/examples/doctor" >"$logs/environment.txt" 2>&1
+  timeout 60 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
+  timeout 120 "$build/examples/doctor" >"$logs/environment.txt" 2>&1
   echo "== tests (ctest, one process per test; each at most $test_timeout s)"
   # ctest leaves the one-process run at least 150 s of the call.
   within_budget 150 ctest --test-dir "$build" -j "$(nproc)" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
@@ -253,23 +261,26 @@ if has bench; then
       echo "   not built" | tee "$logs/$name.txt"
     fi
   }
-  run_bench bench_setup --benchmark_min_time=0.05
-  run_bench bench_optim --device cuda "${opt[@]}"
-  run_bench bench_amp --device cuda "${amp[@]}"
-  run_bench bench_data --device cuda "${data[@]}"
-  run_bench bench_graph "${graph[@]}"
+  wanted setup && run_bench bench_setup --benchmark_min_time=0.05
+  wanted optim && run_bench bench_optim --device cuda "${opt[@]}"
+  wanted amp && run_bench bench_amp --device cuda "${amp[@]}"
+  wanted data && run_bench bench_data --device cuda "${data[@]}"
+  wanted graph && run_bench bench_graph "${graph[@]}"
   # DDP's own overhead on one GPU: NCCL at world size 1.
-  RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
+  wanted ddp && RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${PERF_DDP_PORT:-29581} \
     run_bench bench_ddp --device cuda --width 64 --batch 64 --image 64
-  # The Python peers of the benchmarks above; the compiled one comes last, with bench_compiled.
+  # The Python peers of the benchmarks above (peer_<name>.py beside bench_<name>); the compiled one comes
+  # last, with bench_compiled.
   for peer in bench/peer_*.py; do
     name=$(basename "$peer" .py)
     [[ $name == peer_compiled ]] && continue
+    wanted "${name#peer_}" || continue
     echo "== $name"
     PYTHONUNBUFFERED=1 within_budget 30 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
   done
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
   variants=(fp32 bf16_nhwc); ((quick)) && variants=(fp32)
+  wanted compiled || variants=()
   packages=()
   for variant in "${variants[@]}"; do
     pkg=$work/resnet_cuda_$variant.pt2
