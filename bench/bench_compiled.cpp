@@ -87,8 +87,8 @@ int main(int argc, char** argv) {
       std::vector<std::string> names = {"perf::graph(eager recipe)"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
       // Each package opened single-threaded (the mode capture allows), its kernels replayed as one graph.
-      for (size_t i = 0; package_graphs && i < compiled.size(); ++i) {
-        const auto& c = compiled[i];
+      for (const auto& c : compiled) {
+        if (!package_graphs) break;
         perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
         const auto dtype = c->inputs().at(0).dtype;
         graphs.push_back(perf::graph(Fn([st, dtype](const torch::Tensor& in) mutable { return st(in.to(dtype)); }), x,
