@@ -4,13 +4,19 @@
 // then perf's flat mode (.flat(true): one buffer per dtype) against the fused
 // multi-tensor path, on ResNet-50 and on a transformer-shaped set (many small
 // LayerNorm and bias vectors). Also the achieved memory traffic against a
-// device copy's bandwidth.
+// device copy's bandwidth, and a probe of the fused kernel's launch geometry
+// over one flat buffer (see launch_probe).
 #include <perf/bench.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <torch/torch.h>
 
+#if PERF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <iomanip>
 #include <iostream>
 
@@ -75,6 +81,50 @@ std::vector<torch::Tensor> make_params(const torch::Device& device,
     ps.push_back(p);
   }
   return ps;
+}
+
+// What flat mode runs is one at::_fused_adamw_ call over the whole buffer.
+// ATen's multi_tensor_apply cuts it into chunks of 65536 elements, one 512-thread
+// block each, and launches at most 320 blocks at a time
+// (ATen/native/cuda/MultiTensorApply.cuh): ResNet-50's 25.6M parameters run as
+// 320 + 71 blocks, which no SM count divides. This probe times the same update
+// issued as several calls of k x (SM count) chunks each, so that every launch
+// but the last spreads evenly over the SMs. If a split closes the gap to the
+// copy bandwidth, flat mode can split likewise; if not, the kernel itself is
+// the limit. On the CPU it is a control (the CPU kernel has no such limit).
+std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t numel, const perf::BenchOptions& opts,
+                                           int64_t& units) {
+  constexpr int64_t chunk = 65536;
+  units = at::get_num_threads();
+#if PERF_WITH_CUDA
+  if (device.is_cuda())
+    units = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index())->multiProcessorCount;
+#endif
+  const auto f = torch::TensorOptions().device(device).dtype(torch::kFloat);
+  auto params = torch::randn({numel}, f), grads = torch::randn({numel}, f);
+  auto exp_avg = torch::zeros({numel}, f), exp_avg_sq = torch::zeros({numel}, f);
+  auto step = torch::ones({}, f), lr = torch::full({}, 1e-3, f);
+  auto run = [&](int64_t piece) {
+    for (int64_t begin = 0; begin < numel; begin += piece) {
+      const int64_t len = std::min(piece, numel - begin);
+      const std::vector<at::Tensor> p{params.narrow(0, begin, len)}, g{grads.narrow(0, begin, len)},
+          a{exp_avg.narrow(0, begin, len)}, b{exp_avg_sq.narrow(0, begin, len)}, st{step};
+      if (device.is_cuda()) {
+        at::_fused_adamw_(p, g, a, b, {}, st, lr, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
+      } else {
+        at::_fused_adamw_(p, g, a, b, {}, st, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
+      }
+    }
+  };
+  std::vector<perf::Comparison> out;
+  for (const int64_t k : {1, 2, 4}) {
+    const int64_t piece = k * units * chunk;
+    if (piece >= numel) break;
+    out.push_back(perf::compare(
+        "one call (flat mode)", [&] { run(numel); }, "calls of " + std::to_string(k * units) + " chunks",
+        [&] { run(piece); }, opts));
+  }
+  return out;
 }
 
 }  // namespace
@@ -179,13 +229,23 @@ int main(int argc, char** argv) {
                       {&sgd, 5.0, numel, "ResNet-50"},       {&flat_adamw, 7.0, numel, "ResNet-50"},
                       {&flat_adam, 7.0, numel, "ResNet-50"}, {&flat_sgd, 5.0, numel, "ResNet-50"},
                       {&flat_t, 7.0, t_numel, "transformer"}};
+  auto achieved = [&](const char* set, const perf::Stats& s, double words, int64_t n) {
+    const double gbs = words * 4.0 * static_cast<double>(n) / (s.median_ms * 1e6);
+    std::cout << std::setprecision(1) << set << ", " << s.name << " achieved: " << gbs
+              << " GB/s = " << std::setprecision(0) << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
+  };
   for (const auto& r : rows) {
-    for (const perf::Stats* b : {&r.cmp->a, &r.cmp->b}) {
-      if (b->name.rfind("perf", 0) != 0) continue;
-      const double gbs = r.words * 4.0 * static_cast<double>(r.n) / (b->median_ms * 1e6);
-      std::cout << std::setprecision(1) << r.set << ", " << b->name << " achieved: " << gbs
-                << " GB/s = " << std::setprecision(0) << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
-    }
+    for (const perf::Stats* b : {&r.cmp->a, &r.cmp->b})
+      if (b->name.rfind("perf", 0) == 0) achieved(r.set, *b, r.words, r.n);
   }
+
+  int64_t units = 0;
+  const auto probe = launch_probe(device, numel, opts, units);
+  const char* unit = device.is_cuda() ? "SM" : "thread";
+  std::cout << "\nlaunch geometry: AdamW over one flat buffer of " << numel << " parameters, one call against calls of "
+            << "k x " << units << " chunks of 65536 (k per " << unit << ")\n\n";
+  for (const auto& c : probe) std::cout << std::setprecision(3) << c << "\n";
+  if (!probe.empty()) achieved("ResNet-50", probe.front().a, 7.0, numel);
+  for (const auto& c : probe) achieved("ResNet-50", c.b, 7.0, numel);
   return 0;
 }

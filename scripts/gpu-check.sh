@@ -318,6 +318,8 @@ if has bench; then
     echo "-- headline ratios (B vs A: how many times faster B is)"
     grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$logs"/bench_*.txt || true
     grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
+    echo "-- optimizer memory traffic (bench_optim; goal: flat AdamW >= 80% of copy bandwidth)"
+    grep -hE "copy bandwidth|^launch geometry" "$logs/bench_optim.txt" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
   } >"$logs/summary.txt"
