@@ -1,5 +1,6 @@
 // Tests for perf/setup.h: every setting is read back from LibTorch itself.
 #include <ATen/ATen.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 #include <perf/environment.h>
 #include <perf/setup.h>
@@ -34,9 +35,33 @@ std::vector<P> fp32_entries() {
 
 bool has_cuda() { return perf::detail::cuda_device_count() > 0; }
 
+// LibTorch's settings are process-wide, and these tests change them: each one
+// starts with this guard, which puts back every value setup() may change (all
+// but the two one-way settings), so that the suite passes in any order in one
+// process (--gtest_shuffle), not only one test per process as ctest runs it.
+class KeepSettings {
+ public:
+  KeepSettings() {
+    const perf::Settings none;
+    const auto plan = perf::detail::make_plan(none);
+    for (const auto& e : perf::detail::entries())
+      if (e.save && !e.one_way)
+        if (auto r = e.save(plan)) restore_.push_back(std::move(r));
+  }
+  ~KeepSettings() {
+    for (auto it = restore_.rbegin(); it != restore_.rend(); ++it) (*it)();
+  }
+  KeepSettings(const KeepSettings&) = delete;
+  KeepSettings& operator=(const KeepSettings&) = delete;
+
+ private:
+  std::vector<perf::detail::Restore> restore_;
+};
+
 }  // namespace
 
 TEST(Setup, DefaultsAreTheFastSettings) {
+  const KeepSettings keep;
   auto& ctx = at::globalContext();
   const bool bench_before = ctx.benchmarkCuDNN();
   const perf::Report r = perf::setup();
@@ -64,6 +89,7 @@ TEST(Setup, DefaultsAreTheFastSettings) {
 }
 
 TEST(Setup, ReportReadsBackWhatLibTorchSays) {
+  const KeepSettings keep;
   const perf::Report r = perf::setup(perf::Settings().num_threads(1).sdpa_math(false).matmul_precision("medium"));
   const auto now = flags();
   for (const auto& row : r.rows) {
@@ -83,6 +109,7 @@ TEST(Setup, ReportReadsBackWhatLibTorchSays) {
 }
 
 TEST(Setup, ExplicitCpuSettingsApply) {
+  const KeepSettings keep;
   auto& ctx = at::globalContext();
   perf::setup(perf::Settings()
                   .tf32(false)
@@ -118,6 +145,7 @@ TEST(Setup, ExplicitCpuSettingsApply) {
 }
 
 TEST(Setup, DeterministicTurnsBenchmarkOffAndSaysWhy) {
+  const KeepSettings keep;
   const char* ws = std::getenv("CUBLAS_WORKSPACE_CONFIG");
   const std::optional<std::string> ws_before = ws ? std::optional<std::string>(ws) : std::nullopt;
   const auto r = perf::setup(perf::Settings().deterministic(true));
@@ -145,6 +173,7 @@ TEST(Setup, DeterministicTurnsBenchmarkOffAndSaysWhy) {
 
 // A setting the caller did not set never undoes the program's earlier choice.
 TEST(Setup, DefaultsNeverUndoDeterminism) {
+  const KeepSettings keep;
   auto& ctx = at::globalContext();
   ctx.setDeterministicAlgorithms(true, /*warn_only=*/false);
   ctx.setDeterministicCuDNN(true);
@@ -183,6 +212,7 @@ TEST(Setup, DefaultsNeverUndoDeterminism) {
 }
 
 TEST(Setup, SecondCallIsUnchanged) {
+  const KeepSettings keep;
   const auto s = perf::Settings().num_threads(1).matmul_precision("medium").sdpa_cudnn(false);
   perf::setup(s);
   const auto before = flags();
@@ -192,6 +222,7 @@ TEST(Setup, SecondCallIsUnchanged) {
 }
 
 TEST(Setup, ConcurrentCallsAreSafe) {
+  const KeepSettings keep;
   const auto s = perf::Settings().num_threads(1).matmul_precision("high").sdpa_math(true);
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
@@ -213,6 +244,7 @@ TEST(Setup, ConcurrentCallsAreSafe) {
 }
 
 TEST(Setup, RepairsMixedLegacyAndNewTf32Api) {
+  const KeepSettings keep;
   auto& ctx = at::globalContext();
   // The state the new per-backend API can leave: legacy getter refuses to answer.
   ctx.setFloat32MatmulPrecision("highest");
@@ -226,6 +258,7 @@ TEST(Setup, RepairsMixedLegacyAndNewTf32Api) {
 }
 
 TEST(ScopedSettings, RestoresEveryValueExactly) {
+  const KeepSettings keep;
   auto& ctx = at::globalContext();
   // A non-default starting point, including a per-backend-only state.
   ctx.setFloat32Precision(B::CUDA, O::CONV, P::TF32);
@@ -262,6 +295,7 @@ TEST(ScopedSettings, RestoresEveryValueExactly) {
 }
 
 TEST(ScopedSettings, NestsAndRestoresInOrder) {
+  const KeepSettings keep;
   at::set_num_threads(1);
   {
     perf::ScopedSettings outer(perf::Settings().num_threads(2).matmul_precision("high"));
@@ -277,6 +311,7 @@ TEST(ScopedSettings, NestsAndRestoresInOrder) {
 }
 
 TEST(ScopedSettings, RejectsOneWaySettings) {
+  const KeepSettings keep;
   PERF_EXPECT_THROW_MSG(perf::ScopedSettings(perf::Settings().num_interop_threads(2)), "num_interop_threads");
   PERF_EXPECT_THROW_MSG(perf::ScopedSettings(perf::Settings().allocator("expandable_segments:True")), "allocator");
 }
@@ -284,6 +319,7 @@ TEST(ScopedSettings, RejectsOneWaySettings) {
 // Each invalid value: the error names the setting and the valid values, and
 // nothing in the same Settings was applied.
 TEST(Setup, InvalidValuesThrowAndApplyNothing) {
+  const KeepSettings keep;
   at::set_num_threads(1);
   const auto before = flags();
   const auto base = perf::Settings().num_threads(2).matmul_precision("medium").sdpa_flash(false);
@@ -339,7 +375,11 @@ TEST(Setup, InvalidValuesThrowAndApplyNothing) {
   restore();
 }
 
-TEST(Setup, InteropThreadsOnceThenClearError) {
+// LibTorch fixes the inter-op thread count at the first inter-op work in the
+// process, which any earlier test may have done: so this runs in a fresh one
+// (gtest's threadsafe death-test style re-executes the binary for this test).
+namespace {
+void interop_threads_once_then_clear_error() {
   const auto r = perf::setup(perf::Settings().num_interop_threads(3));
   EXPECT_EQ(at::get_num_interop_threads(), 3u);
   EXPECT_EQ(r.at("num_interop_threads").read_back, "3");
@@ -355,9 +395,32 @@ TEST(Setup, InteropThreadsOnceThenClearError) {
   EXPECT_EQ(at::get_num_interop_threads(), 3u);
 }
 
+// In the death-test child: runs `checks`, writes each failure to stderr (which
+// EXPECT_EXIT shows) and exits 1 if there was one, 0 if not.
+[[noreturn]] void exit_with_failures_of(void (*checks)()) {
+  ::testing::TestPartResultArray failures;
+  {
+    const ::testing::ScopedFakeTestPartResultReporter capture(&failures);
+    checks();
+  }
+  for (int i = 0; i < failures.size(); ++i) {
+    const auto& f = failures.GetTestPartResult(i);
+    std::fprintf(stderr, "%s:%d: %s\n", f.file_name() ? f.file_name() : "?", f.line_number(), f.message());
+  }
+  std::exit(failures.size() == 0 ? 0 : 1);
+}
+}  // namespace
+
+TEST(Setup, InteropThreadsOnceThenClearError) {
+  const KeepSettings keep;
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(exit_with_failures_of(interop_threads_once_then_clear_error), ::testing::ExitedWithCode(0), "");
+}
+
 // A later setting that throws puts back the earlier ones of the same call
 // (the allocator is applied, then rolled back, where there is a CUDA device).
 TEST(Setup, AFailedCallRollsBackTheAllocator) {
+  const KeepSettings keep;
   const int other = static_cast<int>(at::get_num_interop_threads()) + 1;
   at::parallel_for(0, 1, 1, [](int64_t, int64_t) {});
   at::launch([] {});  // inter-op pool started: the count is fixed now
@@ -370,6 +433,7 @@ TEST(Setup, AFailedCallRollsBackTheAllocator) {
 }
 
 TEST(Setup, PerfDisableMakesItAReportedNoOp) {
+  const KeepSettings keep;
   at::set_num_threads(1);
   const auto before = flags();
   test_util::ScopedEnv env("PERF_DISABLE", "1");
@@ -386,6 +450,7 @@ TEST(Setup, PerfDisableMakesItAReportedNoOp) {
 }
 
 TEST(Setup, PerfVerbosePrintsTheReportToStderr) {
+  const KeepSettings keep;
   {
     testing::internal::CaptureStderr();
     perf::setup();
@@ -398,6 +463,7 @@ TEST(Setup, PerfVerbosePrintsTheReportToStderr) {
 }
 
 TEST(Setup, DefaultReportShowsOnlyWhatChangedOrWasSkipped) {
+  const KeepSettings keep;
   const auto r = perf::setup(perf::Settings().num_threads(1));
   const std::string text = r.to_string();
   size_t unchanged = 0;
@@ -415,6 +481,7 @@ TEST(Setup, DefaultReportShowsOnlyWhatChangedOrWasSkipped) {
 }
 
 TEST(Setup, ReportPrintsAnAlignedTable) {
+  const KeepSettings keep;
   const auto r = perf::setup(perf::Settings().num_threads(1));
   const std::string text = r.to_string(/*all=*/true);
   std::istringstream in(text);
@@ -443,7 +510,9 @@ TEST(Setup, ReportPrintsAnAlignedTable) {
 }
 
 TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
+  const KeepSettings keep;
   if (has_cuda()) GTEST_SKIP() << "skipped: this machine has a CUDA device (covered by OnGpu tests)";
+  const auto fp16_before = at::globalContext().allowFP16ReductionCuBLAS();
   const auto r = perf::setup(perf::Settings()
                                  .sync_debug("warn")
                                  .memory_fraction(0.5)
@@ -454,12 +523,13 @@ TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
     EXPECT_EQ(r.at(name).status, perf::Status::skipped) << name;
     EXPECT_NE(r.at(name).reason.find("no CUDA device"), std::string::npos) << name;
   }
-  EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(), at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK);
+  EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(), fp16_before) << "skipped means untouched";
   // CPU settings still apply in the same call.
   EXPECT_NE(r.at("matmul_precision").status, perf::Status::skipped);
 }
 
 TEST(Setup, OnGpuCudaSettingsApply) {
+  const KeepSettings keep;
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
   const auto r = perf::setup(
@@ -493,6 +563,7 @@ TEST(Setup, OnGpuCudaSettingsApply) {
 }
 
 TEST(Environment, DescribesVersionsDevicesAndFlags) {
+  const KeepSettings keep;
   const perf::Environment e = perf::environment();
   // The Python torch from the same wheel reports the same version.
   const std::string py = test_util::python("import torch; print(torch.__version__)");
@@ -525,6 +596,7 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
 
 // perf reads the CPU's bf16 features from ATen; on Linux they match /proc/cpuinfo.
 TEST(Environment, CpuBf16FeaturesMatchTheKernel) {
+  const KeepSettings keep;
   std::ifstream in("/proc/cpuinfo");
   if (!in) GTEST_SKIP() << "skipped: no /proc/cpuinfo on this system";
   std::string line, flags_line;
