@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   // Cold: the first call pays for LibTorch's lazy initialisation (thread pools,
   // CUDA device queries). It happens once per process, so it is timed once.
   const auto t0 = std::chrono::steady_clock::now();
-  const perf::Report r = perf::setup();
+  perf::Report r = perf::setup();  // not const: Google Benchmark >= 1.8 deprecates DoNotOptimize(const T&)
   const double cold_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   std::cout << "perf::setup() cold (first call in this process): " << cold_us << " us\n";
   benchmark::DoNotOptimize(r);

@@ -235,7 +235,7 @@ if has tests; then
     cat "$logs/one-process-stops.txt" 2>/dev/null
     grep -E "^\[  FAILED  \] [A-Za-z_0-9]+\.[A-Za-z_0-9]+ \([0-9]+ ms\)" "$logs/gpu-tests-one-process.log" | head -20 || true
     echo "tests over 60 s:"
-    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  ctest " $0}' || true
+    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
     gtest_slow "$logs/gpu-tests-one-process.log" 60000 | sed 's/^/  one process: /'
   } >"$logs/summary.txt"
   finish tests $st "$t0"
