@@ -18,7 +18,7 @@
 # and the chroot's own GoogleTest, Benchmark and CLI11 headers stand in for the
 # host's. Needs root, debootstrap and the Debian mirror. The build directories
 # are temporary.
-source "$(dirname "$0")/common.sh"  # LibTorch: PERF_TORCH_PREFIX
+source "$(dirname "$0")/common.sh"  # LibTorch (PERF_TORCH_PREFIX), perf_configure
 set +e
 compilers=g++-13
 while (($#)); do
@@ -81,8 +81,9 @@ exec chroot $root /bin/bash -c 'cd "\$0" && exec $cc "\$@"' "\$PWD" "\$@"
 EOF
   chmod +x "$wrapper"
   start=$(date +%s)
-  if ! cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PERF_TORCH_PREFIX" \
-      -DCMAKE_CXX_COMPILER="$wrapper" -DCMAKE_CXX_FLAGS="$hardening" >"$work/configure-$cc.log" 2>&1; then
+  # As scripts/test.sh configures, without ccache (a throwaway build).
+  if ! perf_configure "$dir" -DCMAKE_CXX_COMPILER_LAUNCHER= -DCMAKE_CXX_COMPILER="$wrapper" \
+      -DCMAKE_CXX_FLAGS="$hardening" >"$work/configure-$cc.log" 2>&1; then
     status=1
     echo "   configure FAILED:"; tail -15 "$work/configure-$cc.log" | sed 's/^/     /'
     continue
