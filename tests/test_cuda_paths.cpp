@@ -271,9 +271,14 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
       "  ps=[torch.nn.Parameter(torch.randn(s)) for s in [(5,3),(7,),(2,2,2)]]\n"
       "  for p in ps: p.grad=torch.randn(p.shape)*3\n"
       "  n=torch.nn.utils.clip_grad_norm_(ps, 1.5, norm_type=nt)\n"
-      "  print(repr(n.item()), ' '.join(repr(x) for x in torch.cat([p.grad.flatten() for p in ps]).tolist()))\n");
+      "  print(repr(n.item()), ' '.join(repr(x) for x in torch.cat([p.grad.flatten() for p in ps]).tolist()))\n"
+      "torch.manual_seed(0)\n"  // float64 gradients beside float32 ones
+      "ps=[torch.nn.Parameter(torch.randn(s, dtype=d)) for s, d in [((5,3),torch.float64),((7,),torch.float32)]]\n"
+      "for p in ps: p.grad=torch.randn(p.shape, dtype=p.dtype)*3\n"
+      "n=torch.nn.utils.clip_grad_norm_(ps, 1.5)\n"
+      "print(repr(n.item()), ' '.join(repr(x) for p in ps for x in p.grad.flatten().tolist()))\n");
   const auto lines = test_util::lines(out);
-  ASSERT_EQ(lines.size(), 4u);
+  ASSERT_EQ(lines.size(), 5u);
   const double types[] = {2.0, 1.0, 3.0, std::numeric_limits<double>::infinity()};
   for (size_t k = 0; k < 4; ++k) {
     torch::manual_seed(0);
@@ -288,6 +293,20 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
     for (auto& p : ps) g.push_back(p.grad().flatten());
     const auto want = torch::tensor(std::vector<float>(v.begin() + 1, v.end()));
     EXPECT_LE((torch::cat(g) - want).abs().max().item<double>(), 1e-6) << "norm_type " << types[k];
+  }
+  {
+    torch::manual_seed(0);
+    std::vector<torch::Tensor> ps = {torch::randn({5, 3}, torch::kDouble).requires_grad_(),
+                                     torch::randn({7}).requires_grad_()};
+    for (auto& p : ps) p.mutable_grad() = torch::randn(p.sizes(), p.options()) * 3;
+    const auto norm = perf::clip_grad_norm_(ps, 1.5);
+    EXPECT_EQ(norm.scalar_type(), torch::kDouble) << "promoted, as Python's stack() does";
+    const auto v = test_util::parse_numbers(lines[4]);
+    EXPECT_NEAR(norm.item<double>(), v[0], 1e-12);
+    const auto got = torch::cat({ps[0].grad().flatten(), ps[1].grad().flatten().to(torch::kDouble)});
+    const auto want = torch::tensor(std::vector<double>(v.begin() + 1, v.end()), torch::kDouble);
+    EXPECT_LE((got.narrow(0, 0, 15) - want.narrow(0, 0, 15)).abs().max().item<double>(), 1e-12) << "float64 grads";
+    EXPECT_LE((got.narrow(0, 15, 7) - want.narrow(0, 15, 7)).abs().max().item<double>(), 1e-6) << "float32 grads";
   }
   PERF_EXPECT_THROW_MSG(perf::clip_grad_norm_({}, -1.0), "max_norm must be >= 0");
   EXPECT_EQ(perf::clip_grad_norm_({torch::ones({2})}, 1.0).item<float>(), 0.f) << "no gradients: norm 0";

@@ -105,15 +105,15 @@ TEST(Graph, RejectsWhatWouldBeSilentlyWrong) {
 namespace {
 
 struct Run {
-  std::vector<float> losses;
+  std::vector<double> losses;
   torch::Tensor w;
 };
 
 Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false,
-          const perf::TrainStepOptions& options = {}) {
+          const perf::TrainStepOptions& options = {}, torch::Dtype dtype = torch::kFloat) {
   torch::manual_seed(0);
   auto model = mlp();
-  model->to(device);
+  model->to(device, dtype);
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
   auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
     return torch::nn::functional::cross_entropy(model->forward(x), t);
@@ -121,14 +121,14 @@ Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false
   torch::manual_seed(1);
   std::vector<torch::Tensor> xs, ts;
   for (int i = 0; i < steps; ++i) {
-    xs.push_back(torch::randn({16, 16}, device));
+    xs.push_back(torch::randn({16, 16}, torch::TensorOptions(device).dtype(dtype)));
     ts.push_back(xs.back().narrow(1, 0, 4).argmax(1));  // a learnable target
   }
   Run r;
   if (use_trainstep) {
     perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0], options);
     EXPECT_EQ(step.graphed(), device.is_cuda());
-    for (int i = 0; i < steps; ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<float>());
+    for (int i = 0; i < steps; ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<double>());
     if (flat) {  // the replayed (or eager) steps kept every gradient in the flat buffer
       const auto ps = model->parameters();
       for (const auto& p : ps) EXPECT_TRUE(p.grad().is_alias_of(ps.front().grad()));
@@ -142,7 +142,7 @@ Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false
       auto loss = loss_fn(xs[i], ts[i]);
       loss.backward();
       opt.step();
-      r.losses.push_back(loss.item<float>());
+      r.losses.push_back(loss.item<double>());
     }
   }
   r.w = model->parameters()[0].detach().cpu();
@@ -206,7 +206,12 @@ std::pair<std::vector<double>, std::vector<double>> e2e_losses(Model model, cons
 
 // A flat optimizer under TrainStep (captured on CUDA, its zero_grad a fill of the
 // gradient buffer inside the graph; clipping one norm over the buffer) trains
-// like a non-flat one in an eager loop.
+// like a non-flat one in an eager loop. Clipped, the two sum the squares in a
+// different order (one norm over the buffer, a norm of per-tensor norms), so
+// the clip coefficients differ in the last bit, and AdamW at lr 1e-2 amplifies
+// that: in fp32 on the CPU the losses part by up to 9e-6 at step 38 on an AMD
+// EPYC (1 ulp before step 37; on other CPUs less). The CPU compares the clipped
+// runs in float64, where that amplification stays far below the bound.
 TEST(TrainStep, AFlatOptimizerTrainsLikeTheEagerLoop) {
   std::vector<torch::Device> devices = {torch::kCPU};
   if (has_cuda()) devices.emplace_back(torch::kCUDA);
@@ -220,11 +225,13 @@ TEST(TrainStep, AFlatOptimizerTrainsLikeTheEagerLoop) {
     for (size_t i = 0; i < eager.losses.size(); ++i) EXPECT_NEAR(flat.losses[i], eager.losses[i], tol) << i;
     EXPECT_TRUE(torch::allclose(flat.w, eager.w, tol, tol));
     const auto clip = perf::TrainStepOptions().max_grad_norm(0.5);
-    const auto plain_clipped = train(true, device, 40, false, clip);
-    const auto flat_clipped = train(true, device, 40, true, clip);
+    const auto clip_dtype = device.is_cuda() ? torch::kFloat : torch::kDouble;
+    const double clip_tol = device.is_cuda() ? tol : 1e-9;
+    const auto plain_clipped = train(true, device, 40, false, clip, clip_dtype);
+    const auto flat_clipped = train(true, device, 40, true, clip, clip_dtype);
     for (size_t i = 0; i < eager.losses.size(); ++i)
-      EXPECT_NEAR(flat_clipped.losses[i], plain_clipped.losses[i], tol) << "clipped, step " << i;
-    EXPECT_FALSE(torch::allclose(flat_clipped.w, flat.w, 1e-4, 1e-4)) << "clipping changed the run";
+      EXPECT_NEAR(flat_clipped.losses[i], plain_clipped.losses[i], clip_tol) << "clipped, step " << i;
+    EXPECT_FALSE(torch::allclose(flat_clipped.w.to(torch::kFloat), flat.w, 1e-4, 1e-4)) << "clipping changed the run";
   }
 }
 

@@ -606,7 +606,8 @@ namespace perf {
 
 /// Clips the gradient norm of `parameters` in place, like
 /// torch.nn.utils.clip_grad_norm_ (foreach implementation), and returns the
-/// total norm as a 0-dim float tensor on the first gradient's device. No host
+/// total norm as a 0-dim tensor on the first gradient's device (float; double
+/// when any gradient is float64, which is clipped in float64). No host
 /// sync (LibTorch's torch::nn::utils::clip_grad_norm_ returns a double, which
 /// syncs), so it runs inside perf::TrainStep's captured step and after
 /// GradScaler::unscale_. norm_type: p > 0 or infinity. Parameters without a

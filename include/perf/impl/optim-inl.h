@@ -756,16 +756,20 @@ PERF_INLINE torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& para
   if (!first) return at::zeros({}, at::kFloat);
   const bool inf = std::isinf(norm_type);
   for (auto& [key, grads] : groups) grads = optim::detail::coalesce_flat(grads);  // flat: one tensor
+  // Norms in fp32 at least (half and bf16 gradients too), float64 gradients in
+  // float64: _foreach_norm refuses to narrow, and Python keeps them double.
+  // Mixed groups promote in stack(), as Python's do.
+  auto norm_dtype = [](c10::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; };
   std::vector<at::Tensor> norms;
   for (auto& [key, grads] : groups) {
-    for (auto& n : at::_foreach_norm(grads, norm_type, at::kFloat))
+    for (auto& n : at::_foreach_norm(grads, norm_type, norm_dtype(key.second)))
       norms.push_back(n.to(*first, /*non_blocking=*/true));
   }
   const auto stacked = at::stack(norms);
   const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
   const auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
   for (auto& [key, grads] : groups) {
-    const auto c = coef.to(grads.front().device(), /*non_blocking=*/true);
+    const auto c = coef.to(grads.front().device(), norm_dtype(key.second), /*non_blocking=*/true);
     at::_foreach_mul_(grads, c);
   }
   return total;
