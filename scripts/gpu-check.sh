@@ -172,6 +172,37 @@ unfinished_test() {  # log: the test that started and has not ended, if any
        $1 == "[" && ($2 == "OK" || $2 == "FAILED" || $2 == "SKIPPED") && $4 == t { t = "" }
        END { print t }' "$1"
 }
+# SIGINT first: perf_tests then prints every thread's stack (tests/crash_traces.cpp)
+# and, SIGINT being ignored in a background job, runs on; once the log has the
+# stacks and has stopped growing for a second (at most 10 s; none if the budget
+# is nearly spent), its whole process group is killed.
+stop_test_process() {  # pid log
+  local waited=0 size=-1
+  if (($(left) > 15)); then
+    kill -INT "$1" 2>/dev/null
+    while ((waited++ < 10)) && kill -0 "$1" 2>/dev/null; do
+      sleep 1
+      grep -qs "fatalSignalHandler" "$2" && (($(stat -c %s "$2") == size)) && break
+      size=$(stat -c %s "$2")
+    done
+  fi
+  kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null
+}
+# The stack of the thread that took a fatal signal (or SIGINT from a stop), as
+# c10's handler printed it, frames in perf_tests named with addr2line (the
+# binary exports no symbols).
+crash_stack() {  # log
+  awk '/^SIG[A-Z0-9]+\([0-9]+\), PID: [0-9]+, Thread [0-9]+: *$/ { if (keep) exit; head = $0; n = 0; block = ""; inblock = 1; next }
+       inblock && /frame #/ { n++; block = block "\n" $0; if ($0 ~ /fatalSignalHandler/) keep = 1; next }
+       inblock { if (keep) exit; inblock = 0 }
+       END { if (keep) { print head; printf "%s\n", substr(block, 2) } }' "$1" | head -n 40 |
+    while IFS= read -r line; do
+      if [[ $line =~ \+\ (0x[0-9a-f]+)\ \(0x[0-9a-f]+\ in\ ([^\)]*perf_tests)\) ]] && command -v addr2line >/dev/null; then
+        line+="  = $(addr2line -Cfpe "${BASH_REMATCH[2]}" "${BASH_REMATCH[1]}" 2>/dev/null | head -n 1 | sed 's/ at ??:?$//')"
+      fi
+      printf '    %s\n' "${line# }"
+    done | sed -E 's|\(0x[0-9a-f]+ in [^)]*/([^/)]+)\)|(\1)|'
+}
 one_process() {
   local skip="" round rc log pid current watched since why
   for round in 1 2 3 4; do
@@ -193,7 +224,7 @@ one_process() {
       elif (($(left) < 20)); then
         why="stopped by the call's budget (PERF_GPU_BUDGET_S=$budget)"
       fi
-      [ -n "$why" ] && { kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null; break; }
+      [ -n "$why" ] && { stop_test_process "$pid" "$log"; break; }
     done
     wait "$pid"
     rc=$?
@@ -233,6 +264,11 @@ if has tests; then
     echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
       "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
     cat "$logs/one-process-stops.txt" 2>/dev/null
+    for f in "$logs"/gpu-tests-one-process-[0-9]*.log; do
+      grep -qs "fatalSignalHandler" "$f" || continue
+      echo "  the stopped thread's stack in $(basename "$f") (every thread's: that log):"
+      crash_stack "$f"
+    done
     grep -E "^\[  FAILED  \] [A-Za-z_0-9]+\.[A-Za-z_0-9]+ \([0-9]+ ms\)" "$logs/gpu-tests-one-process.log" | head -20 || true
     echo "tests over 60 s:"
     grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
