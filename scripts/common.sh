@@ -5,6 +5,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PERF_TORCH_PREFIX=$(bash scripts/bootstrap.sh | tail -n 1)
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/perf/ccache}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}  # relative paths: a new clone hits the same cache
+# ...also for the sanitizer builds' -g1 objects, whose hash would otherwise
+# include the working directory (their debug info then names the first clone's folder).
+export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 
 perf_configure() {  # <build dir> [extra cmake args...]
   local dir=$1

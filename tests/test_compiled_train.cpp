@@ -32,7 +32,7 @@ namespace {
 
 using test_util::env_or;
 
-std::string package(const std::string& name) { return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES) + "/" + name; }
+std::string package(const std::string& name) { return env_or("PERF_TEST_PACKAGES", test_util::build_test_packages()) + "/" + name; }
 
 // Twins of tests/compiled/models.py: same layers, same names.
 struct Mlp : torch::nn::Module {
@@ -519,9 +519,9 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
   test_util::TempDir dir;
   std::string pkg = package("cuda/mlp_train_cuda.pt2");
   if (!std::ifstream(pkg).good()) {
-    const std::string src = env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR);
+    const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
     pkg = dir / "mlp_train_cuda.pt2";
-    const std::string cmd = env_or("PERF_PYTHON", PERF_PYTHON) + " " + src + "/tools/export_compiled.py " + src +
+    const std::string cmd = env_or("PERF_PYTHON", test_util::build_python()) + " " + src + "/tools/export_compiled.py " + src +
                             "/tests/compiled/models.py:make_mlp --train --loss " + src +
                             "/tests/compiled/models.py:classify_loss --input 8,16 --input 8:int64 --device cuda -o " +
                             pkg + " > " + (dir / "export.log") + " 2>&1";

@@ -98,11 +98,18 @@ class ScopedCpuBf16 {
   perf::detail::CpuBf16 saved_;
 };
 
+// Paths CMake gives the build (test_paths.cpp): the reference Python, the
+// source tree, the exported test packages, the fake NVML library.
+const char* build_python();
+const char* build_source_dir();
+const char* build_test_packages();
+const char* build_fake_nvml();
+
 // Runs a Python snippet with the interpreter of the venv that provided
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
 // overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  const std::string py = env_or("PERF_PYTHON", PERF_PYTHON);
+  const std::string py = env_or("PERF_PYTHON", build_python());
   const std::string cmd = py + " -c \"" + code + "\" 2>/dev/null";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
