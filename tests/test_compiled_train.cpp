@@ -588,3 +588,110 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif
 }
+
+// The exporter runs each training package once against the eager step and
+// refuses a wrong program (tools/export_compiled.py, check_compiled_step): a
+// gradient with its elements misplaced, as channels-last memory read as
+// contiguous, or a nan loss. bf16 rounding passes.
+TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
+  const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+  const auto out = test_util::lines(test_util::python(
+      "import sys\n"
+      "sys.path.insert(0, '" + src + "/tools')\n"
+      "import torch, export_compiled as e\n"
+      "torch.manual_seed(0)\n"
+      "w = torch.randn(16, 3, 3, 3)\n"
+      "misplaced = w.contiguous(memory_format=torch.channels_last).as_strided(w.shape, w.stride()).clone()\n"
+      "rounded = w.bfloat16().float()\n"
+      "cases = [(2.0, rounded), (2.0, misplaced), (float('nan'), w)]\n"
+      "for loss, g in cases:\n"
+      "    try:\n"
+      "        e.check_compiled_step(torch.tensor(loss), [g], torch.tensor(2.0), [w], ['conv1.weight'], 'bf16')\n"
+      "        print('accepted')\n"
+      "    except ValueError as err:\n"
+      "        print(err)\n"));
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out[0], "accepted");
+  EXPECT_NE(out[1].find("the compiled training step is wrong: the gradient of conv1.weight differs from the eager "
+                        "step's on the example batch: max |difference|"),
+            std::string::npos)
+      << out[1];
+  EXPECT_NE(out[1].find("(allowed 0.1 of it)"), std::string::npos) << out[1];
+  EXPECT_NE(out[2].find("the loss differs"), std::string::npos) << out[2];
+}
+
+// perf's recipe on the GPU as bench/e2e's CNN job runs it: bf16 autocast and
+// channels-last compiled in, perf's fused AdamW. Inductor may return a
+// channels-last convolution's weight gradient contiguous; the step lays each
+// gradient out like its parameter (the fused kernels require it: the e2e job
+// died in _fused_adamw_ on an H100 before), with and without the CUDA graph,
+// and the run tracks Python eager with the same recipe (on the CPU, 2% of the
+// loss: bf16 on two devices).
+TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  // Exported by the build on this machine (tests/compiled/make_cuda_packages.py, with these arguments), else here.
+  test_util::TempDir dir;
+  std::string pkg = package("cuda/cnn_train_cl_cuda.pt2");
+  if (!std::ifstream(pkg).good()) {
+    const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+    pkg = dir / "cnn_train_cl_cuda.pt2";
+    const std::string cmd = env_or("PERF_PYTHON", test_util::build_python()) + " " + src + "/tools/export_compiled.py " +
+                            src + "/tests/compiled/models.py:make_cnn --train --loss " + src +
+                            "/tests/compiled/models.py:classify_loss --input 8,3,32,32 --input 8:int64 --device cuda "
+                            "--amp bf16 --channels-last -o " +
+                            pkg + " > " + (dir / "export.log") + " 2>&1";
+    if (!test_util::run_command(cmd)) {
+      std::ifstream log(dir / "export.log");
+      FAIL() << cmd << "\n" << std::string(std::istreambuf_iterator<char>(log), {});
+    }
+  }
+  Reference ref("cnn_train_cl_bf16");
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto train = [&](bool graph) {
+    Cnn cnn;
+    load_state(cnn, ref.state("init"));
+    cnn.to(cuda);
+    perf::to_channels_last(cnn);
+    perf::optim::AdamW opt(cnn.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+    perf::CompiledTrainStep step(pkg, cnn, opt, perf::CompiledTrainOptions().graph(graph));
+    std::vector<double> losses;
+    for (size_t i = 0; i < ref.steps(); ++i) {
+      losses.push_back(step.step(ref.list("x", i).to(cuda), ref.list("y", i).to(cuda)).item<double>());
+      if (i == 0 || i + 1 == ref.steps()) {
+        const auto want = ref.dict.at("grads").toList().get(i).toGenericDict();
+        for (const auto& p : cnn.named_parameters()) {
+          const auto& g = p.value().grad();
+          EXPECT_TRUE(g.defined()) << p.key();
+          if (g.defined() && i == 0) {  // bf16 on two devices: 10% of the largest element, as the exporter's check
+            const auto w = want.at(p.key()).toTensor().to(g.device(), at::kDouble);
+            EXPECT_LE(max_diff(g, w), 0.1 * w.abs().max().item<double>()) << p.key() << " at step 0";
+          }
+          if (g.defined()) {
+            EXPECT_TRUE(perf::detail::same_layout(g.sizes(), g.strides(), p.value().strides()))
+                << p.key() << ": gradient strides " << g.strides() << ", parameter strides " << p.value().strides();
+          }
+        }
+      }
+    }
+    EXPECT_EQ(opt.kernels().at(0).rfind("cuda:0 Float: fused", 0), 0u) << opt.kernels().at(0);
+    EXPECT_TRUE(cnn.conv1->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
+    if (graph) {
+      EXPECT_TRUE(step.graphed());
+      EXPECT_EQ(step.eager_steps(), 0);
+    }
+    return losses;
+  };
+  const auto uncaptured = train(false), graphed = train(true);
+  const auto want = ref.tensor("losses");
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_NEAR(uncaptured[i], want[static_cast<int64_t>(i)].item<double>(), 0.02 * std::abs(uncaptured[i]))
+        << "step " << i;
+  }
+  for (size_t i = 0; i < graphed.size(); ++i)
+    EXPECT_NEAR(graphed[i], uncaptured[i], 1e-3 * std::abs(uncaptured[i])) << "step " << i << ": the same kernels";
+  EXPECT_LT(uncaptured.back(), uncaptured.front() * 0.8) << "the compiled bf16 step must train";
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}

@@ -453,7 +453,7 @@ void flat_net_step(FlatNet& net, torch::optim::Optimizer& opt, int k) {
 
 std::vector<torch::Tensor> params_of(FlatNet& net) {
   std::vector<torch::Tensor> out;
-  for (auto& p : net->parameters()) out.push_back(p.detach().to(torch::kDouble).contiguous().clone());
+  for (auto& p : net->parameters()) out.push_back(p.detach().to(torch::kCPU, torch::kDouble).contiguous().clone());
   return out;
 }
 

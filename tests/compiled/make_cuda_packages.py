@@ -8,6 +8,7 @@ exported here, beside the compilation, the tests find them in OUT:
 
     OUT/mlp_cuda.pt2          the MLP for inference, batch 1..64
     OUT/mlp_train_cuda.pt2    the MLP's training step, batch 8
+    OUT/cnn_train_cl_cuda.pt2 the CNN's training step, bf16 autocast and channels-last, batch 8
     OUT/<name>.log            each export's output
     OUT/stamp                 what was done
 
@@ -30,6 +31,9 @@ EXPORTS = {
     "mlp_cuda.pt2": [f"{MODELS}:make_mlp", "--input", "4,16", "--dynamic-batch", "1:64", "--device", "cuda"],
     "mlp_train_cuda.pt2": [f"{MODELS}:make_mlp", "--train", "--loss", f"{MODELS}:classify_loss", "--input", "8,16",
                            "--input", "8:int64", "--device", "cuda"],
+    "cnn_train_cl_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
+                              "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp", "bf16",
+                              "--channels-last"],
 }
 
 
@@ -52,7 +56,7 @@ def main() -> int:
         with open(stamp, "w") as f:
             f.write(f"skipped: {why}; the CUDA tests export their packages themselves\n")
         return 0
-    # Both at once: each is mostly one compiler process.
+    # All at once: each is mostly one compiler process.
     started, runs = time.time(), {}
     for name, args in EXPORTS.items():
         log = open(os.path.join(a.out, name[:-4] + ".log"), "w")

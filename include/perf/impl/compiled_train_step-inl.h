@@ -137,10 +137,18 @@ PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& b
   for (size_t i = 0; i < m; ++i) state_[mutated_[i]].live.copy_(out[i]);
   for (size_t j = 0; j < grads_.size(); ++j) {
     at::Tensor g = out[m + 1 + j];
-    // Handed over without a copy unless it shares memory with an input or
-    // another gradient (in-place unscaling or clipping would then corrupt it).
-    if (!inputs_storage.insert(g.storage().data()).second) g = g.clone();
     at::Tensor& p = state_[grads_[j]].live;
+    // Handed over without a copy unless it shares memory with an input or
+    // another gradient (in-place unscaling or clipping would then corrupt it),
+    // or is laid out unlike its parameter: autograd's gradient layout contract
+    // (AccumulateGrad), which the fused optimizers require (on CUDA, Inductor
+    // may return a channels-last convolution's weight gradient contiguous).
+    const bool shared = !inputs_storage.insert(g.storage().data()).second;
+    const bool dense = p.is_non_overlapping_and_dense();
+    const bool laid_out = dense ? detail::same_layout(p.sizes(), g.strides(), p.strides()) : g.is_contiguous();
+    if (shared || !laid_out || g.scalar_type() != p.scalar_type()) {
+      g = (dense ? at::empty_strided(p.sizes(), p.strides(), p.options()) : at::empty(p.sizes(), p.options())).copy_(g);
+    }
     if (p.grad().defined()) {
       p.mutable_grad().add_(g);
     } else {
