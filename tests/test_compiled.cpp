@@ -20,11 +20,10 @@
 
 namespace {
 
-using test_util::env_or;
 using test_util::TempDir;
 
 // PERF_TEST_PACKAGES (environment) overrides the build's folder when the binary runs elsewhere.
-std::string package(const std::string& name) { return env_or("PERF_TEST_PACKAGES", test_util::build_test_packages()) + "/" + name; }
+std::string package(const std::string& name) { return test_util::test_packages() + "/" + name; }
 
 struct Reference {
   std::vector<at::Tensor> in, out;
@@ -233,7 +232,7 @@ TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
     const auto bytes = torch::pickle_save(c10::IValue(state));
     std::ofstream(weights, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
-  const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+  const std::string src = test_util::source_dir();
   const auto out = test_util::python("import sys,torch,torch.jit._pickle as tp; sys.path.insert(0,'" + src +
                                      "/tests/compiled'); "
                                      "import models; m=models.make_mlp(); "
@@ -254,9 +253,9 @@ namespace {
 // (tests/compiled/make_cuda_packages.py, with these arguments), else here into `dir`.
 std::string export_cuda_mlp(const TempDir& dir) {
   if (std::ifstream(package("cuda/mlp_cuda.pt2")).good()) return package("cuda/mlp_cuda.pt2");
-  const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+  const std::string src = test_util::source_dir();
   const std::string pkg = dir / "mlp_cuda.pt2";
-  const std::string cmd = env_or("PERF_PYTHON", test_util::build_python()) + " " + src + "/tools/export_compiled.py " + src +
+  const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
                           "/tests/compiled/models.py:make_mlp -o " + pkg +
                           " --input 4,16 --dynamic-batch 1:64 --device cuda > " + (dir / "export.log") + " 2>&1";
   EXPECT_TRUE(test_util::run_command(cmd)) << cmd;
@@ -266,7 +265,7 @@ std::string export_cuda_mlp(const TempDir& dir) {
 // The same MLP eager in Python on the same GPU, fp32 without TF32 (the tool
 // seeds 0 before the factory, as here): rows of linspace(-2, 2) inputs.
 at::Tensor python_cuda_mlp(int64_t rows) {
-  const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+  const std::string src = test_util::source_dir();
   const auto out = test_util::lines(test_util::python(
       "import sys,torch; sys.path.insert(0,'" + src +
       "/tests/compiled'); import models; torch.backends.cuda.matmul.allow_tf32=False; "

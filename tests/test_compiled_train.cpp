@@ -30,9 +30,7 @@
 
 namespace {
 
-using test_util::env_or;
-
-std::string package(const std::string& name) { return env_or("PERF_TEST_PACKAGES", test_util::build_test_packages()) + "/" + name; }
+std::string package(const std::string& name) { return test_util::test_packages() + "/" + name; }
 
 // Twins of tests/compiled/models.py: same layers, same names.
 struct Mlp : torch::nn::Module {
@@ -214,7 +212,8 @@ void expect_each_step_equal(const std::string& name, double tol, bool channels_l
     }
   }
   EXPECT_LE(worst_loss, tol) << name;
-  EXPECT_LE(worst_grad, tol) << name << ": " << where << (kinked ? " (besides the steps allowed a ReLU kink:" + kinks + ")" : "");
+  EXPECT_LE(worst_grad, tol) << name << ": " << where
+                             << (kinked ? " (besides the steps allowed a ReLU kink:" + kinks + ")" : "");
   EXPECT_LE(worst_kink, kink_tol) << name << ": steps past " << tol << ":" << kinks;
   EXPECT_LE(worst_buffer, tol) << name;
 }
@@ -519,9 +518,9 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
   test_util::TempDir dir;
   std::string pkg = package("cuda/mlp_train_cuda.pt2");
   if (!std::ifstream(pkg).good()) {
-    const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+    const std::string src = test_util::source_dir();
     pkg = dir / "mlp_train_cuda.pt2";
-    const std::string cmd = env_or("PERF_PYTHON", test_util::build_python()) + " " + src + "/tools/export_compiled.py " + src +
+    const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
                             "/tests/compiled/models.py:make_mlp --train --loss " + src +
                             "/tests/compiled/models.py:classify_loss --input 8,16 --input 8:int64 --device cuda -o " +
                             pkg + " > " + (dir / "export.log") + " 2>&1";
@@ -594,10 +593,12 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 // gradient with its elements misplaced, as channels-last memory read as
 // contiguous, or a nan loss. bf16 rounding passes.
 TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
-  const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+  const std::string src = test_util::source_dir();
   const auto out = test_util::lines(test_util::python(
       "import sys\n"
-      "sys.path.insert(0, '" + src + "/tools')\n"
+      "sys.path.insert(0, '" +
+      src +
+      "/tools')\n"
       "import torch, export_compiled as e\n"
       "torch.manual_seed(0)\n"
       "w = torch.randn(16, 3, 3, 3)\n"
@@ -634,10 +635,10 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
   test_util::TempDir dir;
   std::string pkg = package("cuda/cnn_train_cl_cuda.pt2");
   if (!std::ifstream(pkg).good()) {
-    const std::string src = env_or("PERF_SOURCE_DIR", test_util::build_source_dir());
+    const std::string src = test_util::source_dir();
     pkg = dir / "cnn_train_cl_cuda.pt2";
-    const std::string cmd = env_or("PERF_PYTHON", test_util::build_python()) + " " + src + "/tools/export_compiled.py " +
-                            src + "/tests/compiled/models.py:make_cnn --train --loss " + src +
+    const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
+                            "/tests/compiled/models.py:make_cnn --train --loss " + src +
                             "/tests/compiled/models.py:classify_loss --input 8,3,32,32 --input 8:int64 --device cuda "
                             "--amp bf16 --channels-last -o " +
                             pkg + " > " + (dir / "export.log") + " 2>&1";

@@ -11,8 +11,8 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <filesystem>
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "test_util.h"
@@ -208,8 +208,7 @@ TEST(CudaPaths, ErrorsKeepTheirTypeWithPerfContext) {
     EXPECT_NE(what.find("perf::graph"), std::string::npos) << what;
   }
   // find_max_batch_size sees the OOM through perf::graph and bisects.
-  const int64_t best = perf::find_max_batch_size(
-      [&](int64_t b) { perf::graph(oom, torch::ones({b})); }, 1, 64);
+  const int64_t best = perf::find_max_batch_size([&](int64_t b) { perf::graph(oom, torch::ones({b})); }, 1, 64);
   EXPECT_EQ(best, 4);
   // A loss function that cannot run on the example fails at construction, named.
   auto model = mlp();
@@ -283,7 +282,8 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
   for (size_t k = 0; k < 4; ++k) {
     torch::manual_seed(0);
     std::vector<torch::Tensor> ps;
-    for (auto s : std::vector<std::vector<int64_t>>{{5, 3}, {7}, {2, 2, 2}}) ps.push_back(torch::randn(s).requires_grad_());
+    for (auto s : std::vector<std::vector<int64_t>>{{5, 3}, {7}, {2, 2, 2}})
+      ps.push_back(torch::randn(s).requires_grad_());
     for (auto& p : ps) p.mutable_grad() = torch::randn(p.sizes()) * 3;
     const auto norm = perf::clip_grad_norm_(ps, 1.5, types[k]);
     EXPECT_EQ(norm.dim(), 0);
@@ -396,15 +396,11 @@ namespace {
 struct TensorDataset : torch::data::datasets::Dataset<TensorDataset> {
   torch::Tensor x, t;
   TensorDataset(int64_t n) : x(torch::randn({n, 16})), t(torch::randint(0, 4, {n})) {}
-  torch::data::Example<> get(size_t i) override {
-    return {x[static_cast<int64_t>(i)], t[static_cast<int64_t>(i)]};
-  }
+  torch::data::Example<> get(size_t i) override { return {x[static_cast<int64_t>(i)], t[static_cast<int64_t>(i)]}; }
   torch::optional<size_t> size() const override { return static_cast<size_t>(x.size(0)); }
 };
 
-int64_t cuda_allocated() {
-  return perf::memory_stats(torch::Device(torch::kCUDA, 0)).allocated.value_or(-1);
-}
+int64_t cuda_allocated() { return perf::memory_stats(torch::Device(torch::kCUDA, 0)).allocated.value_or(-1); }
 
 }  // namespace
 

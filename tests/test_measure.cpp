@@ -113,8 +113,8 @@ TEST(Benchmark, CountsWarmupAndTimedCalls) {
 TEST(Benchmark, MinTimeExtendsTheRun) {
   // Host work, so the host clock: unset, device() is the GPU where there is one,
   // and CUDA events around a host sleep measured 9.89 ms for 10 on an H100.
-  const auto s = perf::benchmark([] { sleep_ms(10); },
-                                 perf::BenchOptions().warmup(0).iters(1).min_time(0.06).device(c10::kCPU));
+  const auto s =
+      perf::benchmark([] { sleep_ms(10); }, perf::BenchOptions().warmup(0).iters(1).min_time(0.06).device(c10::kCPU));
   // Sleeps overshoot on a loaded machine, so count time, not calls: timing went on
   // past iters(1) until 60 ms were measured, and stopped once they were.
   const double total_ms = s.mean_ms * static_cast<double>(s.iterations);

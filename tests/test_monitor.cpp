@@ -17,7 +17,7 @@ namespace {
 std::vector<std::string> lines_of(const std::string& text) { return test_util::lines(text); }
 
 // PERF_FAKE_NVML (environment) overrides the build's path when the binary runs elsewhere.
-std::string fake_nvml() { return test_util::env_or("PERF_FAKE_NVML", test_util::build_fake_nvml()); }
+std::string fake_nvml() { return test_util::fake_nvml_library(); }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -11,8 +11,8 @@
 #endif
 
 namespace test_util {
-const char* build_python() { return PERF_PYTHON; }
-const char* build_source_dir() { return PERF_SOURCE_DIR; }
-const char* build_test_packages() { return PERF_TEST_PACKAGES; }
-const char* build_fake_nvml() { return PERF_FAKE_NVML; }
+std::string reference_python() { return env_or("PERF_PYTHON", PERF_PYTHON); }
+std::string source_dir() { return env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR); }
+std::string test_packages() { return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES); }
+std::string fake_nvml_library() { return env_or("PERF_FAKE_NVML", PERF_FAKE_NVML); }
 }  // namespace test_util

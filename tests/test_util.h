@@ -98,18 +98,19 @@ class ScopedCpuBf16 {
   perf::detail::CpuBf16 saved_;
 };
 
-// Paths CMake gives the build (test_paths.cpp): the reference Python, the
-// source tree, the exported test packages, the fake NVML library.
-const char* build_python();
-const char* build_source_dir();
-const char* build_test_packages();
-const char* build_fake_nvml();
+// Paths CMake gives the build (test_paths.cpp), each overridden by the
+// environment variable of the same name when the binary runs elsewhere:
+// PERF_PYTHON, PERF_SOURCE_DIR, PERF_TEST_PACKAGES, PERF_FAKE_NVML.
+std::string reference_python();
+std::string source_dir();
+std::string test_packages();
+std::string fake_nvml_library();
 
 // Runs a Python snippet with the interpreter of the venv that provided
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
 // overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  const std::string py = env_or("PERF_PYTHON", build_python());
+  const std::string py = reference_python();
   const std::string cmd = py + " -c \"" + code + "\" 2>/dev/null";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
