@@ -162,6 +162,26 @@ double worst_step(const std::vector<double>& losses, const at::Tensor& want) {
   return worst;
 }
 
+#if PERF_WITH_CUDA
+// A CUDA training package of tests/compiled/models.py: exported by the build on
+// this machine (tests/compiled/make_cuda_packages.py, with the same arguments),
+// else here into `dir`. "" after a failed export, reported with its log.
+std::string cuda_train_package(const std::string& name, const std::string& factory, const std::string& args,
+                               const test_util::TempDir& dir) {
+  const std::string built = package("cuda/" + name);
+  if (std::ifstream(built).good()) return built;
+  const std::string src = test_util::source_dir(), pkg = dir / name;
+  const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
+                          "/tests/compiled/models.py:" + factory + " --train --loss " + src +
+                          "/tests/compiled/models.py:classify_loss " + args + " --device cuda -o " + pkg + " > " +
+                          (dir / "export.log") + " 2>&1";
+  if (test_util::run_command(cmd)) return pkg;
+  std::ifstream log(dir / "export.log");
+  ADD_FAILURE() << cmd << "\n" << std::string(std::istreambuf_iterator<char>(log), {});
+  return "";
+}
+#endif
+
 }  // namespace
 
 // Each step on its own: from Python's state before step i, the compiled
@@ -514,18 +534,9 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
-  // Exported by the build on this machine (tests/compiled/make_cuda_packages.py, with these arguments), else here.
   test_util::TempDir dir;
-  std::string pkg = package("cuda/mlp_train_cuda.pt2");
-  if (!std::ifstream(pkg).good()) {
-    const std::string src = test_util::source_dir();
-    pkg = dir / "mlp_train_cuda.pt2";
-    const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
-                            "/tests/compiled/models.py:make_mlp --train --loss " + src +
-                            "/tests/compiled/models.py:classify_loss --input 8,16 --input 8:int64 --device cuda -o " +
-                            pkg + " > " + (dir / "export.log") + " 2>&1";
-    ASSERT_TRUE(test_util::run_command(cmd)) << cmd;
-  }
+  const std::string pkg = cuda_train_package("mlp_train_cuda.pt2", "make_mlp", "--input 8,16 --input 8:int64", dir);
+  ASSERT_FALSE(pkg.empty());
   Reference ref("mlp_train");
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](int mode) {  // 0: eager, 1: compiled uncaptured, 2: compiled graphed
@@ -631,22 +642,10 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
 TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
-  // Exported by the build on this machine (tests/compiled/make_cuda_packages.py, with these arguments), else here.
   test_util::TempDir dir;
-  std::string pkg = package("cuda/cnn_train_cl_cuda.pt2");
-  if (!std::ifstream(pkg).good()) {
-    const std::string src = test_util::source_dir();
-    pkg = dir / "cnn_train_cl_cuda.pt2";
-    const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
-                            "/tests/compiled/models.py:make_cnn --train --loss " + src +
-                            "/tests/compiled/models.py:classify_loss --input 8,3,32,32 --input 8:int64 --device cuda "
-                            "--amp bf16 --channels-last -o " +
-                            pkg + " > " + (dir / "export.log") + " 2>&1";
-    if (!test_util::run_command(cmd)) {
-      std::ifstream log(dir / "export.log");
-      FAIL() << cmd << "\n" << std::string(std::istreambuf_iterator<char>(log), {});
-    }
-  }
+  const std::string pkg = cuda_train_package("cnn_train_cl_cuda.pt2", "make_cnn",
+                                             "--input 8,3,32,32 --input 8:int64 --amp bf16 --channels-last", dir);
+  ASSERT_FALSE(pkg.empty());
   Reference ref("cnn_train_cl_bf16");
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](bool graph) {
