@@ -248,18 +248,10 @@ TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
 
 #if PERF_WITH_CUDA
 namespace {
-// The MLP exported as a CUDA package by the tool a user runs, on the GPU
-// machine itself (inductor compiles for the GPU it sees): by the build
-// (tests/compiled/make_cuda_packages.py, with these arguments), else here into `dir`.
+// The MLP exported as a CUDA package by the tool a user runs, on the GPU machine itself.
 std::string export_cuda_mlp(const TempDir& dir) {
-  if (std::ifstream(package("cuda/mlp_cuda.pt2")).good()) return package("cuda/mlp_cuda.pt2");
-  const std::string src = test_util::source_dir();
-  const std::string pkg = dir / "mlp_cuda.pt2";
-  const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
-                          "/tests/compiled/models.py:make_mlp -o " + pkg +
-                          " --input 4,16 --dynamic-batch 1:64 --device cuda > " + (dir / "export.log") + " 2>&1";
-  EXPECT_TRUE(test_util::run_command(cmd)) << cmd;
-  return pkg;
+  return test_util::cuda_test_package(
+      "mlp_cuda.pt2", test_util::compiled_models() + ":make_mlp --input 4,16 --dynamic-batch 1:64", dir);
 }
 
 // The same MLP eager in Python on the same GPU, fp32 without TF32 (the tool
@@ -287,7 +279,9 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
-  perf::CompiledModel model(export_cuda_mlp(dir));
+  const auto pkg = export_cuda_mlp(dir);
+  ASSERT_FALSE(pkg.empty());
+  perf::CompiledModel model(pkg);
   EXPECT_TRUE(model.device().is_cuda());
   EXPECT_FALSE(model.metadata().at("AOTI_COMPUTE_CAPABILITY").empty());
   const auto want = python_cuda_mlp(3);
@@ -335,6 +329,7 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
+  ASSERT_FALSE(pkg.empty());
   perf::CompiledModel model(pkg, perf::CompiledOptions().single_threaded(true));
   perf::CompiledModel plain(pkg);  // multi-threaded, uncaptured: the reference
   const auto example = at::zeros({8, 16}, at::kCUDA);

@@ -163,22 +163,12 @@ double worst_step(const std::vector<double>& losses, const at::Tensor& want) {
 }
 
 #if PERF_WITH_CUDA
-// A CUDA training package of tests/compiled/models.py: exported by the build on
-// this machine (tests/compiled/make_cuda_packages.py, with the same arguments),
-// else here into `dir`. "" after a failed export, reported with its log.
+// The training step of a model of tests/compiled/models.py as a CUDA package (test_util::cuda_test_package).
 std::string cuda_train_package(const std::string& name, const std::string& factory, const std::string& args,
                                const test_util::TempDir& dir) {
-  const std::string built = package("cuda/" + name);
-  if (std::ifstream(built).good()) return built;
-  const std::string src = test_util::source_dir(), pkg = dir / name;
-  const std::string cmd = test_util::reference_python() + " " + src + "/tools/export_compiled.py " + src +
-                          "/tests/compiled/models.py:" + factory + " --train --loss " + src +
-                          "/tests/compiled/models.py:classify_loss " + args + " --device cuda -o " + pkg + " > " +
-                          (dir / "export.log") + " 2>&1";
-  if (test_util::run_command(cmd)) return pkg;
-  std::ifstream log(dir / "export.log");
-  ADD_FAILURE() << cmd << "\n" << std::string(std::istreambuf_iterator<char>(log), {});
-  return "";
+  const std::string models = test_util::compiled_models();
+  return test_util::cuda_test_package(
+      name, models + ":" + factory + " --train --loss " + models + ":classify_loss " + args, dir);
 }
 #endif
 
@@ -663,13 +653,12 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
         for (const auto& p : cnn.named_parameters()) {
           const auto& g = p.value().grad();
           EXPECT_TRUE(g.defined()) << p.key();
-          if (g.defined() && i == 0) {  // bf16 on two devices: 10% of the largest element, as the exporter's check
+          if (!g.defined()) continue;
+          EXPECT_TRUE(perf::detail::same_layout(g.sizes(), g.strides(), p.value().strides()))
+              << p.key() << ": gradient strides " << g.strides() << ", parameter strides " << p.value().strides();
+          if (i == 0) {  // bf16 on two devices: 10% of the largest element, as the exporter's check
             const auto w = want.at(p.key()).toTensor().to(g.device(), at::kDouble);
             EXPECT_LE(max_diff(g, w), 0.1 * w.abs().max().item<double>()) << p.key() << " at step 0";
-          }
-          if (g.defined()) {
-            EXPECT_TRUE(perf::detail::same_layout(g.sizes(), g.strides(), p.value().strides()))
-                << p.key() << ": gradient strides " << g.strides() << ", parameter strides " << p.value().strides();
           }
         }
       }

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -105,6 +107,26 @@ std::string reference_python();
 std::string source_dir();
 std::string test_packages();
 std::string fake_nvml_library();
+
+// tests/compiled/models.py, whose factories and losses the test packages export.
+inline std::string compiled_models() { return source_dir() + "/tests/compiled/models.py"; }
+
+// A CUDA test package: exported by the build on this machine (inductor compiles
+// for the GPU it sees; tests/compiled/make_cuda_packages.py, with the same
+// arguments), else here into `dir` by tools/export_compiled.py with `args`
+// (the factory first; --device cuda added). "" after a failed export, which is
+// reported with its log.
+inline std::string cuda_test_package(const std::string& name, const std::string& args, const TempDir& dir) {
+  const std::string built = test_packages() + "/cuda/" + name;
+  if (std::ifstream(built).good()) return built;
+  const std::string pkg = dir / name, log = dir / (name + ".log");
+  const std::string cmd = reference_python() + " " + source_dir() + "/tools/export_compiled.py " + args +
+                          " --device cuda -o " + pkg + " > " + log + " 2>&1";
+  if (run_command(cmd)) return pkg;
+  std::ifstream text(log);
+  ADD_FAILURE() << cmd << "\n" << std::string(std::istreambuf_iterator<char>(text), {});
+  return "";
+}
 
 // Runs a Python snippet with the interpreter of the venv that provided
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON

@@ -362,9 +362,9 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
             return f"max |difference| {d:.3g}, max |value| {scale:.3g} (allowed {rtol:g} of it)"
         return None
 
-    checks = [("the loss", loss, want_loss)] + [(f"the gradient of {n}", g, w) for n, g, w in zip(names, grads, want_grads)]
     if len(grads) != len(want_grads):
         raise ValueError(f"the compiled step returned {len(grads)} gradients, the eager step {len(want_grads)}")
+    checks = [("the loss", loss, want_loss)] + [(f"the gradient of {n}", g, w) for n, g, w in zip(names, grads, want_grads)]
     for what, got, want in checks:
         why = differs(got, want)
         if why is not None:
