@@ -622,6 +622,74 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
   EXPECT_NE(out[2].find("the loss differs"), std::string::npos) << out[2];
 }
 
+// A kernel that Inductor calls rather than generates (a fallback: ATen's
+// convolution backward, a custom op) whose fake (meta) kernel plans other
+// strides than its real kernel returns: AOTInductor's C++ wrapper does not
+// check them, so the package reads that output in the wrong order. Here a
+// custom op returns channels-last where its fake says contiguous. The exporter
+// refuses the package, and its error names the kernel and the strides, found by
+// compiling the same graph with Inductor's Python wrapper (which checks them).
+// The diagnosis's other verdicts on a graph without a fallback: right there
+// (the fault is AOTInductor's), or wrong there too.
+TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
+  test_util::TempDir dir;
+  const std::string pkg = dir / "lying.pt2";
+  const auto out = test_util::lines(
+      test_util::python("import os, sys\n"
+                        "sys.path.insert(0, '" +
+                        test_util::source_dir() +
+                        "/tools')\n"
+                        "import torch, export_compiled as e\n"
+                        "@torch.library.custom_op('perf_test::relayout', mutates_args=())\n"
+                        "def relayout(x: torch.Tensor) -> torch.Tensor:\n"
+                        "    return torch.empty_like(x, memory_format=torch.channels_last).copy_(x)\n"
+                        "@relayout.register_fake\n"
+                        "def _(x):\n"
+                        "    return torch.empty_like(x, memory_format=torch.contiguous_format)\n"
+                        "class M(torch.nn.Module):\n"
+                        "    def __init__(self):\n"
+                        "        super().__init__()\n"
+                        "        self.w = torch.nn.Parameter(torch.randn(4, 1, 1))\n"
+                        "        self.fc = torch.nn.Linear(20, 3)\n"
+                        "    def forward(self, x):\n"
+                        "        h = relayout(x) * self.w\n"
+                        "        return self.fc(h[:, :, 0, :].reshape(x.shape[0], -1))\n"
+                        "def loss(model, x, y):\n"
+                        "    return torch.nn.functional.cross_entropy(model(x), y)\n"
+                        "torch.manual_seed(0)\n"
+                        "try:\n"
+                        "    e.export_train(M(), loss, [torch.randn(2, 4, 3, 5), torch.zeros(2, dtype=torch.long)], '" +
+                        pkg +
+                        "')\n"
+                        "    print('accepted')\n"
+                        "except ValueError as err:\n"
+                        "    print(str(err).replace(chr(10), ' '))\n"
+                        "print('kept' if os.path.exists('" +
+                        pkg +
+                        "') else 'not kept')\n"
+                        "class Twice(torch.nn.Module):\n"
+                        "    def forward(self, x):\n"
+                        "        return x.sum(), x * 2\n"
+                        "x = torch.randn(3, 5)\n"
+                        "program = torch.export.export(Twice(), (x,))\n"
+                        "for g in (x * 2, x * 3):\n"
+                        "    print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [g], ['x']))\n"));
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_NE(out[0].find("the compiled training step is wrong: the loss differs from the eager step's"),
+            std::string::npos)
+      << out[0];
+  EXPECT_NE(out[0].find("checks each fallback kernel's output strides (AOTInductor's C++ wrapper does not): expected "
+                        "size 4==4, stride 1==15 at dim=1"),
+            std::string::npos)
+      << out[0];
+  EXPECT_NE(out[0].find("Error in op: torch.ops.perf_test.relayout.default"), std::string::npos) << out[0];
+  EXPECT_EQ(out[1], "not kept");
+  EXPECT_EQ(out[2],
+            "The same graph compiled by Inductor's Python wrapper is right: the fault is in AOTInductor's C++ "
+            "build of it.");
+  EXPECT_NE(out[3].find("is wrong too, and no kernel's strides differ from the plan"), std::string::npos) << out[3];
+}
+
 // perf's recipe on the GPU as bench/e2e's CNN job runs it: bf16 autocast and
 // channels-last compiled in, perf's fused AdamW. Inductor may return a
 // channels-last convolution's weight gradient contiguous; the step lays each

@@ -14,6 +14,7 @@
 #include "test_util.h"
 
 #if PERF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -842,6 +843,96 @@ TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
   perf::optim::AdamW opt({w}, AdamWOptions().flat(true));
   w.mutable_grad() = torch::zeros({10, 3}).to_sparse();
   PERF_EXPECT_THROW_MSG(opt.step(), "does not support sparse gradients");
+}
+
+// A flat CUDA bucket goes to the fused kernel in SM-sized calls (the device's
+// size: elements_per_call). The cutting itself, on the CPU: entries whose
+// tensors are dense with one layout are cut in memory order, the others go
+// whole, step counters go with their entries, and the update over the slices
+// is bit for bit the update in one call.
+TEST(OptimFlat, SlicesOfABucketUpdateExactlyAsOneCall) {
+  using perf::optim::detail::Bucket;
+  torch::manual_seed(3);
+  const auto cl = [](at::Tensor t) { return t.contiguous(at::MemoryFormat::ChannelsLast); };
+  const auto strided = [] { return torch::randn({6, 8}).slice(1, 0, 8, 2); };  // not dense
+  Bucket b{c10::Device(c10::kCPU), at::kFloat, false, {}, {}, {}, {}, {}, {}, {}, /*flat=*/true, 0};
+  // Entry 0: 1-d (10). Entry 1: channels-last 4-d (24). Entry 2: not dense (24).
+  // Entry 3: the gradient laid out unlike its parameter (6).
+  b.params = {torch::randn({10}), cl(torch::randn({2, 3, 2, 2})), strided(), torch::randn({2, 3})};
+  b.grads = {torch::randn({10}), cl(torch::randn({2, 3, 2, 2})), strided(), torch::randn({3, 2}).t()};
+  for (const auto& p : b.params) {
+    b.a.push_back(p.clone().normal_().abs_());  // clone keeps each layout
+    b.b.push_back(p.clone().uniform_(0.1, 1.0));
+    b.steps.push_back(torch::full({}, 3.0));
+  }
+  const auto run = [](const Bucket& s) {
+    at::_fused_adamw_(s.params, s.grads, s.a, s.b, s.c, s.steps, 1e-2, 0.9, 0.999, 0.01, 1e-8, false, false,
+                      std::nullopt, std::nullopt);
+  };
+  Bucket whole = b;  // the same update in one call, on copies with the same strides
+  for (auto* list : {&whole.params, &whole.a, &whole.b})
+    for (auto& t : *list) t = at::empty_strided(t.sizes(), t.strides(), t.options()).copy_(t);
+  EXPECT_EQ(perf::optim::detail::for_each_slice(whole, 0, run), 1u);
+
+  std::vector<int64_t> sizes;
+  std::vector<size_t> steps;
+  const size_t calls = perf::optim::detail::for_each_slice(b, 7, [&](const Bucket& s) {
+    int64_t n = 0;
+    for (const auto& t : s.params) n += t.numel();
+    sizes.push_back(n);
+    steps.push_back(s.steps.size());
+    EXPECT_EQ(s.grads.size(), s.params.size());
+    EXPECT_EQ(s.b.size(), s.params.size());
+    run(s);
+  });
+  // 7 | 3+4 | 7 | 7 | 6 + the non-dense 24 whole | the mismatched 6 whole.
+  EXPECT_EQ(calls, 6u);
+  EXPECT_EQ(sizes, (std::vector<int64_t>{7, 7, 7, 7, 30, 6}));
+  EXPECT_EQ(steps, (std::vector<size_t>{1, 2, 1, 1, 2, 1}));
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(b.params[i], whole.params[i])) << "entry " << i;
+    EXPECT_TRUE(torch::equal(b.a[i], whole.a[i])) << "entry " << i;
+    EXPECT_TRUE(torch::equal(b.b[i], whole.b[i])) << "entry " << i;
+  }
+  EXPECT_TRUE(b.params[1].is_contiguous(at::MemoryFormat::ChannelsLast));  // updated in place
+  // The CPU needs no split: its kernel has no launch geometry.
+  EXPECT_EQ(perf::optim::detail::elements_per_call(b), 0);
+}
+
+// On the GPU a flat bucket larger than one call (k x SMs chunks of 65536
+// elements, k = 320 / SMs: 17.3M on an H100) is updated in several fused calls,
+// one of its parameters cut across two: the same values as the fused
+// per-tensor path, bit for bit, and kernels() says how many calls ran.
+TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralExactly) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  const int64_t sms = at::cuda::getDeviceProperties(0)->multiProcessorCount;
+  const int64_t per_call = std::max<int64_t>(1, 320 / sms) * std::min<int64_t>(sms, 320) * 65536;
+  const std::vector<int64_t> sizes{per_call / 2 + 3, per_call, per_call / 2 + 100, 1000};  // 2 calls and a bit
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> flat_params, plain_params;
+  for (const auto n : sizes) {
+    const auto t = torch::randn({n}, cuda);
+    flat_params.push_back(t.clone().requires_grad_());
+    plain_params.push_back(t.clone().requires_grad_());
+  }
+  perf::optim::AdamW flat(flat_params, perf::optim::AdamWOptions(1e-3).weight_decay(0.01).flat(true));
+  perf::optim::AdamW plain(plain_params, perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const auto g = torch::randn({sizes[i]}, cuda);
+      flat_params[i].mutable_grad() = g.clone();
+      plain_params[i].mutable_grad() = g;
+    }
+    flat.step();
+    plain.step();
+  }
+  EXPECT_EQ(flat.kernels().back(), "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls");
+  EXPECT_EQ(plain.kernels().back(), "cuda:0 Float: fused");
+  for (size_t i = 0; i < sizes.size(); ++i)
+    EXPECT_TRUE(torch::equal(flat_params[i], plain_params[i])) << "parameter " << i;
+#endif
 }
 
 // The model moves to the GPU after the optimizer flattened it on the CPU: the

@@ -27,7 +27,9 @@ trainable parameter; --amp and --channels-last put the recipe inside the
 compiled graph. Parameter and buffer names, shapes, dtypes and strides are
 recorded in the metadata so C++ matches them to its module by name. The
 package is run once on the example batch and refused if its loss or a
-gradient differs from the eager step's (--no-verify keeps it anyway).
+gradient differs from the eager step's (--no-verify keeps it anyway); the
+refusal names the cause where Inductor's Python wrapper finds it
+(diagnose_compiled_step).
 
 From Python, call export_compiled(module, example_inputs, path, ...) or
 export_train(module, loss, example_batch, path, ...) directly.
@@ -336,12 +338,13 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
             torch.manual_seed(0)
             got = runner(*flat_state, scale, *batch)
         m = len(mutated)
+        want = (probe_outs[loss_at], [probe_outs[j] for j in grad_outputs], [names[i] for i in grads], amp)
         try:
-            check_compiled_step(got[m], list(got[m + 1:]), probe_outs[loss_at], [probe_outs[j] for j in grad_outputs],
-                                [names[i] for i in grads], amp)
-        except ValueError:
+            check_compiled_step(got[m], list(got[m + 1:]), *want)
+        except ValueError as err:
             os.remove(path)
-            raise
+            cause = diagnose_compiled_step(flat_program, flat_state + [scale] + batch, m, *want, configs=configs)
+            raise ValueError(f"{err} {cause}") from None
     return path
 
 
@@ -373,6 +376,44 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
                 f"{why}. The compiler produced a wrong program; the package was not kept. perf saw one on CUDA "
                 "with --channels-last (a bf16 CNN trained worse than eager): export without --channels-last there. "
                 "--no-verify (verify=False) keeps such a package anyway.")
+
+
+def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads, names, amp: str = "off", *,
+                           configs=None) -> str:
+    """Why a package failed check_compiled_step, in a sentence for its error: the same graph compiled once more by
+    Inductor's Python wrapper (torch.compile's), and run on the same inputs.
+
+    That wrapper checks after every fallback kernel (an ATen or custom op that Inductor calls instead of
+    generating code for it) that the output has the sizes and strides the compiler planned from the op's fake
+    (meta) kernel. AOTInductor's C++ wrapper does not (torch 2.11: ir.ExternKernel.codegen_size_asserts is skipped
+    for cpp_wrapper), so where a fake kernel predicts other strides than the real kernel returns, the package's
+    generated code reads that output in the wrong order: wrong numbers, no error."""
+    options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
+    try:
+        with torch._inductor.config.patch(size_asserts=True, **options):
+            compiled = torch._inductor.compile(program.module(), list(inputs))
+            with torch.no_grad():
+                torch.manual_seed(0)  # the draws of the package's run
+                out = list(compiled(*inputs))
+    except Exception as e:  # noqa: BLE001  (the refusal stands; the diagnosis is a courtesy)
+        text = str(e).strip()
+        if not (isinstance(e, AssertionError) and text.startswith("expected size")):
+            first = (text.splitlines() or [""])[0][:300]
+            return f"(Looking for the cause with Inductor's Python wrapper failed: {type(e).__name__}: {first})"
+        # assert_size_stride's message: "expected size ..., stride ... at dim=1; ...", then "Error in op: ..."
+        said = "; ".join(line.strip() for line in text.splitlines()[:2] if line.strip())
+        return ("Cause, from the same graph compiled by Inductor's Python wrapper, which checks each fallback kernel's "
+                f"output strides (AOTInductor's C++ wrapper does not): {said} (actual==planned). That kernel's fake "
+                "(meta) kernel predicts other strides than its real one returns; give its inputs one memory format, "
+                "or export without --channels-last.")
+    try:
+        check_compiled_step(out[mutated], out[mutated + 1:], want_loss, want_grads, names, amp)
+    except ValueError:
+        return ("The same graph compiled by Inductor's Python wrapper (which checks every fallback kernel's strides) "
+                "is wrong too, and no kernel's strides differ from the plan: the fault is in Inductor's generated code "
+                "for this graph.")
+    return ("The same graph compiled by Inductor's Python wrapper is right: the fault is in AOTInductor's C++ build of "
+            "it.")
 
 
 def load_factory(spec: str, what: str = "FACTORY"):

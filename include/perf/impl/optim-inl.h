@@ -130,6 +130,24 @@ PERF_INLINE bool use_fused(const std::optional<bool>& fused, const Bucket& b, co
   return fused.value_or(true) && available;
 }
 
+PERF_INLINE int64_t elements_per_call(const Bucket& b) {
+  if (!b.flat || !b.device.is_cuda()) return 0;
+#if PERF_WITH_CUDA
+  constexpr int64_t chunk = 65536, max_blocks = 320;  // ATen's multi_tensor_apply for the fused optimizers
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, b.device.index() < 0 ? 0 : b.device.index()) !=
+          cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();  // clear it: the bucket goes in one call, as ATen would
+    return 0;
+  }
+  const int64_t per_sm = std::max<int64_t>(1, max_blocks / sms);
+  return per_sm * std::min<int64_t>(sms, max_blocks) * chunk;
+#else
+  return 0;
+#endif
+}
+
 PERF_INLINE std::string kernel_line(const Bucket& b, bool fused) {
   std::string line = b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
   if (b.flat) {
@@ -709,8 +727,12 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
       const auto fi = effective_found_inf(detail::on_device(found_inf, b.device), b.device);
       if (fused) {
         if (b.device.is_cuda()) {
-          at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), lr_tensor(g, b.device, o.lr()),
-                          o.dampening(), o.nesterov(), o.maximize(), b.first, gs, fi);
+          const auto& lr = lr_tensor(g, b.device, o.lr());
+          const size_t calls = detail::for_each_slice(b, detail::elements_per_call(b), [&](const detail::Bucket& s) {
+            at::_fused_sgd_(s.params, s.grads, s.a, o.weight_decay(), o.momentum(), lr, o.dampening(), o.nesterov(),
+                            o.maximize(), s.first, gs, fi);
+          });
+          if (calls > 1) kernels_.back() += ", " + std::to_string(calls) + " calls";
         } else {
           at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
                           o.maximize(), b.first, gs, fi);
