@@ -849,8 +849,8 @@ TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
 // size: elements_per_call). The cutting itself, on the CPU: entries whose
 // tensors are dense with one layout are cut in memory order, the others go
 // whole, step counters go with their entries, and the update over the slices
-// is bit for bit the update in one call.
-TEST(OptimFlat, SlicesOfABucketUpdateExactlyAsOneCall) {
+// is the update in one call (to the last bit of the CPU kernel's rounding).
+TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
   using perf::optim::detail::Bucket;
   torch::manual_seed(3);
   const auto cl = [](at::Tensor t) { return t.contiguous(at::MemoryFormat::ChannelsLast); };
@@ -889,10 +889,15 @@ TEST(OptimFlat, SlicesOfABucketUpdateExactlyAsOneCall) {
   EXPECT_EQ(calls, 6u);
   EXPECT_EQ(sizes, (std::vector<int64_t>{7, 7, 7, 7, 30, 6}));
   EXPECT_EQ(steps, (std::vector<size_t>{1, 2, 1, 1, 2, 1}));
+  // Within 1 ulp, not bit for bit: ATen's CPU kernel runs a vector body and a
+  // scalar tail that round differently, so moving a cut moves which elements
+  // take which. (The CUDA kernel computes each element alike: the GPU test
+  // below asserts bit equality.) A slice updated twice, or not at all, is far off.
+  const auto near = [](const at::Tensor& x, const at::Tensor& y) { return torch::allclose(x, y, 2e-7, 0); };
   for (size_t i = 0; i < b.params.size(); ++i) {
-    EXPECT_TRUE(torch::equal(b.params[i], whole.params[i])) << "entry " << i;
-    EXPECT_TRUE(torch::equal(b.a[i], whole.a[i])) << "entry " << i;
-    EXPECT_TRUE(torch::equal(b.b[i], whole.b[i])) << "entry " << i;
+    EXPECT_TRUE(near(b.params[i], whole.params[i])) << "entry " << i;
+    EXPECT_TRUE(near(b.a[i], whole.a[i])) << "entry " << i;
+    EXPECT_TRUE(near(b.b[i], whole.b[i])) << "entry " << i;
   }
   EXPECT_TRUE(b.params[1].is_contiguous(at::MemoryFormat::ChannelsLast));  // updated in place
   // The CPU needs no split: its kernel has no launch geometry.

@@ -554,7 +554,9 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
       }
       for (auto& b : buckets) b.unique_steps = b.steps;
     }
-    const auto [beta1, beta2] = o.betas();
+    // Plain doubles, not a structured binding: clang < 16 cannot capture bindings in the lambda below.
+    const double beta1 = std::get<0>(o.betas());
+    const double beta2 = std::get<1>(o.betas());
     for (auto& b : buckets) {
       const bool fused = detail::use_fused(o.fused(), b, name);
       this->kernels_.push_back(detail::kernel_line(b, fused));
