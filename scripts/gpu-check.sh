@@ -147,6 +147,17 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
+    # The CUDA test packages, exported and checked against eager at build time: a refused one
+    # ends its log with the exporter's reason (and the kernel it blames), kept with the logs.
+    pk=$build/tests/packages/cuda
+    if [ -f "$pk/stamp" ]; then
+      sed 's/^/CUDA test packages: /' "$pk/stamp"
+      for f in "$pk"/*.log; do
+        [ -f "$f" ] || continue
+        cp "$f" "$logs/export-$(basename "$f")"
+        grep -q "FAILED.*$(basename "$f")" "$pk/stamp" && { echo "-- $(basename "$f"):"; tail -n 6 "$f"; }
+      done
+    fi
   } >"$logs/summary.txt"
   finish build $st "$t0"
   status=$((status | st))
