@@ -5,6 +5,8 @@
 // single-threaded, the mode CUDA graphs can capture). --json appends one line
 // per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
 // Python rows. scripts/bench-compiled.sh exports the packages and runs all of it.
+// A package exported for one batch size (no --dynamic-batch) is timed at that
+// batch only: the like of torch.compile, which specialises on the first shape.
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
@@ -50,7 +52,16 @@ int main(int argc, char** argv) {
   auto label_of = [](const perf::CompiledModel& c) {
     const auto& in = c.inputs().at(0);
     return std::string("package ") + (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
-           (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "");
+           (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "") +
+           (!in.sizes.empty() && in.sizes[0] >= 0 ? " (batch " + std::to_string(in.sizes[0]) + ")" : "");
+  };
+  // A package exported for one batch size (as torch.compile specialises on the first shape it sees)
+  // runs only there; a dynamic one over its range.
+  auto accepts = [](const perf::CompiledModel& c, int64_t batch) {
+    const auto& in = c.inputs().at(0);
+    if (in.sizes.empty()) return true;
+    if (in.sizes[0] >= 0) return in.sizes[0] == batch;
+    return batch >= in.min_batch && (in.max_batch == 0 || batch <= in.max_batch);
   };
   std::ofstream json_out;
   if (!json.empty()) json_out.open(json, std::ios::app);
@@ -75,6 +86,7 @@ int main(int argc, char** argv) {
     std::cout << tuned.choice();
     configs.emplace_back("perf::optimize(example)", [&] { tuned.infer(x); });
     for (auto& c : compiled) {
+      if (!accepts(*c, batch)) continue;
       configs.emplace_back(label_of(*c), [&c, &x, dtype = c->inputs().at(0).dtype] {
         c10::InferenceMode guard;
         (*c)(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
@@ -89,6 +101,7 @@ int main(int argc, char** argv) {
       // Each package opened single-threaded (the mode capture allows), its kernels replayed as one graph.
       for (const auto& c : compiled) {
         if (!package_graphs) break;
+        if (!accepts(*c, batch)) continue;
         perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
         const auto dtype = c->inputs().at(0).dtype;
         graphs.push_back(perf::graph(Fn([st, dtype](const torch::Tensor& in) mutable { return st(in.to(dtype)); }), x,

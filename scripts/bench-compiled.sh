@@ -19,15 +19,17 @@ python=${PERF_PYTHON:-${PERF_TORCH_PREFIX%/lib/python*}/bin/python}
 perf_configure build --log-level=ERROR >/dev/null
 cmake --build build --target bench_compiled >/dev/null
 mkdir -p bench-results
-# fp32, and bf16 + channels-last (perf's recipe, compiled): exported once, kept in bench-results/.
+# fp32, and bf16 + channels-last (perf's recipe, compiled), for batches 1 to 64; fp32 with static shapes
+# for batch 1 (as torch.compile specialises on the first shape it sees): exported once, kept in bench-results/.
 packages=()
-for variant in fp32 bf16_nhwc; do
+for variant in fp32 fp32_b1 bf16_nhwc; do
   pkg=bench-results/resnet_w${width}_i${image}_${device}_${variant}.pt2
-  extra=()
+  extra=() shape=(--input "8,3,$image,$image" --dynamic-batch "1:64")
   [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
+  [[ $variant == fp32_b1 ]] && shape=(--input "1,3,$image,$image" --dynamic-batch static)
   if [[ ! -f $pkg || bench/resnet.py -nt $pkg || tools/export_compiled.py -nt $pkg ]]; then
     "$python" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" --kwargs "{\"width\": $width}" \
-      --input "8,3,$image,$image" --dynamic-batch 1:64 --device "$device" "${extra[@]}"
+      "${shape[@]}" --device "$device" "${extra[@]}"
   fi
   packages+=(--package "$pkg")
 done
