@@ -338,16 +338,22 @@ if has bench; then
   # Python rows at batch 1); the others take batches 1 to 64.
   variants=(fp32 fp32_b1 bf16_nhwc); ((quick)) && variants=(fp32 fp32_b1)
   wanted compiled || variants=()
-  packages=()
+  # All at once: each export is mostly one compiler process, and the machine has cores to spare.
+  packages=() exports=()
   for variant in "${variants[@]}"; do
-    pkg=$work/resnet_cuda_$variant.pt2
     shape=(--input "8,3,64,64" --dynamic-batch "1:64")
     extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
     [[ $variant == fp32_b1 ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
-    within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" "${shape[@]}" \
-      --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 ||
-      { echo "   export $variant FAILED (see export_$variant.log)"; st=1; continue; }
-    packages+=(--package "$pkg")
+    within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$work/resnet_cuda_$variant.pt2" \
+      "${shape[@]}" --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 &
+    exports+=($!)
+  done
+  for i in "${!variants[@]}"; do
+    if wait "${exports[i]}"; then
+      packages+=(--package "$work/resnet_cuda_${variants[i]}.pt2")
+    else
+      echo "   export ${variants[i]} FAILED (see export_${variants[i]}.log)"; st=1
+    fi
   done
   # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
   compiled=$logs/compiled-cuda.jsonl
