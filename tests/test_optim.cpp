@@ -907,8 +907,8 @@ TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
 // On the GPU a flat bucket larger than one call (k x SMs chunks of 65536
 // elements, k = 320 / SMs: 17.3M on an H100) is updated in several fused calls,
 // one of its parameters cut across two: the same values as the fused
-// per-tensor path, bit for bit, and kernels() says how many calls ran.
-TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralExactly) {
+// per-tensor path, and kernels() says how many calls ran.
+TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralCalls) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
   const int64_t sms = at::cuda::getDeviceProperties(0)->multiProcessorCount;
@@ -916,9 +916,10 @@ TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralExactly) {
   const std::vector<int64_t> sizes{per_call / 2 + 3, per_call, per_call / 2 + 100, 1000};  // 2 calls and a bit
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   torch::manual_seed(11);
-  std::vector<torch::Tensor> flat_params, plain_params;
+  std::vector<torch::Tensor> flat_params, plain_params, start;
   for (const auto n : sizes) {
     const auto t = torch::randn({n}, cuda);
+    start.push_back(t);
     flat_params.push_back(t.clone().requires_grad_());
     plain_params.push_back(t.clone().requires_grad_());
   }
@@ -935,8 +936,12 @@ TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralExactly) {
   }
   EXPECT_EQ(flat.kernels().back(), "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls");
   EXPECT_EQ(plain.kernels().back(), "cuda:0 Float: fused");
-  for (size_t i = 0; i < sizes.size(); ++i)
-    EXPECT_TRUE(torch::equal(flat_params[i], plain_params[i])) << "parameter " << i;
+  // Within 1 ulp: the kernel's aligned (vector) and unaligned loops may round
+  // alike or not; a slice skipped or updated twice is off by about lr.
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(flat_params[i], plain_params[i], 2e-7, 0)) << "parameter " << i;
+    EXPECT_GT((flat_params[i] - start[i]).abs().min().item<float>(), 0.0f) << "parameter " << i << " was updated";
+  }
 #endif
 }
 
