@@ -40,7 +40,6 @@
 
 #if PERF_WITH_CUDA
 #include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <cuda_runtime_api.h>
 #endif
 
 #include <algorithm>

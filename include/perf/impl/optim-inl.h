@@ -5,6 +5,10 @@
 
 #include <perf/optim.h>
 
+#if PERF_WITH_CUDA
+#include <cuda_runtime_api.h>  // elements_per_call: the SM count
+#endif
+
 namespace perf::optim {
 
 namespace detail {
