@@ -889,11 +889,13 @@ TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
   EXPECT_EQ(calls, 6u);
   EXPECT_EQ(sizes, (std::vector<int64_t>{7, 7, 7, 7, 30, 6}));
   EXPECT_EQ(steps, (std::vector<size_t>{1, 2, 1, 1, 2, 1}));
-  // Within 1 ulp, not bit for bit: ATen's CPU kernel runs a vector body and a
-  // scalar tail that round differently, so moving a cut moves which elements
-  // take which. (The CUDA kernel computes each element alike: the GPU test
-  // below asserts bit equality.) A slice updated twice, or not at all, is far off.
-  const auto near = [](const at::Tensor& x, const at::Tensor& y) { return torch::allclose(x, y, 2e-7, 0); };
+  // Within the last bits, not bit for bit: ATen's CPU kernel runs a vector body
+  // and a scalar tail that round differently, so moving a cut moves which
+  // elements take which (and where depends on the CPU's vector width). An
+  // absolute floor for the elements near zero, where one rounding of the update
+  // is many ulps of the result; a slice updated twice, or not at all, is off by
+  // about lr (1e-2), four orders above it.
+  const auto near = [](const at::Tensor& x, const at::Tensor& y) { return torch::allclose(x, y, 2e-7, 1e-6); };
   for (size_t i = 0; i < b.params.size(); ++i) {
     EXPECT_TRUE(near(b.params[i], whole.params[i])) << "entry " << i;
     EXPECT_TRUE(near(b.a[i], whole.a[i])) << "entry " << i;
@@ -933,15 +935,23 @@ TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralCalls) {
     }
     flat.step();
     plain.step();
+    if (step == 0) {
+      // Adam's first update is lr * g / (|g| + eps), about 1e-3 for every
+      // element: a slice skipped leaves its elements where they were. (Not after
+      // three steps: over 35M elements, the updates of some cancel to within
+      // half an ulp and bring them back.)
+      for (size_t i = 0; i < sizes.size(); ++i)
+        EXPECT_EQ(flat_params[i].eq(start[i]).sum().item<int64_t>(), 0) << "parameter " << i << " was not updated";
+    }
   }
   EXPECT_EQ(flat.kernels().back(), "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls");
   EXPECT_EQ(plain.kernels().back(), "cuda:0 Float: fused");
-  // Within 1 ulp: the kernel's aligned (vector) and unaligned loops may round
-  // alike or not; a slice skipped or updated twice is off by about lr.
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(flat_params[i], plain_params[i], 2e-7, 0)) << "parameter " << i;
-    EXPECT_GT((flat_params[i] - start[i]).abs().min().item<float>(), 0.0f) << "parameter " << i << " was updated";
-  }
+  // Within 2 ulps of the largest parameters (|p| < 8: ulp 4.8e-7), whatever
+  // the kernel's aligned (vector) and unaligned loops round alike or not; a
+  // slice skipped or updated twice is off by about lr (1e-3). Absolute, as the
+  // elements that end near zero have ulps far below the update's rounding.
+  for (size_t i = 0; i < sizes.size(); ++i)
+    EXPECT_LE((flat_params[i] - plain_params[i]).abs().max().item<float>(), 1e-6f) << "parameter " << i;
 #endif
 }
 
