@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
     const auto& in = c.inputs().at(0);
     return std::string("package ") + (in.dtype == torch::kFloat ? "fp32" : c10::toString(in.dtype)) +
            (in.format == at::MemoryFormat::ChannelsLast ? " NHWC" : "") +
+           (c.metadata().count("perf.max_autotune") && c.metadata().at("perf.max_autotune") == "1" ? " max-autotune"
+                                                                                                   : "") +
            (!in.sizes.empty() && in.sizes[0] >= 0 ? " (batch " + std::to_string(in.sizes[0]) + ")" : "");
   };
   // A package exported for one batch size (as torch.compile specialises on the first shape it sees)

@@ -335,15 +335,17 @@ if has bench; then
   done
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
   # fp32_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
-  # Python rows at batch 1); the others take batches 1 to 64.
-  variants=(fp32 fp32_b1 bf16_nhwc); ((quick)) && variants=(fp32 fp32_b1)
+  # Python rows at batch 1); fp32_b1_autotune the same with --max-autotune, the like of Python's
+  # max-autotune row (left out with --quick, as that row is); the others take batches 1 to 64.
+  variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc); ((quick)) && variants=(fp32 fp32_b1)
   wanted compiled || variants=()
   # All at once: each export is mostly one compiler process, and the machine has cores to spare.
   packages=() exports=()
   for variant in "${variants[@]}"; do
     shape=(--input "8,3,64,64" --dynamic-batch "1:64")
     extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
-    [[ $variant == fp32_b1 ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
+    [[ $variant == fp32_b1* ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
+    [[ $variant == *_autotune ]] && extra=(--max-autotune)
     within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$work/resnet_cuda_$variant.pt2" \
       "${shape[@]}" --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 &
     exports+=($!)

@@ -217,6 +217,22 @@ TEST(Compiled, PrintsDeviceInputsAndOutputs) {
   EXPECT_EQ(two.metadata().at("AOTI_DEVICE_KEY"), "cpu");
 }
 
+// A package exported with --max-autotune (Inductor times its GEMM templates
+// against ATen's and keeps the faster) says so when printed, and computes what
+// eager Python does; one exported without it does not say so.
+TEST(Compiled, AutotunedPackageSaysSoAndMatchesEager) {
+  perf::CompiledModel tuned(package("mlp_autotuned.pt2"));
+  perf::CompiledModel plain(package("mlp.pt2"));
+  std::ostringstream a, b;
+  a << tuned;
+  b << plain;
+  EXPECT_NE(a.str().find(", max-autotune"), std::string::npos) << a.str();
+  EXPECT_EQ(b.str().find("max-autotune"), std::string::npos) << b.str();
+  EXPECT_NE(a.str().find("input 0: Float [5, 16]"), std::string::npos) << a.str();
+  const auto ref = reference("mlp", 5);
+  EXPECT_LE(max_diff(tuned(ref.in[0]), ref.out[0]), 1e-5);
+}
+
 // The README's route for a model that exists only in C++: its Python twin
 // (same parameter names) loads the C++ weights, written with torch::pickle_save,
 // and is exported from there. Checked end to end: C++ forward == twin forward.

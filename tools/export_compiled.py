@@ -124,7 +124,7 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
         program = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic_shapes)
         metadata = {"perf.inputs": str(len(inputs)), "perf.outputs": str(n_out),
                     "perf.torch": torch.__version__, "perf.tool": "export_compiled.py 2",
-                    "perf.kind": "inference"}
+                    "perf.kind": "inference", "perf.max_autotune": "1" if max_autotune else "0"}
         for i, t in enumerate(inputs):
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
         configs = {"freezing": freezing, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
@@ -320,7 +320,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     metadata = {"perf.kind": "train", "perf.inputs": str(len(batch)), "perf.torch": torch.__version__,
                 "perf.tool": "export_compiled.py 2", "perf.train.state": str(n_state),
                 "perf.train.mutated": csv(mutated), "perf.train.grads": csv(grads), "perf.train.amp": amp,
-                "perf.train.channels_last": "1" if channels_last else "0"}
+                "perf.train.channels_last": "1" if channels_last else "0",
+                "perf.max_autotune": "1" if max_autotune else "0"}
     params = dict(model.named_parameters(remove_duplicate=False))
     for i, n in enumerate(names):
         t = state[n]

@@ -285,6 +285,7 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& mod
   const auto& md = model.metadata();
   out << "perf::CompiledModel '" << model.path() << "' on " << model.device();
   if (md.count("perf.torch")) out << ", exported with torch " << md.at("perf.torch");
+  if (md.count("perf.max_autotune") && md.at("perf.max_autotune") == "1") out << ", max-autotune";
   if (model.device().is_cpu() && md.count("AOTI_CPU_ISA")) out << ", CPU ISA " << md.at("AOTI_CPU_ISA");
   if (model.device().is_cuda() && md.count("AOTI_COMPUTE_CAPABILITY"))
     out << ", compute capability " << md.at("AOTI_COMPUTE_CAPABILITY");
