@@ -12,6 +12,7 @@
 #   bash scripts/gpu-check.sh --part bench --quick     # the next (the build is reused)
 #   bash scripts/gpu-check.sh --part bench --quick --bench optim,compiled   # some benchmarks only
 #   bash scripts/gpu-check.sh --part e2e --quick [--jobs cnn,transformer]
+#   PERF_E2E_ARGS="--compiled-layout contiguous" bash scripts/gpu-check.sh --part e2e --quick --jobs cnn
 #
 # The build lives outside the source tree (PERF_GPU_BUILD, default
 # /tmp/perf-build-gpu), so consecutive calls on one machine reuse it. Each part
@@ -400,6 +401,9 @@ if has e2e; then
   st=0
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
+  # PERF_E2E_ARGS: more run.py arguments, e.g. "--compiled-layout contiguous".
+  read -ra more <<<"${PERF_E2E_ARGS:-}"
+  e2e_args+=("${more[@]}")
   # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).
   PYTHONUNBUFFERED=1 within_budget 20 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }

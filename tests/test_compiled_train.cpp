@@ -592,7 +592,10 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 // The exporter runs each training package once against the eager step and
 // refuses a wrong program (tools/export_compiled.py, check_compiled_step): a
 // gradient with its elements misplaced, as channels-last memory read as
-// contiguous, or a nan loss. bf16 rounding passes.
+// contiguous, or a nan loss. bf16 rounding passes. Where rounding alone goes
+// past the plain bound (a deep CNN under bf16 at initialisation: bench/e2e's),
+// the same step in float64 decides: a compiled gradient as far from it as the
+// eager one passes, a misplaced one is still refused.
 TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
   const std::string src = test_util::source_dir();
   const auto out = test_util::lines(test_util::python(
@@ -605,14 +608,19 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
       "w = torch.randn(16, 3, 3, 3)\n"
       "misplaced = w.contiguous(memory_format=torch.channels_last).as_strided(w.shape, w.stride()).clone()\n"
       "rounded = w.bfloat16().float()\n"
-      "cases = [(2.0, rounded), (2.0, misplaced), (float('nan'), w)]\n"
-      "for loss, g in cases:\n"
+      "noise = lambda seed: 0.3 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))\n"
+      "eager, compiled = w + noise(1), w + noise(2)\n"
+      "exact = (torch.tensor(2.0, dtype=torch.float64), [w.double()])\n"
+      "cases = [(2.0, rounded, w, None), (2.0, misplaced, w, None), (float('nan'), w, w, None),\n"
+      "         (2.0, compiled, eager, None), (2.0, compiled, eager, exact), (2.0, misplaced, eager, exact),\n"
+      "         (float('nan'), compiled, eager, exact)]\n"
+      "for loss, g, want, ref in cases:\n"
       "    try:\n"
-      "        e.check_compiled_step(torch.tensor(loss), [g], torch.tensor(2.0), [w], ['conv1.weight'], 'bf16')\n"
+      "        e.check_compiled_step(torch.tensor(loss), [g], torch.tensor(2.0), [want], ['conv1.weight'], 'bf16', ref)\n"
       "        print('accepted')\n"
       "    except ValueError as err:\n"
       "        print(err)\n"));
-  ASSERT_EQ(out.size(), 3u);
+  ASSERT_EQ(out.size(), 7u);
   EXPECT_EQ(out[0], "accepted");
   EXPECT_NE(out[1].find("the compiled training step is wrong: the gradient of conv1.weight differs from the eager "
                         "step's on the example batch: max |difference|"),
@@ -620,6 +628,12 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
       << out[1];
   EXPECT_NE(out[1].find("(allowed 0.1 of it)"), std::string::npos) << out[1];
   EXPECT_NE(out[2].find("the loss differs"), std::string::npos) << out[2];
+  // Noise of 0.3 (relative L2) on both sides: past the plain bound, within twice the eager step's distance.
+  EXPECT_NE(out[3].find("(allowed 0.1 of it)."), std::string::npos) << out[3];
+  EXPECT_EQ(out[4], "accepted");
+  EXPECT_NE(out[5].find("the gradient of conv1.weight differs"), std::string::npos) << out[5];
+  EXPECT_NE(out[5].find("against the step in float64, the compiled one is"), std::string::npos) << out[5];
+  EXPECT_NE(out[6].find("the loss differs"), std::string::npos) << out[6];
 }
 
 // A kernel that Inductor calls rather than generates (a fallback: ATen's
@@ -678,6 +692,8 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   EXPECT_NE(out[0].find("the compiled training step is wrong: the loss differs from the eager step's"),
             std::string::npos)
       << out[0];
+  // Past the plain bound, measured against the same step in float64 (precise_step), and still refused.
+  EXPECT_NE(out[0].find("against the step in float64, the compiled one is"), std::string::npos) << out[0];
   EXPECT_NE(out[0].find("checks each fallback kernel's output strides (AOTInductor's C++ wrapper does not): expected "
                         "size 4==4, stride 1==15 at dim=1"),
             std::string::npos)

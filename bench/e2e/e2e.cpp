@@ -12,6 +12,9 @@
 //                   loss and backward compiled by Inductor ahead of time (--package,
 //                   written by run.py with tools/export_compiled.py --train), each step eager.
 //   perf_compiled_graph  the same, the whole step captured as one CUDA graph (CUDA only).
+//                   The model's layout follows the package's: channels-last where it
+//                   was exported with --channels-last, else contiguous (run.py
+//                   --compiled-layout contiguous: Inductor picks the layouts inside).
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
@@ -79,6 +82,7 @@ struct Result {
   std::vector<double> windows, losses;
   double first_step_s = 0;
   std::string amp = "off";
+  std::string package_layout;  // perf_compiled*: the package's parameter layout
 };
 
 at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
@@ -148,7 +152,15 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
         a, device);
   }
   perf::setup();
-  auto fast = perf::optimize(model, perf::ModelOptions().device(device));
+  // A compiled step takes the parameters in the layout its package was exported for.
+  bool channels_last = true;
+  if (a.config == "perf_compiled" || a.config == "perf_compiled_graph") {
+    TORCH_CHECK(!a.package.empty(), "e2e: ", a.config, " needs --package (a package from export_compiled.py --train)");
+    const auto meta = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(a.package, "model");
+    const auto it = meta.find("perf.train.channels_last");
+    channels_last = it != meta.end() && it->second == "1";
+  }
+  auto fast = perf::optimize(model, perf::ModelOptions().device(device).channels_last(channels_last));
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.01));
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
       dataset, perf::loader_options(batch, perf::LoaderTuning().drop_last(true)));
@@ -169,14 +181,14 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
         },
         a, device);
   } else if (a.config == "perf_compiled" || a.config == "perf_compiled_graph") {
-    TORCH_CHECK(!a.package.empty(), "e2e: ", a.config, " needs --package (a package from export_compiled.py --train)");
     const bool graph = a.config == "perf_compiled_graph";
     TORCH_CHECK(!graph || device.is_cuda(), "e2e: perf_compiled_graph needs --device cuda (CUDA graphs)");
-    // The model is on the device and channels-last already (perf::optimize), as the package was exported.
+    // The model is on the device and in the package's layout already (perf::optimize, above).
     perf::CompiledTrainStep step(a.package, model, opt, perf::CompiledTrainOptions().graph(graph));
     r = train(
         epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device);
     r.amp = step.amp() == "off" ? "off" : step.amp();
+    r.package_layout = step.channels_last() ? "channels_last" : "contiguous";
     return r;
   } else {
     TORCH_CHECK(a.config == "perf_trainstep",
@@ -261,7 +273,9 @@ int main(int argc, char** argv) {
       << ", \"windows_samples_per_s\": " << json_list(r.windows) << ", \"losses\": " << json_list(r.losses)
       << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << s.at("batch") << ", \"warmup\": " << a.warmup
       << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
-      << "\", \"export_s\": " << a.export_s << "}\n";
+      << "\", \"export_s\": " << a.export_s;
+  if (!r.package_layout.empty()) out << ", \"package_layout\": \"" << r.package_layout << "\"";
+  out << "}\n";
   std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
             << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s\n";
   return 0;

@@ -31,6 +31,13 @@ LABELS = {
 }
 
 
+def label_of(r):
+    label = LABELS.get((r["lang"], r["config"]), f"{r['lang']} {r['config']}")
+    if r.get("package_layout") == "contiguous" and r["job"] == "cnn":  # run.py --compiled-layout contiguous
+        label += ", contiguous package"
+    return label
+
+
 def final_loss(r, last=3):
     tail = r["losses"][-last:]
     return sum(tail) / len(tail)
@@ -70,7 +77,7 @@ def main():
                "| --- | --- | --- | --- | --- | --- |"]
         names, ratios, colors, curves = [], [], [], []
         for r in rs:
-            label = LABELS.get((r["lang"], r["config"]), f"{r['lang']} {r['config']}")
+            label = label_of(r)
             ratio = r["samples_per_s"] / base["samples_per_s"]
             md.append(f"| {label} | {r['samples_per_s']:.1f} | {ratio:.2f}x | {r['first_step_s']:.2f} s | "
                       f"{final_loss(r):.4f} | {r['amp']} |")
@@ -100,7 +107,7 @@ def main():
         mixed = [r for r in rs if r["amp"] != "off"]
         if mixed:
             md += ["", "Final loss minus Python eager fp32's (bf16 autocast rounds differently): " + ", ".join(
-                f"{LABELS.get((r['lang'], r['config']), r['config'])} {final_loss(r) - ref_loss:+.4f}" for r in mixed)
+                f"{label_of(r)} {final_loss(r) - ref_loss:+.4f}" for r in mixed)
                 + "."]
         md.append("")
         charts.append((job, names, ratios, colors, curves))

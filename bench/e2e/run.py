@@ -38,14 +38,15 @@ def configs(device, quick, full):
     return order
 
 
-def training_package(job, size, device, amp, out):
+def training_package(job, size, device, amp, out, layout="channels-last"):
     """The job's training step compiled by tools/export_compiled.py --train with the recipe the C++ perf
-    configurations use (autocast as perf's default for the device, channels-last for the CNN), cached under
+    configurations use (autocast as perf's default for the device, channels-last for the CNN unless layout
+    is "contiguous": then Inductor picks the layouts inside the step), cached under
     $PERF_CACHE_DIR/e2e-packages by everything that shapes it. Returns (path, seconds the export took)."""
     sys.path.insert(0, TOOLS)
     from export_compiled import export_train  # noqa: E402
 
-    channels_last = job == "cnn"
+    channels_last = job == "cnn" and layout == "channels-last"
     h = hashlib.sha256(json.dumps([job, size, device, amp, channels_last, torch.__version__]).encode())
     for f in (os.path.join(HERE, "models.py"), os.path.join(HERE, "..", "resnet.py"),
               os.path.join(TOOLS, "export_compiled.py")):
@@ -79,6 +80,9 @@ def main():
     p.add_argument("--full", action="store_true", help="also torch.compile max-autotune on the CPU (slow to compile)")
     p.add_argument("--check", action="store_true",
                    help="only Python eager fp32 and C++ stock for a few steps; fail unless their losses agree")
+    p.add_argument("--compiled-layout", default="channels-last", choices=["channels-last", "contiguous"],
+                   help="the CNN's training package: channels-last compiled in (perf's recipe, the default), or "
+                        "contiguous parameters and inputs, Inductor choosing the layouts inside the step")
     p.add_argument("--out", default="bench-results/e2e")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     a = p.parse_args()
@@ -120,7 +124,7 @@ def main():
                 if config.startswith("perf_compiled"):
                     if package is None:
                         try:
-                            package = training_package(job, size, a.device, amp, a.out)
+                            package = training_package(job, size, a.device, amp, a.out, a.compiled_layout)
                         except Exception as e:  # noqa: BLE001  (reported; the job's other runs go on)
                             print(f"FAILED exporting the {job} training step: {type(e).__name__}: {e}",
                                   file=sys.stderr, flush=True)
