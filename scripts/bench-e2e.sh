@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end: Python PyTorch (eager, recipe, torch.compile) against C++ (stock
 # LibTorch, perf) on the same training jobs; table and charts into docs/.
-#   bash scripts/bench-e2e.sh [--quick] [--device cuda] [--jobs cnn,transformer,mlp] [--full]
-# --quick: CI-sized (about 10 minutes on a 2-core CPU). PERF_PYTHON: the Python
+#   bash scripts/bench-e2e.sh [--quick] [--device cuda] [--jobs cnn,transformer,mlp] [--full] [--repeat N]
+# --quick: CI-sized (about 10 minutes on a 2-core CPU). --repeat N: every configuration N times, in
+# rounds; the table gives the median run (a VM's speed varies by 10-15% between runs). PERF_PYTHON: the Python
 # (default: the venv that provides LibTorch; matplotlib is installed into it if missing).
 source "$(dirname "$0")/common.sh"
 python=${PERF_PYTHON:-${PERF_TORCH_PREFIX%/lib/python*}/bin/python}
