@@ -608,7 +608,8 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
       "w = torch.randn(16, 3, 3, 3)\n"
       "misplaced = w.contiguous(memory_format=torch.channels_last).as_strided(w.shape, w.stride()).clone()\n"
       "rounded = w.bfloat16().float()\n"
-      "noise = lambda seed: 0.3 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))\n"
+      "noise = lambda seed: 0.3 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, "
+      "generator=torch.Generator().manual_seed(seed))\n"
       "eager, compiled = w + noise(1), w + noise(2)\n"
       "exact = (torch.tensor(2.0, dtype=torch.float64), [w.double()])\n"
       "cases = [(2.0, rounded, w, None), (2.0, misplaced, w, None), (float('nan'), w, w, None),\n"
@@ -616,7 +617,8 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
       "         (float('nan'), compiled, eager, exact)]\n"
       "for loss, g, want, ref in cases:\n"
       "    try:\n"
-      "        e.check_compiled_step(torch.tensor(loss), [g], torch.tensor(2.0), [want], ['conv1.weight'], 'bf16', ref)\n"
+      "        e.check_compiled_step(torch.tensor(loss), [g], torch.tensor(2.0), [want], ['conv1.weight'], 'bf16', "
+      "ref)\n"
       "        print('accepted')\n"
       "    except ValueError as err:\n"
       "        print(err)\n"));
@@ -706,27 +708,29 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   EXPECT_NE(out[3].find("is wrong too, and no kernel's strides differ from the plan"), std::string::npos) << out[3];
 }
 
-// perf's recipe on the GPU as bench/e2e's CNN job runs it: bf16 autocast and
-// channels-last compiled in, perf's fused AdamW. Inductor may return a
-// channels-last convolution's weight gradient contiguous; the step lays each
-// gradient out like its parameter (the fused kernels require it: the e2e job
-// died in _fused_adamw_ on an H100 before), with and without the CUDA graph,
-// and the run tracks Python eager with the same recipe (on the CPU, 2% of the
-// loss: bf16 on two devices).
-TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+namespace {
+// The test CNN trained on the GPU by a CUDA package of its step (`name`,
+// exported with `args` by tests/compiled/make_cuda_packages.py) and perf's fused
+// AdamW, uncaptured and graphed, from the CPU reference's initial state and
+// batches. The step lays each gradient out like its parameter (the fused kernels
+// require it: bench/e2e's CNN job died in _fused_adamw_ on an H100 before).
+// Step 0's gradients within `grad_tol` of the reference's largest element (as
+// the exporter's plain bound), the first 10 losses within `loss_rtol` of the
+// reference's (Python eager on the CPU with the same recipe), graphed equal to
+// uncaptured, and the loss falls.
+void expect_cuda_cnn_tracks_eager(const std::string& name, const std::string& args, const std::string& reference,
+                                  bool channels_last, double grad_tol, double loss_rtol) {
   test_util::TempDir dir;
-  const std::string pkg = cuda_train_package("cnn_train_cl_cuda.pt2", "make_cnn",
-                                             "--input 8,3,32,32 --input 8:int64 --amp bf16 --channels-last", dir);
+  const std::string pkg = cuda_train_package(name, "make_cnn", "--input 8,3,32,32 --input 8:int64 " + args, dir);
   ASSERT_FALSE(pkg.empty());
-  Reference ref("cnn_train_cl_bf16");
+  Reference ref(reference);
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](bool graph) {
     Cnn cnn;
     load_state(cnn, ref.state("init"));
     cnn.to(cuda);
-    perf::to_channels_last(cnn);
+    if (channels_last) perf::to_channels_last(cnn);
     perf::optim::AdamW opt(cnn.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
     perf::CompiledTrainStep step(pkg, cnn, opt, perf::CompiledTrainOptions().graph(graph));
     std::vector<double> losses;
@@ -736,19 +740,22 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
         const auto want = ref.dict.at("grads").toList().get(i).toGenericDict();
         for (const auto& p : cnn.named_parameters()) {
           const auto& g = p.value().grad();
-          EXPECT_TRUE(g.defined()) << p.key();
+          EXPECT_TRUE(g.defined()) << name << " " << p.key();
           if (!g.defined()) continue;
           EXPECT_TRUE(perf::detail::same_layout(g.sizes(), g.strides(), p.value().strides()))
-              << p.key() << ": gradient strides " << g.strides() << ", parameter strides " << p.value().strides();
-          if (i == 0) {  // bf16 on two devices: 10% of the largest element, as the exporter's check
+              << name << " " << p.key() << ": gradient strides " << g.strides() << ", parameter strides "
+              << p.value().strides();
+          if (i == 0) {
             const auto w = want.at(p.key()).toTensor().to(g.device(), at::kDouble);
-            EXPECT_LE(max_diff(g, w), 0.1 * w.abs().max().item<double>()) << p.key() << " at step 0";
+            EXPECT_LE(max_diff(g, w), grad_tol * w.abs().max().item<double>())
+                << name << " " << p.key() << " at step 0";
           }
         }
       }
     }
     EXPECT_EQ(opt.kernels().at(0).rfind("cuda:0 Float: fused", 0), 0u) << opt.kernels().at(0);
-    EXPECT_TRUE(cnn.conv1->weight.is_contiguous(at::MemoryFormat::ChannelsLast));
+    EXPECT_EQ(cnn.conv1->weight.is_contiguous(at::MemoryFormat::ChannelsLast) && !cnn.conv1->weight.is_contiguous(),
+              channels_last);
     if (graph) {
       EXPECT_TRUE(step.graphed());
       EXPECT_EQ(step.eager_steps(), 0);
@@ -758,12 +765,52 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
   const auto uncaptured = train(false), graphed = train(true);
   const auto want = ref.tensor("losses");
   for (size_t i = 0; i < 10; ++i) {
-    EXPECT_NEAR(uncaptured[i], want[static_cast<int64_t>(i)].item<double>(), 0.02 * std::abs(uncaptured[i]))
-        << "step " << i;
+    EXPECT_NEAR(uncaptured[i], want[static_cast<int64_t>(i)].item<double>(), loss_rtol * std::abs(uncaptured[i]))
+        << name << " step " << i;
   }
   for (size_t i = 0; i < graphed.size(); ++i)
-    EXPECT_NEAR(graphed[i], uncaptured[i], 1e-3 * std::abs(uncaptured[i])) << "step " << i << ": the same kernels";
-  EXPECT_LT(uncaptured.back(), uncaptured.front() * 0.8) << "the compiled bf16 step must train";
+    EXPECT_NEAR(graphed[i], uncaptured[i], 1e-3 * std::abs(uncaptured[i]))
+        << name << " step " << i << ": the same kernels";
+  EXPECT_LT(uncaptured.back(), uncaptured.front() * 0.8) << name << ": the compiled step must train";
+}
+}  // namespace
+#endif
+
+// perf's recipe on the GPU as bench/e2e's CNN job runs it: bf16 autocast and
+// channels-last compiled in. Bounds: bf16 on two devices, 10% of the largest
+// gradient element at step 0 and 2% of the loss (on the H100 this failed:
+// step 1's loss 2.384 against 2.334, an open bug; the two tests below isolate it).
+TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  expect_cuda_cnn_tracks_eager("cnn_train_cl_cuda.pt2", "--amp bf16 --channels-last", "cnn_train_cl_bf16", true, 0.1,
+                               0.02);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
+// The route the README gives around that bug: bf16 compiled in, parameters and
+// images contiguous (Inductor picks the layouts inside the step). The same
+// reference: the layout changes only the order of the sums.
+TEST(CompiledTrain, OnGpuContiguousBf16CnnTrainsWithFusedAdamW) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  expect_cuda_cnn_tracks_eager("cnn_train_bf16_cuda.pt2", "--amp bf16", "cnn_train_cl_bf16", false, 0.1, 0.02);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
+// Channels-last without autocast, against fp32 eager on the CPU: with the two
+// tests above, says whether the bug is channels-last's or bf16's. fp32 without
+// TF32 on two devices: 1% of the largest gradient element, 0.5% of the loss
+// over the first 10 steps (the bug was 2% at step 1).
+TEST(CompiledTrain, OnGpuChannelsLastFp32CnnTrainsWithFusedAdamW) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  expect_cuda_cnn_tracks_eager("cnn_train_cl_fp32_cuda.pt2", "--channels-last", "cnn_train", true, 0.01, 0.005);
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif

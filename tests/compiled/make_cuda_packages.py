@@ -9,6 +9,8 @@ exported here, beside the compilation, the tests find them in OUT:
     OUT/mlp_cuda.pt2          the MLP for inference, batch 1..64
     OUT/mlp_train_cuda.pt2    the MLP's training step, batch 8
     OUT/cnn_train_cl_cuda.pt2 the CNN's training step, bf16 autocast and channels-last, batch 8
+    OUT/cnn_train_bf16_cuda.pt2     the same without channels-last
+    OUT/cnn_train_cl_fp32_cuda.pt2  the same with channels-last, without autocast
     OUT/<name>.log            each export's output
     OUT/stamp                 what was done
 
@@ -34,6 +36,10 @@ EXPORTS = {
     "cnn_train_cl_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
                               "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp", "bf16",
                               "--channels-last"],
+    "cnn_train_bf16_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
+                                "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp", "bf16"],
+    "cnn_train_cl_fp32_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
+                                   "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--channels-last"],
 }
 
 
