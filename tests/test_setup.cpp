@@ -3,6 +3,7 @@
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 #include <perf/environment.h>
+#include <perf/memory.h>
 #include <perf/setup.h>
 
 #include <array>
@@ -504,8 +505,8 @@ TEST(Setup, ReportPrintsAnAlignedTable) {
   EXPECT_EQ(n, r.rows.size());
   // tf32, matmul_precision, cudnn_benchmark, deterministic, cublas_workspace_config,
   // fp16/bf16 reduction, num_threads, num_interop_threads, flush_denormal,
-  // sync_debug, memory_fraction, allocator, four sdpa backends.
-  EXPECT_EQ(n, 17u);
+  // sync_debug, memory_fraction, allocator, four sdpa backends, cpu_malloc_cache.
+  EXPECT_EQ(n, 18u);
   PERF_EXPECT_THROW_MSG(r.at("no_such_setting"), "no row named");
 }
 
@@ -611,4 +612,120 @@ TEST(Environment, CpuBf16FeaturesMatchTheKernel) {
   EXPECT_EQ(c.amx_bf16, flags_line.find(" amx_bf16 ") != std::string::npos) << flags_line;
   EXPECT_EQ(perf::setup().cpu_autocast, c.autocast_choice());
   EXPECT_EQ(c.autocast_choice().rfind(c.native() ? "bf16: " : "off (fp32): ", 0), 0u);
+}
+
+namespace {
+
+int64_t rss_mib() { return *perf::memory_stats().rss >> 20; }
+
+// One "step" of CPU tensors: 8 blocks of 8 MiB allocated, written, freed.
+// Returns how much the process's RSS rose while they were alive (MiB).
+int64_t malloc_round() {
+  const int64_t before = rss_mib();
+  std::vector<at::Tensor> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(at::ones({2 << 20}));
+  return rss_mib() - before;
+}
+
+// A 30 MiB tensor, written and freed: how much of it went back to the kernel (MiB).
+int64_t freed_block_returned() {
+  auto t = at::ones({30 << 18});
+  const int64_t alive = rss_mib();
+  t = at::Tensor();
+  return alive - rss_mib();
+}
+
+// In a fresh process (a death-test child), as glibc starts: a block that large
+// is its own mapping, unmapped when freed.
+void glibc_defaults_return_freed_blocks() {
+  EXPECT_GE(freed_block_returned(), 24) << "MiB of a freed 30 MiB block given back with glibc's defaults";
+}
+
+// In a fresh process, after perf::setup(): freed blocks stay for the next
+// step, which reuses them; cpu_malloc_cache(false) gives back what was kept.
+void the_cache_keeps_freed_blocks() {
+  const auto on = perf::setup();
+  const auto& row = on.at("cpu_malloc_cache");
+  EXPECT_EQ(row.requested, "true");
+  EXPECT_EQ(row.read_back, "true");
+  EXPECT_EQ(row.status, perf::Status::applied) << row.reason;
+  EXPECT_LE(freed_block_returned(), 4) << "MiB of a freed 30 MiB block given back with the cache on";
+  for (int i = 0; i < 12; ++i) malloc_round();  // the heap's layout settles
+  int64_t grown = 0;
+  for (int i = 0; i < 4; ++i) grown += malloc_round();
+  EXPECT_LE(grown, 16) << "MiB newly faulted in over 4 settled rounds of 64 MiB with the cache on";
+  const int64_t kept = rss_mib();
+  const auto report = perf::setup(perf::Settings().cpu_malloc_cache(false));
+  const auto& off = report.at("cpu_malloc_cache");
+  EXPECT_EQ(off.status, perf::Status::applied);
+  EXPECT_EQ(off.read_back, "false");
+  EXPECT_NE(off.reason.find("initial thresholds back"), std::string::npos) << off.reason;
+  EXPECT_GE(kept - rss_mib(), 32) << "MiB given back by cpu_malloc_cache(false) of the 64+ MiB kept";
+}
+
+}  // namespace
+
+TEST(Setup, CpuMallocCacheKeepsFreedMemoryForTheNextStep) {
+  const KeepSettings keep;
+  const auto unavailable = perf::detail::malloc_cache_unavailable();
+  if (!unavailable.empty()) {  // the sanitizer builds: reported, never silent, and nothing is done
+    const auto r = perf::setup();
+    EXPECT_EQ(r.at("cpu_malloc_cache").status, perf::Status::skipped);
+    EXPECT_EQ(r.at("cpu_malloc_cache").reason, unavailable);
+    EXPECT_EQ(r.at("cpu_malloc_cache").read_back, "n/a");
+    GTEST_SKIP() << "skipped: " << unavailable << " (its report row was checked)";
+  }
+  if (!perf::memory_stats().rss) GTEST_SKIP() << "skipped: no RSS reading on this system (/proc/self/statm)";
+  if (!perf::detail::malloc_tuned_by_environment().empty())
+    GTEST_SKIP() << "skipped: " << perf::detail::malloc_tuned_by_environment() << " tunes malloc in this environment";
+  // Each in a new process (threadsafe death tests re-execute the binary): glibc's
+  // thresholds are process-wide and one-way.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(exit_with_failures_of(glibc_defaults_return_freed_blocks), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(exit_with_failures_of(the_cache_keeps_freed_blocks), ::testing::ExitedWithCode(0), "");
+}
+
+TEST(Setup, CpuMallocCacheIsOneWayAndDefersToTheEnvironment) {
+  const KeepSettings keep;
+  // Explicitly asked, ScopedSettings refuses it before applying anything; left
+  // unset, ScopedSettings leaves it as it is.
+  const auto before = flags();
+  PERF_EXPECT_THROW_MSG(perf::ScopedSettings(perf::Settings().num_threads(1).cpu_malloc_cache(true)),
+                        "cpu_malloc_cache changes how glibc's malloc keeps memory");
+  EXPECT_EQ(flags(), before);
+  {
+    perf::ScopedSettings guard(perf::Settings().num_threads(1));
+    EXPECT_EQ(guard.report().at("cpu_malloc_cache").requested, "-");
+    EXPECT_EQ(flags().at("cpu_malloc_cache"), before.at("cpu_malloc_cache"));
+  }
+  if (!perf::detail::malloc_cache_unavailable().empty())
+    GTEST_SKIP() << "skipped: " << perf::detail::malloc_cache_unavailable() << " (the rest needs glibc's malloc)";
+  // malloc tuned by the environment: the default yields (the program's own
+  // choice), an explicit request does not.
+  for (const char* var : {"MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"}) {
+    test_util::ScopedEnv env(var, "1048576");
+    const auto r = perf::setup();
+    EXPECT_EQ(r.at("cpu_malloc_cache").status, perf::Status::skipped);
+    EXPECT_EQ(r.at("cpu_malloc_cache").reason,
+              std::string(var) + " tunes malloc already (cpu_malloc_cache(true) overrides it)");
+    EXPECT_NE(perf::setup(perf::Settings().cpu_malloc_cache(true)).at("cpu_malloc_cache").status,
+              perf::Status::skipped);
+  }
+  {
+    test_util::ScopedEnv env("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1048576");
+    EXPECT_EQ(perf::setup().at("cpu_malloc_cache").reason,
+              "GLIBC_TUNABLES tunes malloc already (cpu_malloc_cache(true) overrides it)");
+  }
+  {
+    test_util::ScopedEnv env("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0");  // not a threshold
+    EXPECT_NE(perf::setup().at("cpu_malloc_cache").status, perf::Status::skipped);
+  }
+  // Another allocator preloaded: glibc's thresholds would change nothing, asked or not.
+  test_util::ScopedEnv preload("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2");
+  for (const auto& s : {perf::Settings(), perf::Settings().cpu_malloc_cache(true)}) {
+    const auto r = perf::setup(s);
+    EXPECT_EQ(r.at("cpu_malloc_cache").status, perf::Status::skipped);
+    EXPECT_EQ(r.at("cpu_malloc_cache").reason, "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 replaces malloc");
+    EXPECT_EQ(r.at("cpu_malloc_cache").read_back, "n/a");
+  }
 }

@@ -27,6 +27,11 @@ sys.path.insert(0, HERE)
 import models  # noqa: E402
 
 
+# glibc malloc keeping freed blocks of up to 32 MiB and never trimming its heap: what perf::setup()'s
+# cpu_malloc_cache does with mallopt(), for Python's recipe rows (the tuning guides' jemalloc/tcmalloc advice).
+MALLOC_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 62)}
+
+
 def configs(device, quick, full):
     cuda = device.startswith("cuda")
     order = [("python", "eager_fp32"), ("cpp", "stock"), ("python", "eager_recipe"), ("cpp", "perf"),
@@ -147,11 +152,16 @@ def main():
                         failed.append(f"{lang} {job} {config} (no package)")
                         continue
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
+            env = None
+            if lang == "python" and config != "eager_fp32":
+                # The recipe's CPU allocator part, as perf::setup() applies it (cpu_malloc_cache): Python
+                # can only have it from the environment, which glibc reads at start-up.
+                env = dict(os.environ, **MALLOC_CACHE)
             t0 = time.time()
             # A run that fails is reported and the others go on (a crash in one configuration, say a CUDA
             # graph capture, must not hide the rest of a GPU session's table); the exit status says it.
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
             except subprocess.TimeoutExpired:
                 print(f"FAILED {lang} {job} {config}: timed out after {a.timeout} s (--timeout)", file=sys.stderr,
                       flush=True)

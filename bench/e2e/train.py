@@ -3,7 +3,9 @@ one JSON line to --out. bench/e2e/run.py calls it; e2e.cpp is the C++ side.
 
 Configurations: eager_fp32 (PyTorch defaults); eager_recipe (the seeds' recipe:
 TF32 + cuDNN benchmark, bf16 autocast where the C++ side uses it, channels-last
-for the CNN, fused AdamW, pinned multi-worker DataLoader on CUDA); compile_recipe
+for the CNN, fused AdamW, pinned multi-worker DataLoader on CUDA; run.py starts
+the recipe runs with glibc malloc's cache settings in the environment, what
+perf::setup()'s cpu_malloc_cache sets from C++); compile_recipe
 (the recipe + torch.compile(model)); compile_max_autotune and
 compile_reduce_overhead (the recipe + those torch.compile modes)."""
 import argparse

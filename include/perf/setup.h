@@ -36,6 +36,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
@@ -95,6 +96,15 @@ struct Settings {
   TORCH_ARG(std::optional<int>, num_interop_threads);
   /// Flush denormals to zero on the CPU (FTZ/DAZ). Affects the calling thread.
   TORCH_ARG(std::optional<bool>, flush_denormal);
+  /// Keep freed CPU memory in the process for the next allocation (glibc's
+  /// malloc: blocks up to 32 MiB from the heap instead of fresh mmap pages, and
+  /// the heap never trimmed), so a step's tensors stop faulting in zeroed pages
+  /// every step: the C++ form of the CPU tuning guide's "use jemalloc or
+  /// tcmalloc". RSS then keeps its peak. Unset: on in setup() unless the
+  /// environment tunes malloc already (MALLOC_*_, GLIBC_TUNABLES, an
+  /// LD_PRELOAD'd allocator); untouched by ScopedSettings. false puts glibc's
+  /// initial thresholds back. Process-wide and one-way (glibc has no getter).
+  TORCH_ARG(std::optional<bool>, cpu_malloc_cache);
 };
 
 /// Outcome of one setting.
@@ -135,8 +145,9 @@ std::ostream& operator<<(std::ostream& os, const Report& r);
 Report setup(const Settings& settings = Settings());
 
 /// Applies settings on construction and restores every value it may touch,
-/// exactly, on destruction. num_interop_threads and allocator are process-wide
-/// one-way settings and are rejected here; use setup() for them.
+/// exactly, on destruction. num_interop_threads, allocator and cpu_malloc_cache
+/// are process-wide one-way settings and are rejected here (cpu_malloc_cache's
+/// default is left alone); use setup() for them.
 class ScopedSettings {
  public:
   explicit ScopedSettings(const Settings& settings = Settings());
@@ -188,6 +199,12 @@ PERF_INLINE void set_reduction(bool fp16, at::CuBLASReductionOption o);
 
 PERF_INLINE std::string number(double v);
 
+// glibc malloc's mmap and trim thresholds (cpu_malloc_cache). Why it cannot
+// apply in this build or process ("" if it can), and whether perf turned it on.
+PERF_INLINE std::string malloc_cache_unavailable();
+PERF_INLINE std::string malloc_tuned_by_environment();
+PERF_INLINE std::atomic<bool>& malloc_cache_on();
+
 // What one setup() call works with: the settings and the machine as it is now.
 struct Plan {
   const Settings& s;
@@ -195,6 +212,7 @@ struct Plan {
   int device = -1;    // memory_fraction's device; the current device by default
   int cc = 0;         // its compute capability (major*10+minor)
   bool det_before = false;
+  bool scoped = false;  // for ScopedSettings: the one-way defaults stay untouched
   bool determinism() const { return s.deterministic().value_or(det_before); }
 };
 
