@@ -76,6 +76,7 @@ struct Args {
   double export_s = 0;
   std::map<std::string, int64_t> size;
   int warmup = 3, steps = 20, window = 5, threads = 0;
+  bool cpu_malloc_cache = true;  // perf configurations: perf::Settings::cpu_malloc_cache (run.py --malloc-ab)
 };
 
 struct Result {
@@ -151,7 +152,9 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
         },
         a, device);
   }
-  perf::setup();
+  perf::Settings settings;  // perf's defaults; run.py --malloc-ab turns the malloc cache off for its A/B
+  if (!a.cpu_malloc_cache) settings.cpu_malloc_cache(false);
+  perf::setup(settings);
   // A compiled step takes the parameters in the layout its package was exported for.
   bool channels_last = true;
   if (a.config == "perf_compiled" || a.config == "perf_compiled_graph") {
@@ -240,6 +243,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", a.steps);
   app.add_option("--window", a.window);
   app.add_option("--threads", a.threads);
+  app.add_option("--cpu-malloc-cache", a.cpu_malloc_cache, "perf configurations: perf::setup()'s cpu_malloc_cache");
   app.add_option("--out", a.out);
   CLI11_PARSE(app, argc, argv);
   const c10::Device device(a.device);

@@ -90,6 +90,9 @@ def main():
                         "contiguous parameters and inputs, Inductor choosing the layouts inside the step")
     p.add_argument("--out", default="bench-results/e2e")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    p.add_argument("--malloc-ab", action="store_true",
+                   help="only C++ perf and perf_compiled, each with perf::setup()'s cpu_malloc_cache on and off, "
+                        "alternating (--repeat rounds); writes <out>/malloc-ab.md")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
@@ -111,6 +114,10 @@ def main():
     else:
         warmup, steps, window = 5, 40, 5
     runs = [("python", "eager_fp32"), ("cpp", "stock")] if a.check else configs(a.device, a.quick, a.full)
+    runs = [(lang, config, None) for lang, config in runs]
+    if a.malloc_ab:
+        runs = [("cpp", config, cache) for config in ("perf", "perf_compiled") for cache in (False, True)]
+    ab = {}  # (job, config, cache) -> samples/s of each run
     started = time.time()
     failed = []
     for job in a.jobs.split(","):
@@ -125,7 +132,7 @@ def main():
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
         package = None
-        for lang, config in [run for _ in range(a.repeat) for run in runs]:
+        for lang, config, cache in [run for _ in range(a.repeat) for run in runs]:
             if lang == "python":
                 cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
                        "--amp", amp] + common
@@ -152,6 +159,8 @@ def main():
                         failed.append(f"{lang} {job} {config} (no package)")
                         continue
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
+                if cache is not None:
+                    cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
             env = None
             if lang == "python" and config != "eager_fp32":
                 # The recipe's CPU allocator part, as perf::setup() applies it (cpu_malloc_cache): Python
@@ -174,10 +183,14 @@ def main():
                 failed.append(f"{lang} {job} {config}")
                 continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
+            if cache is not None:
+                ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
     print(f"all runs: {time.time() - started:.0f} s")
     if failed:
         print(f"FAILED {len(failed)} of the runs: {', '.join(failed)}", file=sys.stderr)
         return 1
+    if a.malloc_ab:
+        return write_malloc_ab(ab, a, info)
     rows = [json.loads(l) for l in open(results)]
     if a.check:
         worst = 0.0
@@ -191,6 +204,35 @@ def main():
             print("the twins disagree: the jobs are not the same job", file=sys.stderr)
             return 1
         return 0
+    return 0
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def write_malloc_ab(ab, a, info):
+    """The --malloc-ab table: median samples/s with perf::setup()'s cpu_malloc_cache off (glibc's defaults)
+    and on, and their ratio, per job and C++ configuration."""
+    import statistics
+
+    lines = [f"# perf::setup()'s cpu_malloc_cache, A/B on bench/e2e ({a.device}, {a.repeat} rounds, alternating)",
+             "", f"{cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}; C++ perf's {info.strip()}; "
+             "median samples/s of the rounds.", "",
+             "| job | configuration | cache off (glibc defaults) | cache on | on / off |", "| --- | --- | --- | --- | --- |"]
+    for (job, config, cache), runs in ab.items():
+        if cache or (job, config, True) not in ab:
+            continue
+        off, on = statistics.median(runs), statistics.median(ab[(job, config, True)])
+        lines.append(f"| {job} | {config} | {off:.1f} | {on:.1f} | {on / off:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(a.out, "malloc-ab.md"), "w") as f:
+        f.write(text)
     return 0
 
 
