@@ -628,9 +628,9 @@ PERF_INLINE const std::vector<Entry>& entries() {
 
       // glibc returns a freed block of 128 KiB or more to the kernel (munmap,
       // or a heap trim), so every training step faults in zeroed pages for its
-      // tensors again: 1.19x (eager) and 1.32x (compiled) on bench/e2e's CPU
-      // CNN step with them kept. glibc's largest mmap threshold is HEAP_MAX_SIZE
-      // / 2 (32 MiB on 64-bit: halved until accepted elsewhere).
+      // tensors again: kept, bench/e2e's CPU CNN step ran 1.36x faster compiled
+      // and 1.03x eager (docs/benchmarks.md). glibc's largest mmap threshold is
+      // HEAP_MAX_SIZE / 2 (32 MiB on 64-bit: halved until accepted elsewhere).
       {"cpu_malloc_cache", false,
        "cpu_malloc_cache changes how glibc's malloc keeps memory for the rest of the process and cannot be "
        "restored; set it with perf::setup()",
@@ -660,8 +660,9 @@ PERF_INLINE const std::vector<Entry>& entries() {
            mallopt(M_MMAP_THRESHOLD, 128 * 1024);
            mallopt(M_TRIM_THRESHOLD, 128 * 1024);
            malloc_trim(0);  // what the cache holds goes back to the kernel now
-           note = "glibc's initial thresholds back (fixed: its dynamic mmap threshold does not return); the memory "
-                  "kept so far returned";
+           note =
+               "glibc's initial thresholds back (fixed: its dynamic mmap threshold does not return); the memory "
+               "kept so far returned";
          }
          malloc_cache_on() = on;
 #endif
