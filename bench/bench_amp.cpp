@@ -1,12 +1,14 @@
 // Training step of a ResNet-style CNN: stock fp32 NCHW vs perf's channels-last +
 // autocast (bf16; on CUDA also fp16 with perf::GradScaler), measured
-// alternately in one run with perf::compare. Also activation checkpointing's
-// effect on peak memory.
+// alternately in one run with perf::compare. On the CPU, attention under
+// autocast (bf16, fp32 inside, perf's per-shape pick). Also activation
+// checkpointing's effect on peak memory.
 #include <malloc.h>
 #include <perf/perf.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <array>
 #include <iomanip>
 #include <iostream>
 
@@ -70,6 +72,36 @@ int main(int argc, char** argv) {
     std::cout << perf::compare("fp32 NCHW (stock)", stock_step, "fp16 + CL + GradScaler",
                                amp_step_for(torch::kHalf, true), opts)
               << "\n";
+  }
+
+  // Attention under CPU autocast: LibTorch's bf16 policy, fp32 inside, and perf's
+  // default (the faster of the two, measured once per shape), forward + backward.
+  if (device.is_cpu()) {
+    const std::vector<std::array<int64_t, 4>> shapes = {{16, 4, 64, 32}, {4, 8, 512, 64}};
+    for (const auto& [b, h, t, d] : shapes) {
+      auto q = torch::randn({b, h, t, d}, torch::requires_grad()), k = torch::randn({b, h, t, d}, torch::requires_grad()),
+           v = torch::randn({b, h, t, d}, torch::requires_grad());
+      auto step_in = [&](const std::string& mode) {
+        return [&, mode] {
+          perf::Autocast::set_cpu_attention(mode);
+          perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+          at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true).sum().backward();
+        };
+      };
+      std::cout << "causal scaled_dot_product_attention, forward + backward, batch " << b << ", " << h << " heads, "
+                << t << " tokens, head size " << d << ", under perf::Autocast(kCPU, kBFloat16)\n"
+                << perf::Stats::header() << "\n";
+      const auto stats = perf::compare({{"bf16 (LibTorch's autocast)", step_in("autocast")},
+                                        {"fp32 inside", step_in("float32")},
+                                        {"perf default (fastest)", step_in("fastest")}},
+                                       perf::BenchOptions().warmup(warmup).iters(iters * 2).items_per_call(b * h));
+      for (const auto& st : stats) std::cout << st << "\n";
+      std::cout << std::fixed << std::setprecision(2) << "perf default vs LibTorch's autocast: "
+                << stats[0].median_ms / stats[2].median_ms << "x\n\n";
+    }
+    perf::Autocast::set_cpu_attention("fastest");
+    for (const auto& line : perf::Autocast::cpu_attention_choices()) std::cout << "  measured: " << line << "\n";
+    std::cout << "\n";
   }
 
   // Activation checkpointing: peak memory of one training step of 8 wide layers.

@@ -94,6 +94,155 @@ TEST(Autocast, RejectsWhatItCannotDo) {
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "nothing half-applied";
 }
 
+namespace {
+// Sets perf::Autocast's CPU attention mode for a scope.
+struct ScopedCpuAttention {
+  explicit ScopedCpuAttention(const std::string& mode) : prev(perf::Autocast::cpu_attention()) {
+    perf::Autocast::set_cpu_attention(mode);
+  }
+  ~ScopedCpuAttention() { perf::Autocast::set_cpu_attention(prev); }
+  std::string prev;
+};
+
+// q, k, v as a transformer block makes them: views of one qkv projection
+// (bench/e2e's transformer: batch 16, 4 heads, 64 tokens, head size 32).
+std::vector<torch::Tensor> attention_inputs(int64_t tokens = 64) {
+  auto qkv = torch::randn({16, tokens, 3, 4, 32}).permute({2, 0, 3, 1, 4});
+  return {qkv[0].detach().requires_grad_(), qkv[1].detach().requires_grad_(), qkv[2].detach().requires_grad_()};
+}
+
+bool same(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && torch::equal(a, b);
+}
+}  // namespace
+
+// Training under perf::Autocast on the CPU: scaled_dot_product_attention runs
+// in whichever of fp32 and bf16 measured faster for its shape (LibTorch's bf16
+// backward is several times slower at short sequences), measured once per
+// shape on scratch inputs without touching the user's RNG; the output keeps
+// autocast's dtype, and inference keeps LibTorch's policy.
+TEST(Autocast, CpuAttentionInTrainingRunsInTheFasterPrecisionPerShape) {
+  const ScopedCpuAttention mode("fastest");
+  torch::manual_seed(3);
+  const auto in = attention_inputs(48);  // a shape no other test measures
+  const auto count = [] { return perf::Autocast::cpu_attention_choices().size(); };
+  const auto before = count();
+  auto gen = at::detail::getDefaultCPUGenerator();
+  const auto rng = gen.get_state();
+  torch::Tensor out;
+  {
+    perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+    out = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, /*is_causal=*/true);
+  }
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(gen.get_state(), rng)) << "the measurement must not draw from the default generator";
+  ASSERT_EQ(count(), before + 1);
+  const auto line = perf::Autocast::cpu_attention_choices().back();
+  EXPECT_NE(line.find("Float[16, 4, 48, 32] strides [18432, 32, 384, 1]"), std::string::npos) << line;
+  EXPECT_NE(line.find("causal"), std::string::npos) << line;
+  double flt = 0, low = 0;
+  const auto times = line.find("(float32 ");
+  ASSERT_NE(times, std::string::npos) << line;
+  ASSERT_EQ(std::sscanf(line.c_str() + times, "(float32 %lf ms, BFloat16 %lf ms)", &flt, &low), 2) << line;
+  EXPECT_GT(flt, 0);
+  EXPECT_GT(low, 0);
+  const bool picked_float = line.find("-> float32") != std::string::npos;
+  EXPECT_EQ(picked_float, flt < low) << line;
+  // Whichever was picked, the result is the one that precision gives.
+  const auto reference = picked_float
+                             ? at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true).to(torch::kBFloat16)
+                             : at::scaled_dot_product_attention(in[0].to(torch::kBFloat16), in[1].to(torch::kBFloat16),
+                                                                in[2].to(torch::kBFloat16), {}, 0.0, true);
+  EXPECT_TRUE(same(out, reference));
+  out.sum().backward();
+  EXPECT_EQ(in[0].grad().scalar_type(), torch::kFloat);
+  {
+    perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+    at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true);  // measured already
+    torch::NoGradGuard no_grad;
+    const auto other = attention_inputs(40);
+    const auto inferred = at::scaled_dot_product_attention(other[0], other[1], other[2], {}, 0.0, true);
+    EXPECT_TRUE(same(inferred, at::scaled_dot_product_attention(other[0].to(torch::kBFloat16),
+                                                                other[1].to(torch::kBFloat16),
+                                                                other[2].to(torch::kBFloat16), {}, 0.0, true)))
+        << "inference: LibTorch's policy";
+  }
+  EXPECT_EQ(count(), before + 1) << "one measurement per shape, none for inference";
+}
+
+TEST(Autocast, CpuAttentionModesAndLibTorchsPolicyOutsidePerfRegions) {
+  torch::manual_seed(4);
+  const auto in = attention_inputs();
+  const auto bf = [&](int i) { return in[static_cast<size_t>(i)].to(torch::kBFloat16); };
+  const auto lowered = at::scaled_dot_product_attention(bf(0), bf(1), bf(2), {}, 0.0, true);
+  const auto go = torch::randn(lowered.sizes()).to(torch::kBFloat16);
+  const auto grads = [&](const torch::Tensor& out) {
+    const auto g = torch::autograd::grad({out}, {in[0], in[1], in[2]}, {go});
+    return torch::cat({g[0].flatten(), g[1].flatten(), g[2].flatten()});
+  };
+  const auto choices = perf::Autocast::cpu_attention_choices().size();
+  {
+    const ScopedCpuAttention mode("float32");
+    EXPECT_EQ(perf::Autocast::cpu_attention(), "float32");
+    torch::Tensor out;
+    {
+      perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+      out = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true);
+    }
+    const auto want = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true).to(torch::kBFloat16);
+    EXPECT_TRUE(same(out, want)) << "computed in fp32, returned in the autocast dtype";
+    EXPECT_TRUE(same(grads(out), grads(want)));
+    // An autocast region perf did not open keeps LibTorch's policy.
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const auto plain = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    EXPECT_TRUE(same(plain, lowered));
+    // Dropout: LibTorch's policy (the same draws as LibTorch's own autocast).
+    torch::manual_seed(5);
+    torch::Tensor dropped;
+    {
+      perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+      dropped = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.5, false);
+    }
+    torch::manual_seed(5);
+    EXPECT_TRUE(same(dropped, at::scaled_dot_product_attention(bf(0), bf(1), bf(2), {}, 0.5, false)));
+  }
+  {
+    const ScopedCpuAttention mode("autocast");
+    perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+    EXPECT_TRUE(same(at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true), lowered));
+  }
+  EXPECT_EQ(perf::Autocast::cpu_attention_choices().size(), choices) << "no mode above measures";
+  const auto mode = perf::Autocast::cpu_attention();
+  PERF_EXPECT_THROW_MSG(perf::Autocast::set_cpu_attention("fp32"),
+                        "mode must be \"fastest\", \"float32\" or \"autocast\", got \"fp32\"");
+  EXPECT_EQ(perf::Autocast::cpu_attention(), mode) << "nothing half-applied";
+}
+
+// perf replaces LibTorch's AutocastCPU kernel of the op; the dispatcher's
+// "Overriding a previously registered kernel" warning must not reach the user.
+TEST(Autocast, CpuAttentionKernelIsInstalledWithoutAWarning) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        struct Count : c10::WarningHandler {
+          int overriding = 0;
+          void process(const c10::Warning& w) override {
+            if (w.msg().find("Overriding") != std::string::npos) ++overriding;
+          }
+        } handler;
+        auto* prev = c10::WarningUtils::get_warning_handler();
+        c10::WarningUtils::set_warning_handler(&handler);
+        { perf::Autocast ac(torch::kCPU, torch::kBFloat16); }
+        TORCH_WARN("Overriding: the handler counts (this one only)");
+        c10::WarningUtils::set_warning_handler(prev);
+        std::exit(handler.overriding);
+      },
+      ::testing::ExitedWithCode(1), "");
+}
+
 TEST(Autocast, OnGpuPicksBf16OnAmpereAndCasts) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   const auto a = torch::randn({8, 8}, torch::kCUDA);

@@ -66,12 +66,29 @@ class Autocast {
   /// The dtype an Autocast(device, dtype, enabled) would use; throws what its constructor would.
   static c10::ScalarType resolve_dtype(c10::Device device, std::optional<c10::ScalarType> dtype, bool enabled = true);
 
+  /// How a CPU region runs scaled_dot_product_attention when it will be
+  /// trained (grad mode on, an input requiring grad, no dropout). LibTorch's
+  /// autocast casts it to bf16, whose CPU backward (torch 2.11) costs ~5x fp32's
+  /// at short sequences (bench/e2e's transformer: 4.9 ms against 1.1 ms):
+  ///   "fastest"  (default) time both once per shape (sizes, strides, dtypes,
+  ///              mask, causal) on scratch inputs, forward and backward, and
+  ///              keep the faster; the output keeps the autocast dtype.
+  ///   "float32"  always fp32 inside, output cast to the autocast dtype.
+  ///   "autocast" LibTorch's policy.
+  /// Process-wide; applies inside perf::Autocast regions only (an autocast
+  /// entered otherwise keeps LibTorch's policy), and inference is never changed.
+  static void set_cpu_attention(const std::string& mode);
+  static std::string cpu_attention();
+  /// One line per shape "fastest" decided: the shapes, both times, the pick.
+  static std::vector<std::string> cpu_attention_choices();
+
  private:
   c10::DeviceType type_;
   c10::ScalarType dtype_;
   bool enabled_;
   bool prev_enabled_, prev_cache_;
   c10::ScalarType prev_dtype_;
+  bool cpu_region_ = false;  // counted in detail::cpu_autocast_depth()
 };
 
 struct GradScalerOptions {

@@ -3,7 +3,18 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <perf/amp.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <iomanip>
+#include <mutex>
+#include <sstream>
 
 namespace perf {
 
@@ -18,7 +29,229 @@ PERF_INLINE bool cuda_bf16_supported() {
 #endif
 }
 
+// --- CPU autocast and scaled_dot_product_attention -------------------------
+// perf registers its own AutocastCPU kernel for aten::scaled_dot_product_attention
+// (once, when the first CPU perf::Autocast region opens). Outside perf's regions,
+// for inference, with dropout, or in "autocast" mode it does what LibTorch's
+// kernel does (autocast_mode.cpp: lower_precision_fp); else it runs the op in
+// fp32 or the autocast dtype as the mode, or a measurement per shape, says.
+
+enum class CpuAttention { fastest, float32, autocast };
+
+inline std::atomic<int>& cpu_attention_mode() {
+  static std::atomic<int> mode{static_cast<int>(CpuAttention::fastest)};
+  return mode;
+}
+
+inline int& cpu_autocast_depth() {  // open CPU perf::Autocast regions on this thread
+  thread_local int depth = 0;
+  return depth;
+}
+
+struct CpuAttentionChoices {
+  std::mutex mutex;
+  std::map<std::vector<int64_t>, bool> use_float;  // key -> fp32 is faster
+  std::vector<std::string> lines;
+};
+
+inline CpuAttentionChoices& cpu_attention_choices() {
+  static auto* c = new CpuAttentionChoices();  // never destroyed: used by kernels until exit
+  return *c;
+}
+
+PERF_INLINE void add_to_key(std::vector<int64_t>& key, const at::Tensor& t) {
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.dim());
+  key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+  key.insert(key.end(), t.strides().begin(), t.strides().end());
+}
+
+PERF_INLINE void describe_tensor(std::ostringstream& text, const at::Tensor& t) {
+  text << t.scalar_type() << t.sizes();
+  if (!t.is_contiguous()) text << " strides " << t.strides();
+  text << " ";
+}
+
+// A tensor of t's sizes, strides and dtype with values from `gen`, a leaf
+// requiring grad as t does: what the measurement runs on (the user's RNG untouched).
+PERF_INLINE at::Tensor scratch_like(const at::Tensor& t, at::Generator& gen) {
+  auto s = at::empty_strided(t.sizes(), t.strides(), t.options());
+  if (t.is_floating_point()) {
+    s.normal_(0.0, 1.0, gen);
+  } else {
+    s.copy_(t);
+  }
+  return s.set_requires_grad(t.requires_grad() && t.is_floating_point());
+}
+
+PERF_INLINE at::Tensor sdpa_in(at::ScalarType compute, c10::ScalarType out_dtype, const at::Tensor& q,
+                               const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                               double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  auto cast = [compute](const at::Tensor& t) { return t.is_floating_point() ? t.to(compute) : t; };
+  std::optional<at::Tensor> m;
+  if (mask && mask->defined()) m = cast(*mask);
+  auto out = at::scaled_dot_product_attention(cast(q), cast(k), cast(v), m, dropout_p, is_causal, scale, enable_gqa);
+  return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
+}
+
+// Forward and backward of both variants on scratch inputs, alternated; the
+// smaller of three timings each. A variant over 0.25 s is not measured again
+// (long sequences, where the autocast dtype wins): the autocast dtype is kept.
+PERF_INLINE bool measure_float_is_faster(c10::ScalarType lower, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                                         bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                         std::string& why) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0x5eed);
+  const auto sq = scratch_like(q, gen), sk = scratch_like(k, gen), sv = scratch_like(v, gen);
+  std::optional<at::Tensor> sm;
+  if (mask && mask->defined()) sm = scratch_like(*mask, gen);
+  std::vector<at::Tensor> leaves;
+  for (const auto* t : {&sq, &sk, &sv}) {
+    if (t->requires_grad()) leaves.push_back(*t);
+  }
+  if (sm && sm->requires_grad()) leaves.push_back(*sm);
+  at::Tensor go;
+  auto run = [&](at::ScalarType compute) {
+    const auto start = std::chrono::steady_clock::now();
+    auto out = sdpa_in(compute, lower, sq, sk, sv, sm, 0.0, is_causal, scale, enable_gqa);
+    if (!go.defined()) go = at::empty_like(out).normal_(0.0, 1.0, gen);
+    torch::autograd::grad({out}, leaves, {go}, /*retain_graph=*/false, /*create_graph=*/false,
+                          /*allow_unused=*/true);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  };
+  at::AutoGradMode grad(true);
+  double low = run(lower);
+  if (low > 250.0) {
+    why = "autocast dtype kept unmeasured (one forward and backward took " + std::to_string(low) + " ms)";
+    return false;
+  }
+  double flt = run(at::kFloat);
+  for (int i = 0; i < 3; ++i) {
+    flt = std::min(flt, run(at::kFloat));
+    low = std::min(low, run(lower));
+  }
+  std::ostringstream text;
+  text << std::fixed << std::setprecision(3) << "float32 " << flt << " ms, " << lower << " " << low << " ms";
+  why = text.str();
+  return flt < low;
+}
+
+PERF_INLINE bool cpu_attention_in_float(c10::ScalarType lower, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                                        bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  const auto mode = static_cast<CpuAttention>(cpu_attention_mode().load());
+  if (mode == CpuAttention::float32) return true;
+  std::vector<int64_t> key{static_cast<int64_t>(lower), is_causal, enable_gqa};
+  for (const auto* t : {&q, &k, &v}) add_to_key(key, *t);
+  if (mask && mask->defined()) add_to_key(key, *mask);
+  auto& c = cpu_attention_choices();
+  std::lock_guard<std::mutex> lock(c.mutex);  // measurements one at a time: they time the whole CPU
+  const auto it = c.use_float.find(key);
+  if (it != c.use_float.end()) return it->second;
+  std::ostringstream shapes;
+  for (const auto* t : {&q, &k, &v}) describe_tensor(shapes, *t);
+  if (mask && mask->defined()) {
+    shapes << "mask ";
+    describe_tensor(shapes, *mask);
+  }
+  if (is_causal) shapes << "causal ";
+  constexpr size_t kMaxShapes = 256;  // varying shapes: measure the first ones, keep LibTorch's policy for the rest
+  bool use_float = false;
+  std::string why;
+  if (c.use_float.size() >= kMaxShapes) {
+    why = "autocast dtype kept unmeasured (" + std::to_string(kMaxShapes) + " shapes measured already)";
+  } else {
+    try {
+      use_float = measure_float_is_faster(lower, q, k, v, mask, is_causal, scale, enable_gqa, why);
+    } catch (const std::exception& e) {  // e.g. out of memory for the scratch copies: never fail the step
+      why = std::string("autocast dtype kept, the measurement failed: ") + e.what();
+      use_float = false;
+    }
+  }
+  c.use_float.emplace(std::move(key), use_float);
+  c.lines.push_back(shapes.str() + "-> " + (use_float ? "float32" : std::string(c10::toString(lower))) + " (" +
+                    why + ")");
+  return use_float;
+}
+
+PERF_INLINE at::Tensor autocast_cpu_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                                         std::optional<double> scale, bool enable_gqa) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  const auto lower = at::autocast::get_lower_precision_fp_from_device_type(c10::DeviceType::CPU);
+  const bool trained = at::GradMode::is_enabled() &&
+                       (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                        (mask && mask->defined() && mask->requires_grad()));
+  if (cpu_autocast_depth() > 0 && trained && dropout_p == 0.0 &&
+      static_cast<CpuAttention>(cpu_attention_mode().load()) != CpuAttention::autocast &&
+      cpu_attention_in_float(lower, q, k, v, mask, is_causal, scale, enable_gqa)) {
+    return sdpa_in(at::kFloat, lower, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+  }
+  // LibTorch's own policy for this op (WrapFunction_<CastPolicy::lower_precision_fp>).
+  const auto dev = c10::DeviceType::CPU;
+  return at::scaled_dot_product_attention(
+      at::autocast::cached_cast(lower, q, dev), at::autocast::cached_cast(lower, k, dev),
+      at::autocast::cached_cast(lower, v, dev), at::autocast::cached_cast(lower, mask, dev), dropout_p, is_causal,
+      scale, enable_gqa);
+}
+
+// Drops the dispatcher's "Overriding a previously registered kernel" warning
+// for perf's own registration; passes every other warning on.
+class QuietOverride : public c10::WarningHandler {
+ public:
+  explicit QuietOverride(c10::WarningHandler* next) : next_(next) {}
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("Overriding a previously registered kernel") == std::string::npos) next_->process(w);
+  }
+
+ private:
+  c10::WarningHandler* next_;
+};
+
+PERF_INLINE void install_cpu_attention_kernel() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    QuietOverride quiet(c10::WarningUtils::get_warning_handler());
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    // Never destroyed: destroying it would deregister the kernel while other threads may still call it.
+    auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
+    lib->impl("scaled_dot_product_attention", TORCH_FN(autocast_cpu_sdpa));
+  });
+}
+
 }  // namespace detail
+
+PERF_INLINE void Autocast::set_cpu_attention(const std::string& mode) {
+  detail::CpuAttention m;
+  if (mode == "fastest") {
+    m = detail::CpuAttention::fastest;
+  } else if (mode == "float32") {
+    m = detail::CpuAttention::float32;
+  } else if (mode == "autocast") {
+    m = detail::CpuAttention::autocast;
+  } else {
+    TORCH_CHECK(false, "perf::Autocast::set_cpu_attention: mode must be \"fastest\", \"float32\" or \"autocast\", got \"",
+                mode, "\"");
+  }
+  detail::cpu_attention_mode().store(static_cast<int>(m));
+}
+
+PERF_INLINE std::string Autocast::cpu_attention() {
+  switch (static_cast<detail::CpuAttention>(detail::cpu_attention_mode().load())) {
+    case detail::CpuAttention::float32:
+      return "float32";
+    case detail::CpuAttention::autocast:
+      return "autocast";
+    default:
+      return "fastest";
+  }
+}
+
+PERF_INLINE std::vector<std::string> Autocast::cpu_attention_choices() {
+  auto& c = detail::cpu_attention_choices();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.lines;
+}
 
 PERF_INLINE c10::ScalarType Autocast::default_dtype(c10::Device device) {
   if (device.is_cuda()) return detail::cuda_bf16_supported() ? at::kBFloat16 : at::kHalf;
@@ -61,9 +294,15 @@ PERF_INLINE Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType
   at::autocast::set_autocast_dtype(type_, dtype_);
   at::autocast::increment_nesting();
   at::autocast::set_autocast_cache_enabled(cache_enabled);
+  if (type_ == c10::DeviceType::CPU && enabled_) {
+    detail::install_cpu_attention_kernel();
+    cpu_region_ = true;
+    ++detail::cpu_autocast_depth();
+  }
 }
 
 PERF_INLINE Autocast::~Autocast() {
+  if (cpu_region_) --detail::cpu_autocast_depth();
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
   at::autocast::set_autocast_enabled(type_, prev_enabled_);
   at::autocast::set_autocast_dtype(type_, prev_dtype_);
