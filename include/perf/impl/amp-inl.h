@@ -213,8 +213,10 @@ PERF_INLINE void install_cpu_attention_kernel() {
   std::call_once(once, [] {
     QuietOverride quiet(c10::WarningUtils::get_warning_handler());
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    // Never destroyed: destroying it would deregister the kernel while other threads may still call it.
-    auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
+    // Never destroyed (destroying it would deregister the kernel while other
+    // threads may still call it), and held by a static so it is not a leak.
+    static torch::Library* lib = nullptr;
+    lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastCPU, __FILE__, __LINE__);
     lib->impl("scaled_dot_product_attention", TORCH_FN(autocast_cpu_sdpa));
   });
 }
