@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
   if (device.is_cpu()) {
     const std::vector<std::array<int64_t, 4>> shapes = {{16, 4, 64, 32}, {4, 8, 512, 64}};
     for (const auto& [b, h, t, d] : shapes) {
-      auto q = torch::randn({b, h, t, d}, torch::requires_grad()), k = torch::randn({b, h, t, d}, torch::requires_grad()),
+      auto q = torch::randn({b, h, t, d}, torch::requires_grad()),
+           k = torch::randn({b, h, t, d}, torch::requires_grad()),
            v = torch::randn({b, h, t, d}, torch::requires_grad());
       auto step_in = [&](const std::string& mode) {
         return [&, mode] {
@@ -96,8 +97,8 @@ int main(int argc, char** argv) {
                                         {"perf default (fastest)", step_in("fastest")}},
                                        perf::BenchOptions().warmup(warmup).iters(iters * 2).items_per_call(b * h));
       for (const auto& st : stats) std::cout << st << "\n";
-      std::cout << std::fixed << std::setprecision(2) << "perf default vs LibTorch's autocast: "
-                << stats[0].median_ms / stats[2].median_ms << "x\n\n";
+      std::cout << std::fixed << std::setprecision(2)
+                << "perf default vs LibTorch's autocast: " << stats[0].median_ms / stats[2].median_ms << "x\n\n";
     }
     perf::Autocast::set_cpu_attention("fastest");
     for (const auto& line : perf::Autocast::cpu_attention_choices()) std::cout << "  measured: " << line << "\n";

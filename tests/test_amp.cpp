@@ -162,9 +162,9 @@ TEST(Autocast, CpuAttentionInTrainingRunsInTheFasterPrecisionPerShape) {
     torch::NoGradGuard no_grad;
     const auto other = attention_inputs(40);
     const auto inferred = at::scaled_dot_product_attention(other[0], other[1], other[2], {}, 0.0, true);
-    EXPECT_TRUE(same(inferred, at::scaled_dot_product_attention(other[0].to(torch::kBFloat16),
-                                                                other[1].to(torch::kBFloat16),
-                                                                other[2].to(torch::kBFloat16), {}, 0.0, true)))
+    EXPECT_TRUE(
+        same(inferred, at::scaled_dot_product_attention(other[0].to(torch::kBFloat16), other[1].to(torch::kBFloat16),
+                                                        other[2].to(torch::kBFloat16), {}, 0.0, true)))
         << "inference: LibTorch's policy";
   }
   EXPECT_EQ(count(), before + 1) << "one measurement per shape, none for inference";

@@ -88,7 +88,6 @@ class Autocast {
   bool enabled_;
   bool prev_enabled_, prev_cache_;
   c10::ScalarType prev_dtype_;
-  bool cpu_region_ = false;  // counted in detail::cpu_autocast_depth()
 };
 
 struct GradScalerOptions {

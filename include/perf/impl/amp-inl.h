@@ -37,6 +37,7 @@ PERF_INLINE bool cuda_bf16_supported() {
 // fp32 or the autocast dtype as the mode, or a measurement per shape, says.
 
 enum class CpuAttention { fastest, float32, autocast };
+inline constexpr const char* kCpuAttentionNames[] = {"fastest", "float32", "autocast"};  // in the enum's order
 
 inline std::atomic<int>& cpu_attention_mode() {
   static std::atomic<int> mode{static_cast<int>(CpuAttention::fastest)};
@@ -98,9 +99,8 @@ PERF_INLINE at::Tensor sdpa_in(at::ScalarType compute, c10::ScalarType out_dtype
 // smaller of three timings each. A variant over 0.25 s is not measured again
 // (long sequences, where the autocast dtype wins): the autocast dtype is kept.
 PERF_INLINE bool measure_float_is_faster(c10::ScalarType lower, const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                                         bool is_causal, std::optional<double> scale, bool enable_gqa,
-                                         std::string& why) {
+                                         const at::Tensor& v, const std::optional<at::Tensor>& mask, bool is_causal,
+                                         std::optional<double> scale, bool enable_gqa, std::string& why) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0x5eed);
   const auto sq = scratch_like(q, gen), sk = scratch_like(k, gen), sv = scratch_like(v, gen);
   std::optional<at::Tensor> sm;
@@ -136,11 +136,10 @@ PERF_INLINE bool measure_float_is_faster(c10::ScalarType lower, const at::Tensor
   return flt < low;
 }
 
-PERF_INLINE bool cpu_attention_in_float(c10::ScalarType lower, const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                                        bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  const auto mode = static_cast<CpuAttention>(cpu_attention_mode().load());
-  if (mode == CpuAttention::float32) return true;
+// "fastest": the measured pick for this shape, measuring it on first sight.
+PERF_INLINE bool fastest_is_float(c10::ScalarType lower, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask, bool is_causal, std::optional<double> scale,
+                                  bool enable_gqa) {
   std::vector<int64_t> key{static_cast<int64_t>(lower), is_causal, enable_gqa};
   for (const auto* t : {&q, &k, &v}) add_to_key(key, *t);
   if (mask && mask->defined()) add_to_key(key, *mask);
@@ -169,8 +168,8 @@ PERF_INLINE bool cpu_attention_in_float(c10::ScalarType lower, const at::Tensor&
     }
   }
   c.use_float.emplace(std::move(key), use_float);
-  c.lines.push_back(shapes.str() + "-> " + (use_float ? "float32" : std::string(c10::toString(lower))) + " (" +
-                    why + ")");
+  c.lines.push_back(shapes.str() + "-> " + (use_float ? "float32" : std::string(c10::toString(lower))) + " (" + why +
+                    ")");
   return use_float;
 }
 
@@ -179,12 +178,11 @@ PERF_INLINE at::Tensor autocast_cpu_sdpa(const at::Tensor& q, const at::Tensor& 
                                          std::optional<double> scale, bool enable_gqa) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
   const auto lower = at::autocast::get_lower_precision_fp_from_device_type(c10::DeviceType::CPU);
-  const bool trained = at::GradMode::is_enabled() &&
-                       (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                        (mask && mask->defined() && mask->requires_grad()));
-  if (cpu_autocast_depth() > 0 && trained && dropout_p == 0.0 &&
-      static_cast<CpuAttention>(cpu_attention_mode().load()) != CpuAttention::autocast &&
-      cpu_attention_in_float(lower, q, k, v, mask, is_causal, scale, enable_gqa)) {
+  const bool trained = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                                      (mask && mask->defined() && mask->requires_grad()));
+  const auto mode = static_cast<CpuAttention>(cpu_attention_mode().load());
+  if (cpu_autocast_depth() > 0 && trained && dropout_p == 0.0 && mode != CpuAttention::autocast &&
+      (mode == CpuAttention::float32 || fastest_is_float(lower, q, k, v, mask, is_causal, scale, enable_gqa))) {
     return sdpa_in(at::kFloat, lower, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   }
   // LibTorch's own policy for this op (WrapFunction_<CastPolicy::lower_precision_fp>).
@@ -224,29 +222,16 @@ PERF_INLINE void install_cpu_attention_kernel() {
 }  // namespace detail
 
 PERF_INLINE void Autocast::set_cpu_attention(const std::string& mode) {
-  detail::CpuAttention m;
-  if (mode == "fastest") {
-    m = detail::CpuAttention::fastest;
-  } else if (mode == "float32") {
-    m = detail::CpuAttention::float32;
-  } else if (mode == "autocast") {
-    m = detail::CpuAttention::autocast;
-  } else {
-    TORCH_CHECK(false, "perf::Autocast::set_cpu_attention: mode must be \"fastest\", \"float32\" or \"autocast\", got \"",
-                mode, "\"");
-  }
-  detail::cpu_attention_mode().store(static_cast<int>(m));
+  const auto* names = std::begin(detail::kCpuAttentionNames);
+  const auto* it = std::find(names, std::end(detail::kCpuAttentionNames), mode);
+  TORCH_CHECK(it != std::end(detail::kCpuAttentionNames),
+              "perf::Autocast::set_cpu_attention: mode must be \"fastest\", \"float32\" or \"autocast\", got \"", mode,
+              "\"");
+  detail::cpu_attention_mode().store(static_cast<int>(it - names));
 }
 
 PERF_INLINE std::string Autocast::cpu_attention() {
-  switch (static_cast<detail::CpuAttention>(detail::cpu_attention_mode().load())) {
-    case detail::CpuAttention::float32:
-      return "float32";
-    case detail::CpuAttention::autocast:
-      return "autocast";
-    default:
-      return "fastest";
-  }
+  return detail::kCpuAttentionNames[detail::cpu_attention_mode().load()];
 }
 
 PERF_INLINE std::vector<std::string> Autocast::cpu_attention_choices() {
@@ -298,13 +283,12 @@ PERF_INLINE Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType
   at::autocast::set_autocast_cache_enabled(cache_enabled);
   if (type_ == c10::DeviceType::CPU && enabled_) {
     detail::install_cpu_attention_kernel();
-    cpu_region_ = true;
     ++detail::cpu_autocast_depth();
   }
 }
 
 PERF_INLINE Autocast::~Autocast() {
-  if (cpu_region_) --detail::cpu_autocast_depth();
+  if (type_ == c10::DeviceType::CPU && enabled_) --detail::cpu_autocast_depth();
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
   at::autocast::set_autocast_enabled(type_, prev_enabled_);
   at::autocast::set_autocast_dtype(type_, prev_dtype_);
