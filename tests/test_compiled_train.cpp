@@ -2,7 +2,8 @@
 // the same weights, on the same batches. The training packages and the Python
 // runs come from tests/compiled/make_packages.py (cached across builds): an MLP
 // (dynamic batch 2..64), a CNN with BatchNorm, a one-block transformer with
-// dropout, and the CNN with perf's recipe (bf16 autocast, channels-last) compiled in.
+// dropout, the CNN with perf's recipe (bf16 autocast, channels-last) compiled in,
+// and the transformer under bf16 autocast with its attention in float32.
 #include <perf/compiled.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
@@ -233,6 +234,7 @@ TEST(CompiledTrain, EveryStepEqualsPythonEagerFromTheSameState) {
   expect_each_step_equal<Cnn>("cnn_train", 1e-5, false, /*kink_tol=*/1e-4, /*kink_steps=*/2);
   expect_each_step_equal<TinyGpt>("gpt_train", 1e-5);
   expect_each_step_equal<Cnn>("cnn_train_cl_bf16", 1.0 / 256, /*channels_last=*/true);
+  expect_each_step_equal<TinyGpt>("gpt_train_bf16", 1.0 / 256);
 }
 
 // Whole runs: 50 steps of AdamW from the same weights on the same batches.
@@ -512,6 +514,146 @@ TEST(CompiledTrain, PrintsTheRecipeAndBatch) {
   EXPECT_NE(s.str().find("on cpu, autocast bf16, channels-last, eager steps"), std::string::npos) << s.str();
   EXPECT_NE(s.str().find("batch 0: Float [8, 3, 32, 32] channels_last"), std::string::npos) << s.str();
   EXPECT_NE(s.str().find("batch 1: Long [8]"), std::string::npos) << s.str();
+}
+
+// Attention under autocast (export_train's `attention`): the transformer's bf16
+// package exported with attention="float32" computes its attention op in
+// float32, as read back from the compiled graph (the dtypes recorded are the
+// graph's, not the option's), and prints it; its steps track the reference
+// (EveryStepEqualsPythonEagerFromTheSameState). That reference (Python eager,
+// make_packages.py) ran with the exporter's AttentionPrecision("float32"): its
+// step 0 is reproduced that way (to rounding), and not with bf16 attention.
+TEST(CompiledTrain, AttentionUnderAutocastComputesInTheExportedPrecision) {
+  {
+    TinyGpt gpt;
+    perf::optim::AdamW opt(gpt.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::CompiledTrainStep step(package("gpt_train_bf16.pt2"), gpt, opt);
+    EXPECT_EQ(step.amp(), "bf16");
+    EXPECT_EQ(step.attention(), "float32");
+    EXPECT_EQ(step.metadata().at("perf.train.attention.ops"), "float32");
+    std::ostringstream s;
+    s << step;
+    EXPECT_NE(s.str().find("attention (float32): computes in float32"), std::string::npos) << s.str();
+  }
+  {
+    TinyGpt gpt;
+    perf::optim::AdamW opt(gpt.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::CompiledTrainStep step(package("gpt_train.pt2"), gpt, opt);
+    EXPECT_EQ(step.attention(), "off");  // no autocast: the attention is the model's own fp32
+    EXPECT_EQ(step.metadata().at("perf.train.attention.ops"), "float32");
+  }
+  // Python eager's step 0 from the reference's state, with each attention mode.
+  const auto out = test_util::lines(
+      test_util::python("import sys\n"
+                        "sys.path.insert(0, '" +
+                        test_util::source_dir() + "/tools')\nsys.path.insert(0, '" + test_util::source_dir() +
+                        "/tests/compiled')\n"
+                        "import torch, models\n"
+                        "from export_compiled import AttentionPrecision\n"
+                        "ref = torch.load('" +
+                        package("gpt_train_bf16.ref.pt") +
+                        "')\n"
+                        "for mode in ('float32', 'autocast'):\n"
+                        "    m = models.make_tiny_gpt().train()\n"
+                        "    m.load_state_dict(ref['states'][0])\n"
+                        "    torch.manual_seed(" +
+                        std::to_string(kDropoutSeed) +
+                        ")\n"
+                        "    with AttentionPrecision('cpu', mode), torch.autocast('cpu', dtype=torch.bfloat16):\n"
+                        "        loss = models.classify_loss(m, ref['x'][0], ref['y'][0])\n"
+                        "    loss.backward()\n"
+                        "    d = [(loss - ref['losses'][0]).abs().item()]\n"
+                        "    d += [(p.grad - ref['grads'][0][n]).abs().max().item() for n, p in m.named_parameters()]\n"
+                        "    print(max(d))\n"));
+  ASSERT_EQ(out.size(), 2u);
+  // Bitwise with the reference's thread count; another count sums in another order (measured 2e-9).
+  EXPECT_LE(std::stod(out[0]), 1e-6) << "the reference is eager bf16 with float32 attention";
+  EXPECT_GT(std::stod(out[1]), 1e-5) << "with bf16 attention the same step differs (measured 3.3e-4)";
+}
+
+// export_train's attention="fastest" on the CPU: each attention shape of the
+// step is measured once (forward and backward, both precisions, scratch
+// inputs), the faster kept; the package's graph computes in what was picked
+// (read back from the graph) with a dynamic batch, where the traced sizes are
+// symbolic and found by their example values. AttentionPrecision on its own:
+// the output is the picked precision's bitwise, the caller's RNG untouched, a
+// known shape not measured again, dropout and regions after it keep LibTorch's
+// policy, and a bad mode is refused by name.
+TEST(CompiledTrain, ExporterPicksTheFasterAttentionPrecisionPerShape) {
+  test_util::TempDir dir;
+  const auto out = test_util::lines(test_util::python(
+      "import sys\n"
+      "sys.path.insert(0, '" +
+      test_util::source_dir() +
+      "/tools')\n"
+      "import torch, export_compiled as e\n"
+      "F = torch.nn.functional\n"
+      "torch.manual_seed(0)\n"
+      "q, k, v = (torch.randn(16, 4, 64, 32, requires_grad=True) for _ in range(3))\n"
+      "rng = torch.get_rng_state()\n"
+      "p = e.AttentionPrecision('cpu', 'fastest')\n"
+      "with p, torch.autocast('cpu', dtype=torch.bfloat16):\n"
+      "    p.measure = True\n"
+      "    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+      "    again = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+      "    same_rng = torch.equal(rng, torch.get_rng_state())\n"
+      "    torch.manual_seed(5)\n"
+      "    dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)\n"
+      "print(len(p.choices))\n"
+      "print(p.lines()[0])\n"
+      "print(same_rng)\n"
+      "picked = next(iter(p.choices.values()))[0]\n"
+      "with torch.no_grad():\n"
+      "    f32 = F.scaled_dot_product_attention(q, k, v, is_causal=True).bfloat16()\n"
+      "    b16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)\n"
+      "    torch.manual_seed(5)\n"
+      "    d16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), dropout_p=0.5)\n"
+      "print(out.dtype, torch.equal(out, f32 if picked else b16), torch.equal(again, out), torch.equal(dropped, d16))\n"
+      "with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):\n"
+      "    print(torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), b16))\n"
+      "try:\n"
+      "    e.AttentionPrecision('cpu', 'fast')\n"
+      "except ValueError as err:\n"
+      "    print(err)\n"
+      "class Attend(torch.nn.Module):\n"
+      "    def __init__(self):\n"
+      "        super().__init__()\n"
+      "        self.qkv = torch.nn.Linear(128, 384)\n"
+      "    def forward(self, x):\n"
+      "        b, t, d = x.shape\n"
+      "        q, k, v = self.qkv(x).view(b, t, 3, 4, 32).permute(2, 0, 3, 1, 4)\n"
+      "        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)\n"
+      "loss = lambda m, x, y: F.mse_loss(m(x).float(), y)\n"
+      "path = e.export_train(Attend(), loss, (torch.randn(16, 64, 128), torch.randn(16, 64, 32)), '" +
+      std::string(dir / "attend.pt2") +
+      "', amp='bf16', dynamic_batch=(2, 32))\n"
+      "meta = torch._inductor.aoti_load_package(path).get_metadata()\n"
+      "print(meta['perf.train.attention'])\n"
+      "print(meta['perf.train.attention.ops'])\n"
+      "print(meta['perf.train.attention.choices'])\n"));
+  // Six lines, the export's own (its "attention: ..." pick), then the package's three.
+  ASSERT_EQ(out.size(), 10u);
+  EXPECT_EQ(out[6], "attention: " + out[9]);
+  std::vector<std::string> got(out.begin(), out.begin() + 6);
+  got.insert(got.end(), out.end() - 3, out.end());
+  EXPECT_EQ(got[0], "1") << "one shape measured once; dropout not measured";
+  // "<shapes> causal -> <pick> (float32 <a> ms, bfloat16 <b> ms)": the pick is the faster of its own times.
+  const auto consistent = [](const std::string& line) {
+    const auto f = line.find("(float32 "), b = line.find(", bfloat16 ");
+    if (f == std::string::npos || b == std::string::npos) return false;
+    const double flt = std::stod(line.substr(f + 9)), low = std::stod(line.substr(b + 11));
+    return line.find(flt < low ? "-> float32 (" : "-> bfloat16 (") != std::string::npos;
+  };
+  EXPECT_EQ(got[1].rfind("float32[16,4,64,32] float32[16,4,64,32] float32[16,4,64,32] causal -> ", 0), 0u) << got[1];
+  EXPECT_TRUE(consistent(got[1])) << got[1];
+  EXPECT_EQ(got[2], "True") << "the caller's random state is untouched";
+  EXPECT_EQ(got[3], "torch.bfloat16 True True True") << "the picked precision's output, bitwise";
+  EXPECT_EQ(got[4], "True") << "after the context, LibTorch's own policy";
+  EXPECT_EQ(got[5], "attention must be one of fastest, float32, autocast, got 'fast'");
+  EXPECT_EQ(got[6], "fastest");
+  EXPECT_TRUE(consistent(got[8])) << got[8];
+  EXPECT_EQ(got[7], got[8].find("-> float32 (") != std::string::npos ? "float32" : "bfloat16")
+      << "the compiled graph computes in the measured pick: " << got[8];
 }
 
 // On a GPU: the package is exported there with the tool a user runs, and the

@@ -24,8 +24,12 @@ batch tensor, in the order step() takes them. The package takes the
 parameters and buffers as inputs (C++ owns and updates them) and returns the
 mutated buffers (BatchNorm statistics), the loss and one gradient per
 trainable parameter; --amp and --channels-last put the recipe inside the
-compiled graph. Parameter and buffer names, shapes, dtypes and strides are
-recorded in the metadata so C++ matches them to its module by name. The
+compiled graph. Under --amp, --attention fastest (the default) runs each
+scaled_dot_product_attention in float32 where that measured faster for its
+shape on the CPU (LibTorch's bf16 attention backward is slow there), as
+perf::Autocast does in eager C++; --attention float32|autocast fixes it.
+Parameter and buffer names, shapes, dtypes and strides are recorded in the
+metadata so C++ matches them to its module by name. The
 package is run once on the example batch and refused if its loss or a
 gradient differs from the eager step's by more than rounding, measured
 against the same step in float64 where the plain bounds are not enough
@@ -191,6 +195,160 @@ def _layout_fix(grad: torch.Tensor, param: torch.Tensor):
 
 
 AMP = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ATTENTION = ("fastest", "float32", "autocast")
+
+
+class AttentionPrecision:
+    """Where autocast would run scaled_dot_product_attention in the lower dtype, run it in float32 instead:
+    in every such call (mode "float32") or where float32 measured faster for the call's shape ("fastest",
+    the CPU only), as perf::Autocast::set_cpu_attention does in C++ for training. Meant for training
+    steps: it does not look at grad mode (a step being traced carries none). Calls with dropout_p > 0 keep
+    LibTorch's policy (inputs cast to the autocast dtype, float64 left alone). The float32 result is cast
+    back to the autocast dtype, so nothing downstream changes dtype.
+
+    Why: LibTorch 2.11's bf16 flash-attention backward on the CPU has a large cost per (batch, head)
+    block: at 64 tokens and head size 32, forward and backward take 5.1 ms in bf16 and 0.9 ms in fp32
+    (bench_amp on a 2-core Xeon with AMX). On CUDA the lower dtype's kernels are the fast ones, so
+    "fastest" measures nothing there and keeps autocast's policy.
+
+    A context manager: it registers its kernel for the Autocast key of `device` on entry and removes it
+    on exit. measure=True (eager calls on real tensors) times forward and backward of both variants on
+    scratch inputs of the call's sizes and strides (a private generator: the caller's random state is
+    untouched), 1 warm-up and 3 runs each (alternating), keeps the faster; where the autocast dtype's
+    first timed run takes over 0.25 s, float32 is not timed (the autocast dtype is kept). With
+    measure=False a call whose shape was not measured keeps autocast's policy. `choices` maps each
+    measured shape to (float32 picked, its line)."""
+
+    def __init__(self, device: str, mode: str, choices=None):
+        if mode not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {mode!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.device, self.mode = device, mode
+        self.choices = {} if choices is None else choices
+        self.measure = False
+        self.key = torch._C.DispatchKey.AutocastCPU if device == "cpu" else torch._C.DispatchKey.AutocastCUDA
+        self._lib = None
+
+    def __enter__(self):
+        if self.mode == "float32" or (self.mode == "fastest" and self.device == "cpu"):
+            import warnings
+            with warnings.catch_warnings():  # the dispatcher's "Overriding a previously registered kernel"
+                warnings.simplefilter("ignore", UserWarning)
+                self._lib = torch.library.Library("aten", "IMPL")
+                self._lib.impl("scaled_dot_product_attention", self._kernel, self.key.name)
+        return self
+
+    def __exit__(self, *exc):
+        if self._lib is not None:
+            self._lib._destroy()  # LibTorch's own autocast kernel is back
+            self._lib = None
+        return False
+
+    def lines(self):
+        return [line for _, line in self.choices.values()]
+
+    def _sdpa(self, compute, lower, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa):
+        """The op in `compute` (autocast's eligible inputs cast: floating, not float64), returned in `lower`
+        where it was computed in float32."""
+        def cast(t):
+            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(compute) if eligible and t.dtype != compute else t
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(self.key)):
+            out = torch.ops.aten.scaled_dot_product_attention(cast(q), cast(k), cast(v), cast(mask), dropout_p,
+                                                              is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out.to(lower) if compute == torch.float32 and out.dtype == torch.float32 else out
+
+    def _kernel(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        lower = torch.get_autocast_dtype(self.device)
+        use_float = False
+        if dropout_p == 0.0:
+            if self.mode == "float32":
+                use_float = True
+            elif self.device == "cpu":
+                key = _attention_key(lower, q, k, v, attn_mask, is_causal, enable_gqa)
+                if key not in self.choices and self.measure:
+                    self.choices[key] = self._measure(lower, q, k, v, attn_mask, is_causal, scale, enable_gqa)
+                use_float = key in self.choices and self.choices[key][0]
+        return self._sdpa(torch.float32 if use_float else lower, lower, q, k, v, attn_mask, dropout_p, is_causal,
+                          scale, enable_gqa)
+
+    def _measure(self, lower, q, k, v, mask, is_causal, scale, enable_gqa):
+        shapes = " ".join(_describe(t) for t in (q, k, v)) + (f" mask {_describe(mask)}" if mask is not None else "")
+        shapes += " causal" if is_causal else ""
+        try:
+            g = torch.Generator(device=q.device).manual_seed(0x5eed)
+
+            def scratch(t):
+                s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                if t.is_floating_point():
+                    s.normal_(generator=g)
+                return s.requires_grad_(t.requires_grad)
+
+            sq, sk, sv = scratch(q), scratch(k), scratch(v)
+            sm = scratch(mask) if mask is not None else None
+            leaves = [t for t in (sq, sk, sv, sm) if t is not None and t.requires_grad]
+            go = []
+
+            def run(compute):
+                started = time.perf_counter()
+                with torch.enable_grad():
+                    out = self._sdpa(compute, lower, sq, sk, sv, sm, 0.0, is_causal, scale, enable_gqa)
+                    if not go:
+                        go.append(torch.empty_like(out).normal_(generator=g))
+                    if leaves:
+                        torch.autograd.grad([out], leaves, [go[0]], allow_unused=True)
+                return (time.perf_counter() - started) * 1e3
+
+            run(lower)  # warm-up: the first call in a process also pays one-time setup
+            low = run(lower)
+            if low > 250.0:
+                why = f"autocast dtype kept unmeasured (one forward and backward took {low:.0f} ms)"
+                return False, f"{shapes} -> {NAMES[lower]} ({why})"
+            run(torch.float32)
+            flt = run(torch.float32)
+            for _ in range(2):
+                flt = min(flt, run(torch.float32))
+                low = min(low, run(lower))
+        except Exception as e:  # e.g. out of memory for the scratch copies: the step keeps autocast's policy
+            return False, f"{shapes} -> {NAMES[lower]} (autocast dtype kept, the measurement failed: {e})"
+        pick = flt < low
+        return pick, (f"{shapes} -> {'float32' if pick else NAMES[lower]} "
+                      f"(float32 {flt:.3f} ms, {NAMES[lower]} {low:.3f} ms)")
+
+
+def _hint(n) -> int:
+    """A size as the example has it: the example's value of a symbolic (dynamic batch) size."""
+    if isinstance(n, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import size_hint
+        try:
+            return size_hint(n)
+        except Exception:  # no example value (data-dependent): matches no measured shape
+            return -1
+    return int(n)
+
+
+def _attention_key(lower, q, k, v, mask, is_causal, enable_gqa):
+    key = [str(lower), bool(is_causal), bool(enable_gqa)]
+    for t in (q, k, v, mask):
+        key.append(None if t is None else (str(t.dtype), tuple(_hint(n) for n in t.shape),
+                                           tuple(_hint(n) for n in t.stride())))
+    return tuple(key)
+
+
+def _describe(t) -> str:
+    return f"{NAMES.get(t.dtype, str(t.dtype))}[{','.join(str(_hint(n)) for n in t.shape)}]"
+
+
+def _attention_ops(gm) -> list[str]:
+    """The dtype each attention forward in the graph `gm` computes in, in graph order (from the graph itself)."""
+    ops = []
+    for node in gm.graph.nodes:
+        name = str(node.target)
+        if node.op == "call_function" and "scaled_dot_product" in name and "backward" not in name:
+            val = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
+            ops.append(NAMES.get(val.dtype, str(val.dtype)) if val is not None else "unknown")
+    return ops
 
 
 def _joint_program(program):
@@ -218,7 +376,7 @@ def _joint_program(program):
 def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
                  dynamic_batch: tuple[int, int] | None = None, device: str = "cpu", amp: str = "off",
                  channels_last: bool = False, max_autotune: bool = False, fallback_random: bool = True,
-                 model_name: str = "model", verify: bool = True) -> str:
+                 attention: str = "fastest", model_name: str = "model", verify: bool = True) -> str:
     """Compile one training step of `model` — loss(model, *batch), its backward — into the package `path`.
 
     The package takes (parameters and buffers in the module's order, a 0-d float32 scale, the batch) and
@@ -226,7 +384,11 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     parameter). amp: "off", "bf16" or "fp16" autocast around the loss function, inside the graph;
     channels_last: the model and 4-d float batch tensors in channels-last. dynamic_batch: (min, max) of
     dim 0 of every batch tensor, or None (static shapes: best for CUDA graphs). fallback_random: random
-    ops (dropout) draw from ATen's generator as eager does, instead of inductor's own. verify: run the
+    ops (dropout) draw from ATen's generator as eager does, instead of inductor's own. attention: under amp,
+    scaled_dot_product_attention in float32 where it measured faster on the example batch ("fastest",
+    CPU only; eager runs the model's forward once for it, its buffers restored), always ("float32") or in
+    the autocast dtype ("autocast"): see AttentionPrecision; the pick is printed and recorded in the
+    metadata with the dtype each attention op of the compiled graph computes in. verify: run the
     package once on the example batch and refuse it (ValueError) if its loss or a gradient differs from the
     eager step's (check_compiled_step); skipped with fallback_random=False, whose draws differ from eager's."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -237,6 +399,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
         raise RuntimeError("device='cuda' needs a CUDA GPU in this Python (torch.cuda.is_available() is False)")
     if amp not in AMP:
         raise ValueError(f"amp must be one of {', '.join(AMP)}, got {amp!r}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     if not callable(loss):
         raise ValueError("loss must be a callable loss(model, *batch) -> scalar tensor")
     model = model.to(device).train()
@@ -255,9 +419,24 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
         probe = step.loss(model, *batch)
     if not (isinstance(probe, torch.Tensor) and probe.numel() == 1 and probe.is_floating_point()):
         raise ValueError(f"loss must return a floating-point scalar tensor, got {probe!r:.200}")
+    precision = AttentionPrecision(device, attention if amp != "off" else "autocast")
+    if precision.mode == "fastest" and device == "cpu":
+        # One eager forward, with grad, measures each attention shape; the model's buffers (BatchNorm
+        # statistics) and the random state are as they were.
+        saved = {n: b.clone() for n, b in model.named_buffers()}
+        with torch.random.fork_rng(devices=[]), precision, torch.enable_grad():
+            precision.measure = True
+            step(scale, *batch)
+            precision.measure = False
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+        for line in precision.lines():
+            print(f"attention: {line}", flush=True)
     dyn = (None, tuple(batch_dynamic)) if dynamic_batch is not None else None
-    program = torch.export.export(step, (scale, *batch), dynamic_shapes=dyn)
-    joint = _joint_program(program)
+    with precision:
+        program = torch.export.export(step, (scale, *batch), dynamic_shapes=dyn)
+        joint = _joint_program(program)
     sig = joint.graph_signature
 
     state = dict(model.named_parameters(remove_duplicate=False))
@@ -323,6 +502,9 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
                 "perf.tool": "export_compiled.py 2", "perf.train.state": str(n_state),
                 "perf.train.mutated": csv(mutated), "perf.train.grads": csv(grads), "perf.train.amp": amp,
                 "perf.train.channels_last": "1" if channels_last else "0",
+                "perf.train.attention": precision.mode if amp != "off" else "off",
+                "perf.train.attention.ops": ",".join(_attention_ops(joint.graph_module)),
+                "perf.train.attention.choices": " | ".join(precision.lines()),
                 "perf.max_autotune": "1" if max_autotune else "0"}
     params = dict(model.named_parameters(remove_duplicate=False))
     for i, n in enumerate(names):
@@ -528,6 +710,10 @@ def main(argv=None) -> int:
     train.add_argument("--loss", metavar="LOSS", help="file.py:function or module:function, loss(model, *batch) -> "
                        "scalar tensor; each --input is one batch tensor, in the order step() takes them")
     train.add_argument("--amp", default="off", choices=list(AMP), help="autocast inside the compiled step")
+    train.add_argument("--attention", default="fastest", choices=list(ATTENTION),
+                       help="under --amp, scaled_dot_product_attention in float32 where faster for its shape "
+                            "(fastest: measured on the example batch, CPU only), always (float32), or in the "
+                            "autocast dtype (autocast)")
     train.add_argument("--inductor-random", action="store_true",
                        help="random ops (dropout) from inductor's own generator: faster, but other draws than eager")
     train.add_argument("--no-verify", action="store_true",
@@ -558,7 +744,8 @@ def main(argv=None) -> int:
         try:
             out = export_train(model, load_factory(a.loss, "--loss"), inputs, a.output, dynamic_batch=dynamic,
                                device=a.device, amp=a.amp, channels_last=a.channels_last, max_autotune=a.max_autotune,
-                               fallback_random=not a.inductor_random, verify=not a.no_verify)
+                               fallback_random=not a.inductor_random, attention=a.attention,
+                               verify=not a.no_verify)
         except ValueError as e:
             raise SystemExit(f"export_compiled.py: {e}")
         print(f"wrote {out} (training step, {time.time() - started:.0f} s)")

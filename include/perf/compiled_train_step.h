@@ -100,6 +100,13 @@ class CompiledTrainStep {
   /// The recipe compiled into the step: "off", "bf16" or "fp16" autocast.
   std::string amp() const { return package_->meta("perf.train.amp"); }
   bool channels_last() const { return package_->meta("perf.train.channels_last") == "1"; }
+  /// Attention under autocast, as exported (tools/export_compiled.py --attention):
+  /// "fastest", "float32" or "autocast"; "off" without autocast; "" for a package
+  /// from before the option (LibTorch's policy).
+  std::string attention() const {
+    const auto it = metadata().find("perf.train.attention");
+    return it == metadata().end() ? std::string() : it->second;
+  }
   const std::string& path() const noexcept { return package_->path(); }
   const std::unordered_map<std::string, std::string>& metadata() const noexcept { return package_->metadata(); }
   /// The batch tensors the package takes.

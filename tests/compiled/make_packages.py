@@ -30,7 +30,7 @@ TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(TOOL))
 import models  # noqa: E402
-from export_compiled import AMP, export_compiled, export_train  # noqa: E402
+from export_compiled import AMP, AttentionPrecision, export_compiled, export_train  # noqa: E402
 
 STEPS = 50
 LR, WEIGHT_DECAY, DROPOUT_SEED = 1e-2, 0.01, 7
@@ -45,7 +45,7 @@ def specs():
     }
 
 
-# name -> (factory, batch(n) -> (x, y), batch size, dynamic batch, amp, channels-last)
+# name -> (factory, batch(n) -> (x, y), batch size, dynamic batch, amp, channels-last, attention)
 def train_specs():
     # Learnable data, so that a test can also see the loss fall.
     g = torch.Generator().manual_seed(2)
@@ -67,14 +67,17 @@ def train_specs():
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     return {
-        "mlp_train": (models.make_mlp, rows, 8, (2, 64), "off", False),
-        "cnn_train": (models.make_cnn, images, 8, None, "off", False),
-        "gpt_train": (models.make_tiny_gpt, tokens, 4, None, "off", False),
-        "cnn_train_cl_bf16": (models.make_cnn, images, 8, None, "bf16", True),
+        "mlp_train": (models.make_mlp, rows, 8, (2, 64), "off", False, "fastest"),
+        "cnn_train": (models.make_cnn, images, 8, None, "off", False, "fastest"),
+        "gpt_train": (models.make_tiny_gpt, tokens, 4, None, "off", False, "fastest"),
+        "cnn_train_cl_bf16": (models.make_cnn, images, 8, None, "bf16", True, "fastest"),
+        # bf16 autocast with the attention in float32 (export_train's attention="float32"); Python's run
+        # below uses the same AttentionPrecision, as perf::Autocast's set_cpu_attention("float32") does in C++.
+        "gpt_train_bf16": (models.make_tiny_gpt, tokens, 4, None, "bf16", False, "float32"),
     }
 
 
-def train_reference(factory, make_batch, batch, amp, channels_last):
+def train_reference(factory, make_batch, batch, amp, channels_last, attention):
     """Python eager training: the losses and state perf::CompiledTrainStep must reproduce."""
     torch.manual_seed(0)
     model = factory().train()
@@ -86,12 +89,13 @@ def train_reference(factory, make_batch, batch, amp, channels_last):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, states, grads = [], [], []
     torch.manual_seed(DROPOUT_SEED)
+    precision = AttentionPrecision("cpu", attention if attention == "float32" else "autocast")
     for x, y in batches:
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         states.append({k: v.clone().contiguous() for k, v in model.state_dict().items()})
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=AMP[amp] or torch.bfloat16, enabled=amp != "off"):
+        with precision, torch.autocast("cpu", dtype=AMP[amp] or torch.bfloat16, enabled=amp != "off"):
             loss = models.classify_loss(model, x, y)
         loss.backward()
         grads.append({k: p.grad.clone().contiguous() for k, p in model.named_parameters()})
@@ -108,11 +112,12 @@ def train_reference(factory, make_batch, batch, amp, channels_last):
 
 
 def build_train(out: str) -> None:
-    for name, (factory, make_batch, batch, dynamic, amp, channels_last) in train_specs().items():
-        torch.save(train_reference(factory, make_batch, batch, amp, channels_last), os.path.join(out, f"{name}.ref.pt"))
+    for name, (factory, make_batch, batch, dynamic, amp, channels_last, attention) in train_specs().items():
+        torch.save(train_reference(factory, make_batch, batch, amp, channels_last, attention),
+                   os.path.join(out, f"{name}.ref.pt"))
         torch.manual_seed(0)
         export_train(factory(), models.classify_loss, make_batch(batch), os.path.join(out, f"{name}.pt2"),
-                     dynamic_batch=dynamic, amp=amp, channels_last=channels_last)
+                     dynamic_batch=dynamic, amp=amp, channels_last=channels_last, attention=attention)
 
 
 def cache_key() -> str:
