@@ -192,6 +192,16 @@ TEST(Autocast, CpuAttentionModesAndLibTorchsPolicyOutsidePerfRegions) {
     const auto want = at::scaled_dot_product_attention(in[0], in[1], in[2], {}, 0.0, true).to(torch::kBFloat16);
     EXPECT_TRUE(same(out, want)) << "computed in fp32, returned in the autocast dtype";
     EXPECT_TRUE(same(grads(out), grads(want)));
+    // float64 is not autocast's to cast (cached_cast leaves it): it stays float64.
+    const auto dq = in[0].detach().to(torch::kDouble).requires_grad_(), dk = in[1].to(torch::kDouble),
+               dv = in[2].to(torch::kDouble);
+    torch::Tensor out64;
+    {
+      perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+      out64 = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, true);
+    }
+    EXPECT_EQ(out64.scalar_type(), torch::kDouble);
+    EXPECT_TRUE(same(out64, at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, true)));
     // An autocast region perf did not open keeps LibTorch's policy.
     at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
     at::autocast::set_autocast_enabled(at::kCPU, true);

@@ -219,13 +219,13 @@ class AttentionPrecision:
     measure=False a call whose shape was not measured keeps autocast's policy. `choices` maps each
     measured shape to (float32 picked, its line)."""
 
-    def __init__(self, device: str, mode: str, choices=None):
+    def __init__(self, device: str, mode: str):
         if mode not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {mode!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.device, self.mode = device, mode
-        self.choices = {} if choices is None else choices
+        self.choices = {}
         self.measure = False
         self.key = torch._C.DispatchKey.AutocastCPU if device == "cpu" else torch._C.DispatchKey.AutocastCUDA
         self._lib = None

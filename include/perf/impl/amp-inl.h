@@ -88,11 +88,14 @@ PERF_INLINE at::Tensor scratch_like(const at::Tensor& t, at::Generator& gen) {
 PERF_INLINE at::Tensor sdpa_in(at::ScalarType compute, c10::ScalarType out_dtype, const at::Tensor& q,
                                const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  auto cast = [compute](const at::Tensor& t) { return t.is_floating_point() ? t.to(compute) : t; };
+  // Autocast's eligible inputs (floating, not double: cached_cast's rule) in `compute`.
+  auto cast = [compute](const at::Tensor& t) {
+    return t.is_floating_point() && t.scalar_type() != at::kDouble ? t.to(compute) : t;
+  };
   std::optional<at::Tensor> m;
   if (mask && mask->defined()) m = cast(*mask);
   auto out = at::scaled_dot_product_attention(cast(q), cast(k), cast(v), m, dropout_p, is_causal, scale, enable_gqa);
-  return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
+  return compute == at::kFloat && out.scalar_type() == at::kFloat ? out.to(out_dtype) : out;
 }
 
 // Forward and backward of both variants on scratch inputs: one warm-up each,
