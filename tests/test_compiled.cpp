@@ -233,6 +233,65 @@ TEST(Compiled, AutotunedPackageSaysSoAndMatchesEager) {
   EXPECT_LE(max_diff(tuned(ref.in[0]), ref.out[0]), 1e-5);
 }
 
+// An Inductor option passed through the exporter (--inductor-config KEY=VALUE;
+// inductor_configs= from Python) reaches the compiler and is recorded: the MLP
+// exported with cpp.simdlen=1 has kernels without SIMD (no at::vec::Vectorized
+// in its generated source, where the default export has some), computes what
+// eager Python does, and says so when printed. Options are checked before
+// anything is compiled: an unknown name (with the near ones), one the exporter
+// sets from its own arguments, a value of another type than the option's.
+TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
+  perf::CompiledModel scalar(package("mlp_scalar.pt2"));
+  perf::CompiledModel plain(package("mlp.pt2"));
+  std::ostringstream a, b;
+  a << scalar;
+  b << plain;
+  EXPECT_NE(a.str().find("\n  Inductor options: cpp.simdlen=1\n"), std::string::npos) << a.str();
+  EXPECT_EQ(b.str().find("Inductor options"), std::string::npos) << b.str();
+  EXPECT_EQ(scalar.metadata().at("perf.inductor_configs"), "cpp.simdlen=1");
+  const auto ref = reference("mlp", 5);
+  EXPECT_LE(max_diff(scalar(ref.in[0]), ref.out[0]), 1e-5);
+
+  const auto out = test_util::lines(test_util::python(
+      "import sys, zipfile\n"
+      "sys.path.insert(0, '" +
+      test_util::source_dir() +
+      "/tools')\n"
+      "import export_compiled as e\n"
+      "def simd(p):\n"
+      "    with zipfile.ZipFile(p) as z:\n"
+      "        return sum(z.read(n).count(b'Vectorized') for n in z.namelist() if n.endswith('.cpp'))\n"
+      "print(simd('" +
+      package("mlp_scalar.pt2") + "'), simd('" + package("mlp.pt2") +
+      "'))\n"
+      "for option in ('layout_optimisation=False', 'max_autotune=True', 'cpp.threads=2.5', 'cpp.threads'):\n"
+      "    try:\n"
+      "        e.main(['models.py:make_mlp', '-o', 'x.pt2', '--input', '4,16', '--inductor-config', option])\n"
+      "    except SystemExit as x:\n"
+      "        print(x)\n"
+      "try:\n"
+      "    e.export_train(None, print, (), 'x.pt2', inductor_configs={'fallback_random': False})\n"
+      "except ValueError as x:\n"
+      "    print(x)\n"));
+  ASSERT_EQ(out.size(), 6u);
+  const auto simd = test_util::parse_numbers(out[0]);
+  ASSERT_EQ(simd.size(), 2u) << out[0];
+  EXPECT_EQ(simd[0], 0) << "cpp.simdlen=1 left SIMD code in the package";
+  EXPECT_GT(simd[1], 0) << "the default export has no SIMD code: this test no longer shows the option's effect";
+  EXPECT_NE(out[1].find("export_compiled.py: --inductor-config 'layout_optimisation' is not an option of "
+                        "torch._inductor.config (did you mean layout_optimization"),
+            std::string::npos)
+      << out[1];
+  EXPECT_NE(out[2].find("'max_autotune' is set by the exporter: use --max-autotune (max_autotune=True)"),
+            std::string::npos)
+      << out[2];
+  EXPECT_NE(out[3].find("'cpp.threads' takes int (default -1), got 2.5"), std::string::npos) << out[3];
+  EXPECT_NE(out[4].find("'cpp.threads': expected KEY=VALUE"), std::string::npos) << out[4];
+  EXPECT_NE(out[5].find("inductor_configs: 'fallback_random' is set by the exporter: use --inductor-random"),
+            std::string::npos)
+      << out[5];
+}
+
 // The README's route for a model that exists only in C++: its Python twin
 // (same parameter names) loads the C++ weights, written with torch::pickle_save,
 // and is exported from there. Checked end to end: C++ forward == twin forward.

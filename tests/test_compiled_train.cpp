@@ -407,6 +407,43 @@ TEST(CompiledTrain, LossesKeptAcrossStepsStayTheirOwn) {
   EXPECT_EQ(step.static_loss().item<double>(), kept.back().item<double>());
 }
 
+// export_train(..., inductor_configs=) passes Inductor options through to the
+// training step's compilation (and to the exporter's check of it): the MLP's
+// step exported with cpp.simdlen=1 has no SIMD code, its steps equal Python
+// eager training's, and the step prints the option.
+TEST(CompiledTrain, ExportedInductorOptionsReachTheStep) {
+  test_util::TempDir dir;
+  const std::string pkg = dir / "mlp_train_scalar.pt2";
+  const auto simd = test_util::python(
+      "import sys, zipfile\n"
+      "sys.path.insert(0, '" +
+      test_util::source_dir() + "/tools')\nsys.path.insert(0, '" + test_util::source_dir() +
+      "/tests/compiled')\n"
+      "import torch, export_compiled as e, models\n"
+      "torch.manual_seed(0)\n"
+      "p = e.export_train(models.make_mlp(), models.classify_loss, (torch.randn(8, 16), torch.zeros(8, "
+      "dtype=torch.int64)), '" +
+      pkg +
+      "', inductor_configs={'cpp.simdlen': 1})\n"
+      "with zipfile.ZipFile(p) as z:\n"
+      "    print(sum(z.read(n).count(b'Vectorized') for n in z.namelist() if n.endswith('.cpp')))\n");
+  EXPECT_EQ(simd, "0");
+  Reference ref("mlp_train");
+  Mlp mlp;
+  load_state(mlp, ref.state("init"));
+  perf::optim::AdamW opt(mlp.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+  perf::CompiledTrainStep step(pkg, mlp, opt);
+  std::ostringstream s;
+  s << step;
+  EXPECT_NE(s.str().find("\n  Inductor options: cpp.simdlen=1\n"), std::string::npos) << s.str();
+  const auto want = ref.tensor("losses");
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_NEAR(step.step(ref.list("x", i), ref.list("y", i)).item<double>(),
+                want[static_cast<int64_t>(i)].item<double>(), 1e-5)
+        << "step " << i;
+  }
+}
+
 // A checkpoint taken after compiled steps resumes like one taken after eager steps.
 TEST(CompiledTrain, CheckpointsResumeExactly) {
   Reference ref("cnn_train");

@@ -10,8 +10,9 @@ one positional input: its shape, and optionally its dtype (`8,128:int64`;
 floating inputs take --dtype). The package is compiled the way inductor
 recommends for inference: eval mode, no autograd, weights frozen into the
 graph (--no-freezing keeps them as constants you can swap), max-autotune on
-request. perf::CompiledModel reads what this tool records in the package's
-metadata (`perf.input.N`) to check every call's inputs.
+request, any other Inductor option with --inductor-config KEY=VALUE (as
+torch.compile's options=; repeatable). perf::CompiledModel reads what this tool
+records in the package's metadata (`perf.input.N`) to check every call's inputs.
 
 Training (--train): the forward pass, the loss and the backward pass of one
 step compiled together, for perf::CompiledTrainStep:
@@ -61,6 +62,88 @@ DTYPES = {
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
+# Inductor options the exporter sets from its own arguments: passing them through inductor_configs
+# would contradict an argument, so each is refused with the argument that sets it.
+_OWN_CONFIGS = {
+    "max_autotune": "use --max-autotune (max_autotune=True)",
+    "freezing": "use --no-freezing (freezing=False); training packages never freeze",
+    "fallback_random": "use --inductor-random (fallback_random=False)",
+    "aot_inductor.metadata": "it holds the metadata perf reads",
+}
+
+
+def inductor_options(configs) -> dict:
+    """Checks Inductor options for export_compiled/export_train's inductor_configs (what torch.compile takes
+    as options= and aoti_compile_and_package as inductor_configs=): each key must name an option of
+    torch._inductor.config (dotted for nested ones, e.g. "triton.cudagraphs") and each value fit the type
+    the option is declared with. Returns a copy; raises ValueError naming the key otherwise."""
+    import difflib
+    import torch._inductor.config as inductor_config
+
+    if configs is None:
+        return {}
+    if not isinstance(configs, dict):
+        raise ValueError(f"inductor_configs must be a dict of Inductor option -> value, got {type(configs).__name__}")
+    known = inductor_config.get_config_copy()
+    declared = getattr(inductor_config, "_config", {})
+    out = {}
+    for key, value in configs.items():
+        if key in _OWN_CONFIGS:
+            raise ValueError(f"inductor_configs: {key!r} is set by the exporter: {_OWN_CONFIGS[key]}")
+        if key not in known:
+            near = difflib.get_close_matches(str(key), list(known), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ValueError(f"inductor_configs: {key!r} is not an option of torch._inductor.config{hint}")
+        kind = getattr(declared.get(key), "value_type", type(known[key]))
+        if not _fits(value, kind):
+            name = str(kind).replace("typing.", "") if not isinstance(kind, type) else kind.__name__
+            raise ValueError(f"inductor_configs: {key!r} takes {name} (default {known[key]!r}), got {value!r}")
+        out[key] = value
+    return out
+
+
+def _fits(value, kind) -> bool:
+    """Whether `value` is of the declared type `kind` (the typing forms Inductor's options use)."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is None or kind is typing.Any or kind is type(None):
+        return kind is not type(None) or value is None
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin is typing.Union or (hasattr(types, "UnionType") and origin is types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(kind, type):
+        return isinstance(value, kind)
+    if origin in (list, tuple, dict, set, frozenset):
+        return isinstance(value, origin)
+    return True  # a Callable or another form: Inductor checks it
+
+
+def parse_inductor_config(text: str):
+    """KEY=VALUE from the command line: VALUE as a Python literal (True, 4, 'x', None), else as a string."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--inductor-config {text!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
+def _options_entry(options: dict) -> str:
+    return " ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+
+
 def _format_of(t: torch.Tensor) -> str:
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return "channels_last"
@@ -97,18 +180,21 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
                     dynamic_batch: tuple[int, int] | None = (1, 1024),
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     channels_last: bool = False, freezing: bool = True,
-                    max_autotune: bool = False, model_name: str = "model") -> str:
+                    max_autotune: bool = False, model_name: str = "model", inductor_configs=None) -> str:
     """Compile `model` for `example_inputs` (a tuple of tensors) into the package `path`.
 
     dynamic_batch: (min, max) of dimension 0 of every input, or None for static shapes.
     Floating inputs and parameters are cast to `dtype`; 4-d float inputs become
-    channels-last when `channels_last` (the model too)."""
+    channels-last when `channels_last` (the model too). inductor_configs: more Inductor
+    options ({"coordinate_descent_tuning": True}), checked by inductor_options and recorded
+    in the metadata (perf.inductor_configs)."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise ValueError(f"dtype must be a floating type (float32, float16, bfloat16, float64), got {dtype}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' needs a CUDA GPU in this Python (torch.cuda.is_available() is False)")
+    options = inductor_options(inductor_configs)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device=device, dtype=dtype).eval()
     if channels_last:
@@ -130,10 +216,11 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
         program = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic_shapes)
         metadata = {"perf.inputs": str(len(inputs)), "perf.outputs": str(n_out),
                     "perf.torch": torch.__version__, "perf.tool": "export_compiled.py 2",
-                    "perf.kind": "inference", "perf.max_autotune": "1" if max_autotune else "0"}
+                    "perf.kind": "inference", "perf.max_autotune": "1" if max_autotune else "0",
+                    "perf.inductor_configs": _options_entry(options)}
         for i, t in enumerate(inputs):
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-        configs = {"freezing": freezing, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
+        configs = {**options, "freezing": freezing, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
@@ -376,7 +463,8 @@ def _joint_program(program):
 def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
                  dynamic_batch: tuple[int, int] | None = None, device: str = "cpu", amp: str = "off",
                  channels_last: bool = False, max_autotune: bool = False, fallback_random: bool = True,
-                 attention: str = "fastest", model_name: str = "model", verify: bool = True) -> str:
+                 attention: str = "fastest", model_name: str = "model", verify: bool = True,
+                 inductor_configs=None) -> str:
     """Compile one training step of `model` — loss(model, *batch), its backward — into the package `path`.
 
     The package takes (parameters and buffers in the module's order, a 0-d float32 scale, the batch) and
@@ -388,7 +476,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     scaled_dot_product_attention in float32 where it measured faster on the example batch ("fastest",
     CPU only; eager runs the model's forward once for it, its buffers restored), always ("float32") or in
     the autocast dtype ("autocast"): see AttentionPrecision; the pick is printed and recorded in the
-    metadata with the dtype each attention op of the compiled graph computes in. verify: run the
+    metadata with the dtype each attention op of the compiled graph computes in. inductor_configs: more
+    Inductor options, as export_compiled takes them (the check and its diagnosis compile with them too). verify: run the
     package once on the example batch and refuse it (ValueError) if its loss or a gradient differs from the
     eager step's (check_compiled_step); skipped with fallback_random=False, whose draws differ from eager's."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -403,6 +492,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     if not callable(loss):
         raise ValueError("loss must be a callable loss(model, *batch) -> scalar tensor")
+    options = inductor_options(inductor_configs)
     model = model.to(device).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -505,7 +595,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
                 "perf.train.attention": precision.mode if amp != "off" else "off",
                 "perf.train.attention.ops": ",".join(_attention_ops(joint.graph_module)),
                 "perf.train.attention.choices": " | ".join(precision.lines()),
-                "perf.max_autotune": "1" if max_autotune else "0"}
+                "perf.max_autotune": "1" if max_autotune else "0", "perf.inductor_configs": _options_entry(options)}
     params = dict(model.named_parameters(remove_duplicate=False))
     for i, n in enumerate(names):
         t = state[n]
@@ -514,7 +604,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
             f"dtype={NAMES.get(t.dtype, str(t.dtype))} sizes={csv(t.shape)} strides={csv(t.stride())}")
     for i, t in enumerate(batch):
         metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-    configs = {"max_autotune": max_autotune, "fallback_random": fallback_random, "aot_inductor.metadata": metadata}
+    configs = {**options, "max_autotune": max_autotune, "fallback_random": fallback_random,
+               "aot_inductor.metadata": metadata}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     path = torch._inductor.aoti_compile_and_package(flat_program, package_path=path, inductor_configs=configs)
     if verify and fallback_random:
@@ -626,8 +717,9 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
     for cpp_wrapper), so where a fake kernel predicts other strides than the real kernel returns, the package's
     generated code reads that output in the wrong order: wrong numbers, no error."""
     options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
+    options["size_asserts"] = True  # the point of this compilation, whatever the package was built with
     try:
-        with torch._inductor.config.patch(size_asserts=True, **options):
+        with torch._inductor.config.patch(**options):
             compiled = torch._inductor.compile(program.module(), list(inputs))
             with torch.no_grad():
                 torch.manual_seed(0)  # the draws of the package's run
@@ -704,6 +796,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-freezing", action="store_true", help="keep weights as swappable constants")
     p.add_argument("--max-autotune", action="store_true", help="autotune GEMMs/convolutions (slow to compile)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory runs")
+    p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more Inductor option (torch._inductor.config), as torch.compile's options=, e.g. "
+                        "coordinate_descent_tuning=True or triton.cudagraphs=False; repeat for several")
     train = p.add_argument_group("training (perf::CompiledTrainStep)")
     train.add_argument("--train", action="store_true",
                        help="compile one training step (forward, loss, backward) instead of inference")
@@ -735,6 +830,10 @@ def main(argv=None) -> int:
         except ValueError:
             raise SystemExit(f"--dynamic-batch must be MIN:MAX (e.g. 1:1024) or 'static', got {a.dynamic_batch!r}")
         dynamic = (lo, hi)
+    try:
+        options = inductor_options(dict(parse_inductor_config(c) for c in a.inductor_config))
+    except ValueError as e:
+        raise SystemExit(f"export_compiled.py: {e}".replace("inductor_configs: ", "--inductor-config "))
     dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
     model = load_factory(a.factory)(**json.loads(a.kwargs))
@@ -745,14 +844,14 @@ def main(argv=None) -> int:
             out = export_train(model, load_factory(a.loss, "--loss"), inputs, a.output, dynamic_batch=dynamic,
                                device=a.device, amp=a.amp, channels_last=a.channels_last, max_autotune=a.max_autotune,
                                fallback_random=not a.inductor_random, attention=a.attention,
-                               verify=not a.no_verify)
+                               verify=not a.no_verify, inductor_configs=options)
         except ValueError as e:
             raise SystemExit(f"export_compiled.py: {e}")
         print(f"wrote {out} (training step, {time.time() - started:.0f} s)")
         return 0
     out = export_compiled(model, inputs, a.output, dynamic_batch=dynamic, device=a.device, dtype=dtype,
                           channels_last=a.channels_last, freezing=not a.no_freezing,
-                          max_autotune=a.max_autotune)
+                          max_autotune=a.max_autotune, inductor_configs=options)
     print(f"wrote {out}")
     return 0
 

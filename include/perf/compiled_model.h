@@ -140,6 +140,9 @@ namespace detail {
 
 PERF_INLINE std::string sizes_string(const std::vector<int64_t>& sizes);
 
+// "  Inductor options: cpp.simdlen=1\n" for a package exported with --inductor-config; "" otherwise.
+PERF_INLINE std::string inductor_options_line(const std::unordered_map<std::string, std::string>& metadata);
+
 PERF_INLINE std::map<std::string, std::string> key_values(const std::string& text);
 
 PERF_INLINE int64_t to_int(const std::string& text, const std::string& what);

@@ -4,7 +4,8 @@ Exporting takes about a minute per model on 2 cores, so results are cached under
 $PERF_CACHE_DIR (default ~/.cache/perf), keyed on the sources and torch's version.
 Writes OUT/<name>.pt2 and OUT/<name>.ref.pt (inputs and eager outputs for batch 1
 and 5, read back by tests/test_compiled.cpp), OUT/mlp_autotuned.pt2 (the MLP exported
-with --max-autotune for batch 5), OUT/mlp_cuda_marked.pt2 (the MLP
+with --max-autotune for batch 5), OUT/mlp_scalar.pt2 (the same for batch 5 with one
+more Inductor option, cpp.simdlen=1: kernels without SIMD), OUT/mlp_cuda_marked.pt2 (the MLP
 package relabelled as a CUDA one), OUT/cnn_plain.pt2 (the CNN exported without
 perf's tool, as PyTorch's docs show), OUT/cnn_plain_nosource.pt2 (the same
 without its generated source) and OUT/stamp.
@@ -148,6 +149,10 @@ def build(out: str) -> None:
     torch.manual_seed(0)
     export_compiled(models.make_mlp().eval(), (torch.randn(5, 16),), os.path.join(out, "mlp_autotuned.pt2"),
                     dynamic_batch=None, max_autotune=True)
+    # The MLP with an Inductor option passed through (inductor_configs): scalar kernels, for batch 5.
+    torch.manual_seed(0)
+    export_compiled(models.make_mlp().eval(), (torch.randn(5, 16),), os.path.join(out, "mlp_scalar.pt2"),
+                    dynamic_batch=None, inductor_configs={"cpp.simdlen": 1})
     # The CNN exported the way PyTorch's docs show, without perf's tool (so without perf's metadata), and
     # the same package with its generated source removed (nothing left to read input specs from).
     torch.manual_seed(0)

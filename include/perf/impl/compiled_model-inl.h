@@ -18,6 +18,11 @@ PERF_INLINE std::string sizes_string(const std::vector<int64_t>& sizes) {
   return s.str();
 }
 
+PERF_INLINE std::string inductor_options_line(const std::unordered_map<std::string, std::string>& metadata) {
+  const auto it = metadata.find("perf.inductor_configs");
+  return it == metadata.end() || it->second.empty() ? "" : "  Inductor options: " + it->second + "\n";
+}
+
 PERF_INLINE std::map<std::string, std::string> key_values(const std::string& text) {
   std::map<std::string, std::string> kv;
   std::istringstream in(text);
@@ -290,7 +295,7 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& mod
   if (model.device().is_cuda() && md.count("AOTI_COMPUTE_CAPABILITY"))
     out << ", compute capability " << md.at("AOTI_COMPUTE_CAPABILITY");
   if (model.options().single_threaded()) out << ", single-threaded (capturable)";
-  out << "\n";
+  out << "\n" << detail::inductor_options_line(md);
   if (model.inputs().empty()) {
     out << "  inputs: " << model.num_inputs() << " tensor(s), unchecked (check_inputs(false))\n";
   } else if (model.inputs_from() == "generated code") {

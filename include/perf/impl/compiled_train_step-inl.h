@@ -215,8 +215,9 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledTrainStep&
       << (step.graphed() ? "one CUDA graph per step" : "eager steps");
   if (step.eager_steps() > 0) out << " (" << step.eager_steps() << " uncaptured)";
   out << "\n";
-  for (size_t i = 0; i < step.inputs().size(); ++i) out << "  batch " << i << ": " << step.inputs()[i] << "\n";
   const auto& meta = step.metadata();
+  out << detail::inductor_options_line(meta);
+  for (size_t i = 0; i < step.inputs().size(); ++i) out << "  batch " << i << ": " << step.inputs()[i] << "\n";
   const auto ops = meta.find("perf.train.attention.ops"), choices = meta.find("perf.train.attention.choices");
   if (ops != meta.end() && !ops->second.empty()) {
     out << "  attention (" << step.attention() << "): computes in " << ops->second << "\n";
