@@ -94,10 +94,12 @@ def inductor_options(configs) -> dict:
             near = difflib.get_close_matches(str(key), list(known), n=3)
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
             raise ValueError(f"inductor_configs: {key!r} is not an option of torch._inductor.config{hint}")
-        kind = getattr(declared.get(key), "value_type", type(known[key]))
+        # The declared type (torch 2.11's config entries carry it), else the default's; None: anything.
+        default = known[key]
+        kind = getattr(declared.get(key), "value_type", None if default is None else type(default))
         if not _fits(value, kind):
             name = str(kind).replace("typing.", "") if not isinstance(kind, type) else kind.__name__
-            raise ValueError(f"inductor_configs: {key!r} takes {name} (default {known[key]!r}), got {value!r}")
+            raise ValueError(f"inductor_configs: {key!r} takes {name} (default {default!r}), got {value!r}")
         out[key] = value
     return out
 
@@ -108,8 +110,10 @@ def _fits(value, kind) -> bool:
     import typing
 
     origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if kind is None or kind is typing.Any or kind is type(None):
-        return kind is not type(None) or value is None
+    if kind is None or kind is typing.Any:
+        return True
+    if kind is type(None):
+        return value is None
     if origin is typing.Literal:
         return any(value == a and type(value) is type(a) for a in args)
     if origin is typing.Union or (hasattr(types, "UnionType") and origin is types.UnionType):
