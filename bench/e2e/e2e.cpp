@@ -83,8 +83,19 @@ struct Result {
   std::vector<double> windows, losses;
   double first_step_s = 0;
   std::string amp = "off";
-  std::string package_layout;  // perf_compiled*: the package's parameter layout
+  std::string package_layout;   // perf_compiled*: the package's parameter layout
+  std::string package_options;  // perf_compiled*: Inductor options it was exported with (perf.inductor_configs)
 };
+
+// `text` as a JSON string's contents.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
 
 at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out.to(at::kFloat).reshape({-1, out.size(-1)}), y.reshape({-1}));
@@ -192,6 +203,8 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
         epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device);
     r.amp = step.amp() == "off" ? "off" : step.amp();
     r.package_layout = step.channels_last() ? "channels_last" : "contiguous";
+    const auto options = step.metadata().find("perf.inductor_configs");
+    if (options != step.metadata().end()) r.package_options = options->second;
     return r;
   } else {
     TORCH_CHECK(a.config == "perf_trainstep",
@@ -279,6 +292,7 @@ int main(int argc, char** argv) {
       << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
       << "\", \"export_s\": " << a.export_s;
   if (!r.package_layout.empty()) out << ", \"package_layout\": \"" << r.package_layout << "\"";
+  if (!r.package_options.empty()) out << ", \"package_options\": \"" << json_escaped(r.package_options) << "\"";
   out << "}\n";
   std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
             << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s\n";
