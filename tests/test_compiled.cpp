@@ -239,7 +239,9 @@ TEST(Compiled, AutotunedPackageSaysSoAndMatchesEager) {
 // in its generated source, where the default export has some), computes what
 // eager Python does, and says so when printed. Options are checked before
 // anything is compiled: an unknown name (with the near ones), one the exporter
-// sets from its own arguments, a value of another type than the option's.
+// sets from its own arguments, a value of another type than the option's. And
+// --max-autotune hands Inductor what torch.compile(mode="max-autotune") does,
+// less its CUDA graphs (perf::graph captures the package), under the user's options.
 TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   perf::CompiledModel scalar(package("mlp_scalar.pt2"));
   perf::CompiledModel plain(package("mlp.pt2"));
@@ -272,8 +274,20 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
       "try:\n"
       "    e.export_train(None, print, (), 'x.pt2', inductor_configs={'fallback_random': False})\n"
       "except ValueError as x:\n"
-      "    print(x)\n"));
-  ASSERT_EQ(out.size(), 6u);
+      "    print(x)\n"
+      // What the exporter hands Inductor for --max-autotune: Python's max-autotune mode less its CUDA graphs.
+      "import torch\n"
+      "seen = []\n"
+      "torch._inductor.aoti_compile_and_package = lambda p, package_path, inductor_configs: "
+      "seen.append(inductor_configs) or package_path\n"
+      "m, x = torch.nn.Linear(4, 2), torch.randn(2, 4)\n"
+      "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True)\n"
+      "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True, inductor_configs={'coordinate_descent_tuning': "
+      "False})\n"
+      "e.export_compiled(m, (x,), 'y.pt2')\n"
+      "keys = ('max_autotune', 'coordinate_descent_tuning', 'triton.cudagraphs')\n"
+      "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"));
+  ASSERT_EQ(out.size(), 7u);
   const auto simd = test_util::parse_numbers(out[0]);
   ASSERT_EQ(simd.size(), 2u) << out[0];
   EXPECT_EQ(simd[0], 0) << "cpp.simdlen=1 left SIMD code in the package";
@@ -290,6 +304,9 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   EXPECT_NE(out[5].find("inductor_configs: 'fallback_random' is set by the exporter: use --inductor-random"),
             std::string::npos)
       << out[5];
+  // max_autotune/coordinate_descent_tuning/triton.cudagraphs of three exports: --max-autotune, the same with
+  // coordinate_descent_tuning=False given, without --max-autotune.
+  EXPECT_EQ(out[6], "True/True/None True/False/None False/None/None");
 }
 
 // The README's route for a model that exists only in C++: its Python twin

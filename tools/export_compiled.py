@@ -144,6 +144,15 @@ def parse_inductor_config(text: str):
         return key.strip(), value.strip()
 
 
+def _autotune_options(max_autotune: bool, options: dict) -> dict:
+    """--max-autotune as torch.compile(mode="max-autotune") compiles, less its CUDA graphs (perf::graph captures
+    the package): Inductor's "max-autotune-no-cudagraphs" options (max_autotune, coordinate_descent_tuning),
+    under the user's own options."""
+    if not max_autotune:
+        return dict(options)
+    return {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **options}
+
+
 def _options_entry(options: dict) -> str:
     return " ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
 
@@ -224,7 +233,8 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
                     "perf.inductor_configs": _options_entry(options)}
         for i, t in enumerate(inputs):
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-        configs = {**options, "freezing": freezing, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
+        configs = {**_autotune_options(max_autotune, options), "freezing": freezing, "max_autotune": max_autotune,
+                   "aot_inductor.metadata": metadata}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
@@ -608,8 +618,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
             f"dtype={NAMES.get(t.dtype, str(t.dtype))} sizes={csv(t.shape)} strides={csv(t.stride())}")
     for i, t in enumerate(batch):
         metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-    configs = {**options, "max_autotune": max_autotune, "fallback_random": fallback_random,
-               "aot_inductor.metadata": metadata}
+    configs = {**_autotune_options(max_autotune, options), "max_autotune": max_autotune,
+               "fallback_random": fallback_random, "aot_inductor.metadata": metadata}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     path = torch._inductor.aoti_compile_and_package(flat_program, package_path=path, inductor_configs=configs)
     if verify and fallback_random:
@@ -798,7 +808,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     p.add_argument("--channels-last", action="store_true", help="model and 4-d inputs in channels-last")
     p.add_argument("--no-freezing", action="store_true", help="keep weights as swappable constants")
-    p.add_argument("--max-autotune", action="store_true", help="autotune GEMMs/convolutions (slow to compile)")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="autotune GEMMs/convolutions and Triton kernels' launch configurations, as "
+                        "torch.compile(mode='max-autotune') does without its CUDA graphs (slow to compile)")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory runs")
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="one more Inductor option (torch._inductor.config), as torch.compile's options=, e.g. "
