@@ -402,7 +402,7 @@ if has e2e; then
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
   # PERF_E2E_ARGS: more run.py arguments, e.g. "--compiled-layout contiguous" or
-  # "--compiled-inductor-config layout_optimization=False".
+  # "--compiled-inductor-config layout_optimization=False" or "--compiled-max-autotune".
   read -ra more <<<"${PERF_E2E_ARGS:-}"
   e2e_args+=("${more[@]}")
   # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).

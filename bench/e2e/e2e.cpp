@@ -84,7 +84,7 @@ struct Result {
   double first_step_s = 0;
   std::string amp = "off";
   std::string package_layout;   // perf_compiled*: the package's parameter layout
-  std::string package_options;  // perf_compiled*: Inductor options it was exported with (perf.inductor_configs)
+  std::string package_options;  // perf_compiled*: max-autotune and the Inductor options it was exported with
 };
 
 // `text` as a JSON string's contents.
@@ -203,8 +203,11 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
         epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device);
     r.amp = step.amp() == "off" ? "off" : step.amp();
     r.package_layout = step.channels_last() ? "channels_last" : "contiguous";
-    const auto options = step.metadata().find("perf.inductor_configs");
-    if (options != step.metadata().end()) r.package_options = options->second;
+    const auto& meta = step.metadata();
+    const auto options = meta.find("perf.inductor_configs"), autotuned = meta.find("perf.max_autotune");
+    if (autotuned != meta.end() && autotuned->second == "1") r.package_options = "max-autotune";
+    if (options != meta.end() && !options->second.empty())
+      r.package_options += (r.package_options.empty() ? "" : " ") + options->second;
     return r;
   } else {
     TORCH_CHECK(a.config == "perf_trainstep",

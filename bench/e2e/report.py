@@ -35,8 +35,8 @@ def label_of(r):
     label = LABELS.get((r["lang"], r["config"]), f"{r['lang']} {r['config']}")
     if r.get("package_layout") == "contiguous" and r["job"] == "cnn":  # run.py --compiled-layout contiguous
         label += ", contiguous package"
-    if r.get("package_options"):  # run.py --compiled-inductor-config
-        label += f", Inductor {r['package_options']}"
+    if r.get("package_options"):  # run.py --compiled-max-autotune, --compiled-inductor-config
+        label += f", {r['package_options']}"
     return label
 
 

@@ -43,11 +43,11 @@ def configs(device, quick, full):
     return order
 
 
-def training_package(job, size, device, amp, out, layout="channels-last", options=None):
+def training_package(job, size, device, amp, out, layout="channels-last", options=None, max_autotune=False):
     """The job's training step compiled by tools/export_compiled.py --train with the recipe the C++ perf
     configurations use (autocast as perf's default for the device, channels-last for the CNN unless layout
-    is "contiguous": then Inductor picks the layouts inside the step) and the Inductor options given
-    (--compiled-inductor-config), cached under $PERF_CACHE_DIR/e2e-packages by everything that shapes it.
+    is "contiguous": then Inductor picks the layouts inside the step), the Inductor options given
+    (--compiled-inductor-config) and max-autotune (--compiled-max-autotune), cached under $PERF_CACHE_DIR/e2e-packages by everything that shapes it.
     Returns (path, seconds the export took)."""
     sys.path.insert(0, TOOLS)
     from export_compiled import export_train  # noqa: E402
@@ -55,7 +55,7 @@ def training_package(job, size, device, amp, out, layout="channels-last", option
     channels_last = job == "cnn" and layout == "channels-last"
     options = options or {}
     h = hashlib.sha256(json.dumps([job, size, device, amp, channels_last, torch.__version__,
-                                   sorted((k, repr(v)) for k, v in options.items())]).encode())
+                                   sorted((k, repr(v)) for k, v in options.items()), max_autotune]).encode())
     for f in (os.path.join(HERE, "models.py"), os.path.join(HERE, "..", "resnet.py"),
               os.path.join(TOOLS, "export_compiled.py")):
         h.update(open(f, "rb").read())
@@ -68,7 +68,7 @@ def training_package(job, size, device, amp, out, layout="channels-last", option
         x, y = models.make_data(job, size, size["batch"])
         started = time.time()
         export_train(models.make(job, size), models.loss, (x, y), cached[:-4] + ".tmp.pt2", device=device,
-                     amp=amp, channels_last=channels_last, inductor_configs=options)
+                     amp=amp, channels_last=channels_last, inductor_configs=options, max_autotune=max_autotune)
         os.replace(cached[:-4] + ".tmp.pt2", cached)
         with open(seconds_file, "w") as f:
             f.write(f"{time.time() - started:.1f}\n")
@@ -94,6 +94,9 @@ def main():
     p.add_argument("--compiled-inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="an Inductor option for the training packages (export_compiled.py --inductor-config), e.g. "
                         "layout_optimization=False; repeat for several; the report names them in the row")
+    p.add_argument("--compiled-max-autotune", action="store_true",
+                   help="export the training packages with --max-autotune (slow to compile: the peer of Python's "
+                        "max-autotune row)")
     p.add_argument("--out", default="bench-results/e2e")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--malloc-ab", action="store_true",
@@ -161,7 +164,8 @@ def main():
                     while package is None and layouts:
                         layout = layouts.pop(0)
                         try:
-                            package = training_package(job, size, a.device, amp, a.out, layout, options)
+                            package = training_package(job, size, a.device, amp, a.out, layout, options,
+                                                       a.compiled_max_autotune)
                         except Exception as e:  # noqa: BLE001  (reported; the job's other runs go on)
                             wrong = isinstance(e, ValueError) and "compiled training step is wrong" in str(e)
                             then = "; exporting it contiguous instead" if wrong and layouts else ""
