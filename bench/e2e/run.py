@@ -47,8 +47,8 @@ def training_package(job, size, device, amp, out, layout="channels-last", option
     """The job's training step compiled by tools/export_compiled.py --train with the recipe the C++ perf
     configurations use (autocast as perf's default for the device, channels-last for the CNN unless layout
     is "contiguous": then Inductor picks the layouts inside the step), the Inductor options given
-    (--compiled-inductor-config) and max-autotune (--compiled-max-autotune), cached under $PERF_CACHE_DIR/e2e-packages by everything that shapes it.
-    Returns (path, seconds the export took)."""
+    (--compiled-inductor-config) and max-autotune (--compiled-max-autotune), cached under
+    $PERF_CACHE_DIR/e2e-packages by everything that shapes it. Returns (path, seconds the export took)."""
     sys.path.insert(0, TOOLS)
     from export_compiled import export_train  # noqa: E402
 
