@@ -72,34 +72,34 @@ _OWN_CONFIGS = {
 }
 
 
-def inductor_options(configs) -> dict:
+def inductor_options(configs, what: str = "inductor_configs") -> dict:
     """Checks Inductor options for export_compiled/export_train's inductor_configs (what torch.compile takes
     as options= and aoti_compile_and_package as inductor_configs=): each key must name an option of
     torch._inductor.config (dotted for nested ones, e.g. "triton.cudagraphs") and each value fit the type
-    the option is declared with. Returns a copy; raises ValueError naming the key otherwise."""
+    the option is declared with. Returns a copy; raises ValueError naming `what` and the key otherwise."""
     import difflib
     import torch._inductor.config as inductor_config
 
     if configs is None:
         return {}
     if not isinstance(configs, dict):
-        raise ValueError(f"inductor_configs must be a dict of Inductor option -> value, got {type(configs).__name__}")
+        raise ValueError(f"{what} must be a dict of Inductor option -> value, got {type(configs).__name__}")
     known = inductor_config.get_config_copy()
     declared = getattr(inductor_config, "_config", {})
     out = {}
     for key, value in configs.items():
         if key in _OWN_CONFIGS:
-            raise ValueError(f"inductor_configs: {key!r} is set by the exporter: {_OWN_CONFIGS[key]}")
+            raise ValueError(f"{what} {key!r} is set by the exporter: {_OWN_CONFIGS[key]}")
         if key not in known:
             near = difflib.get_close_matches(str(key), list(known), n=3)
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            raise ValueError(f"inductor_configs: {key!r} is not an option of torch._inductor.config{hint}")
+            raise ValueError(f"{what} {key!r} is not an option of torch._inductor.config{hint}")
         # The declared type (torch 2.11's config entries carry it), else the default's; None: anything.
         default = known[key]
         kind = getattr(declared.get(key), "value_type", None if default is None else type(default))
         if not _fits(value, kind):
             name = str(kind).replace("typing.", "") if not isinstance(kind, type) else kind.__name__
-            raise ValueError(f"inductor_configs: {key!r} takes {name} (default {default!r}), got {value!r}")
+            raise ValueError(f"{what} {key!r} takes {name} (default {default!r}), got {value!r}")
         out[key] = value
     return out
 
@@ -131,26 +131,29 @@ def _fits(value, kind) -> bool:
     return True  # a Callable or another form: Inductor checks it
 
 
-def parse_inductor_config(text: str):
-    """KEY=VALUE from the command line: VALUE as a Python literal (True, 4, 'x', None), else as a string."""
+def cli_inductor_options(texts, flag: str = "--inductor-config") -> dict:
+    """The options of command-line KEY=VALUE arguments (`flag`), checked by inductor_options: VALUE as a Python
+    literal (True, 4, 'x', None), else as a string."""
     import ast
 
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"--inductor-config {text!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
-    try:
-        return key.strip(), ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        return key.strip(), value.strip()
+    options = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {text!r}: expected KEY=VALUE, e.g. coordinate_descent_tuning=True")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = value.strip()
+    return inductor_options(options, flag)
 
 
-def _autotune_options(max_autotune: bool, options: dict) -> dict:
-    """--max-autotune as torch.compile(mode="max-autotune") compiles, less its CUDA graphs (perf::graph captures
-    the package): Inductor's "max-autotune-no-cudagraphs" options (max_autotune, coordinate_descent_tuning),
-    under the user's own options."""
-    if not max_autotune:
-        return dict(options)
-    return {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), **options}
+def _compile_configs(options: dict, max_autotune: bool, metadata: dict, **own) -> dict:
+    """What aoti_compile_and_package gets: --max-autotune as torch.compile(mode="max-autotune") compiles, less
+    its CUDA graphs (perf::graph captures the package), i.e. Inductor's "max-autotune-no-cudagraphs" options
+    (max_autotune, coordinate_descent_tuning); the user's options over those; the exporter's own last."""
+    mode = torch._inductor.list_mode_options("max-autotune-no-cudagraphs") if max_autotune else {}
+    return {**mode, **options, **own, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
 
 
 def _options_entry(options: dict) -> str:
@@ -233,8 +236,7 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
                     "perf.inductor_configs": _options_entry(options)}
         for i, t in enumerate(inputs):
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-        configs = {**_autotune_options(max_autotune, options), "freezing": freezing, "max_autotune": max_autotune,
-                   "aot_inductor.metadata": metadata}
+        configs = _compile_configs(options, max_autotune, metadata, freezing=freezing)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
 
@@ -491,9 +493,10 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     CPU only; eager runs the model's forward once for it, its buffers restored), always ("float32") or in
     the autocast dtype ("autocast"): see AttentionPrecision; the pick is printed and recorded in the
     metadata with the dtype each attention op of the compiled graph computes in. inductor_configs: more
-    Inductor options, as export_compiled takes them (the check and its diagnosis compile with them too). verify: run the
-    package once on the example batch and refuse it (ValueError) if its loss or a gradient differs from the
-    eager step's (check_compiled_step); skipped with fallback_random=False, whose draws differ from eager's."""
+    Inductor options, as export_compiled takes them (the check and its diagnosis compile with them too).
+    verify: run the package once on the example batch and refuse it (ValueError) if its loss or a gradient
+    differs from the eager step's (check_compiled_step); skipped with fallback_random=False, whose draws
+    differ from eager's."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     if device not in ("cpu", "cuda"):
@@ -618,8 +621,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
             f"dtype={NAMES.get(t.dtype, str(t.dtype))} sizes={csv(t.shape)} strides={csv(t.stride())}")
     for i, t in enumerate(batch):
         metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
-    configs = {**_autotune_options(max_autotune, options), "max_autotune": max_autotune,
-               "fallback_random": fallback_random, "aot_inductor.metadata": metadata}
+    configs = _compile_configs(options, max_autotune, metadata, fallback_random=fallback_random)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     path = torch._inductor.aoti_compile_and_package(flat_program, package_path=path, inductor_configs=configs)
     if verify and fallback_random:
@@ -847,9 +849,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--dynamic-batch must be MIN:MAX (e.g. 1:1024) or 'static', got {a.dynamic_batch!r}")
         dynamic = (lo, hi)
     try:
-        options = inductor_options(dict(parse_inductor_config(c) for c in a.inductor_config))
+        options = cli_inductor_options(a.inductor_config)
     except ValueError as e:
-        raise SystemExit(f"export_compiled.py: {e}".replace("inductor_configs: ", "--inductor-config "))
+        raise SystemExit(f"export_compiled.py: {e}")
     dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
     model = load_factory(a.factory)(**json.loads(a.kwargs))

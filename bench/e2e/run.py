@@ -112,10 +112,9 @@ def main():
     import export_compiled  # noqa: E402
 
     try:
-        options = export_compiled.inductor_options(
-            dict(export_compiled.parse_inductor_config(c) for c in a.compiled_inductor_config))
+        options = export_compiled.cli_inductor_options(a.compiled_inductor_config, "--compiled-inductor-config")
     except ValueError as e:
-        p.error(str(e).replace("inductor_configs: ", "--compiled-inductor-config "))
+        p.error(str(e))
 
     dev_kind = "cuda" if a.device.startswith("cuda") else "cpu"
     os.makedirs(a.out, exist_ok=True)
