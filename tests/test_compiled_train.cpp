@@ -4,6 +4,7 @@
 // (dynamic batch 2..64), a CNN with BatchNorm, a one-block transformer with
 // dropout, the CNN with perf's recipe (bf16 autocast, channels-last) compiled in,
 // and the transformer under bf16 autocast with its attention in float32.
+#include <gtest/gtest-spi.h>
 #include <perf/compiled.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
@@ -409,25 +410,22 @@ TEST(CompiledTrain, LossesKeptAcrossStepsStayTheirOwn) {
 
 // export_train(..., inductor_configs=) passes Inductor options through to the
 // training step's compilation (and to the exporter's check of it): the MLP's
-// step exported with cpp.simdlen=1 has no SIMD code, its steps equal Python
-// eager training's, and the step prints the option.
+// step exported with cpp.simdlen=1 (mlp_train_scalar.pt2, by
+// tests/compiled/make_packages.py) has no SIMD code where the default export's
+// has, its steps equal Python eager training's, and the step prints the option.
 TEST(CompiledTrain, ExportedInductorOptionsReachTheStep) {
-  test_util::TempDir dir;
-  const std::string pkg = dir / "mlp_train_scalar.pt2";
+  const std::string pkg = package("mlp_train_scalar.pt2");
   const auto simd = test_util::python(
-      "import sys, zipfile\n"
-      "sys.path.insert(0, '" +
-      test_util::source_dir() + "/tools')\nsys.path.insert(0, '" + test_util::source_dir() +
-      "/tests/compiled')\n"
-      "import torch, export_compiled as e, models\n"
-      "torch.manual_seed(0)\n"
-      "p = e.export_train(models.make_mlp(), models.classify_loss, (torch.randn(8, 16), torch.zeros(8, "
-      "dtype=torch.int64)), '" +
-      pkg +
-      "', inductor_configs={'cpp.simdlen': 1})\n"
-      "with zipfile.ZipFile(p) as z:\n"
-      "    print(sum(z.read(n).count(b'Vectorized') for n in z.namelist() if n.endswith('.cpp')))\n");
-  EXPECT_EQ(simd, "0");
+      "import zipfile\n"
+      "for p in ('" +
+      pkg + "', '" + package("mlp_train.pt2") +
+      "'):\n"
+      "    with zipfile.ZipFile(p) as z:\n"
+      "        print(sum(z.read(n).count(b'Vectorized') for n in z.namelist() if n.endswith('.cpp')))\n");
+  const auto counts = test_util::lines(simd);
+  ASSERT_EQ(counts.size(), 2u) << simd;
+  EXPECT_EQ(counts[0], "0") << "cpp.simdlen=1: scalar kernels only";
+  EXPECT_NE(counts[1], "0") << "the default export vectorizes (else this test shows nothing)";
   Reference ref("mlp_train");
   Mlp mlp;
   load_state(mlp, ref.state("init"));
@@ -993,4 +991,29 @@ TEST(CompiledTrain, OnGpuChannelsLastFp32CnnTrainsWithFusedAdamW) {
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif
+}
+
+// A CUDA test package whose export the build tried and the exporter refused
+// (its check against eager, say) fails the test that needs it at once, with the
+// build's log, rather than exporting it again: the lent GPU's minutes go to
+// other tests. No GPU needed: the build's stamp and log are written here.
+TEST(CompiledTrain, ACudaPackageTheBuildFailedToExportIsNotExportedAgain) {
+  test_util::TempDir built, scratch;
+  ASSERT_TRUE(test_util::run_command("mkdir -p " + built / "cuda"));
+  std::ofstream(built / "cuda/stamp") << "mlp_cuda.pt2: exported\n"
+                                      << "net_cuda.pt2: FAILED (1; see net_cuda.log); the tests export it themselves\n"
+                                      << "41 s\n";
+  std::ofstream(built / "cuda/net_cuda.log") << "ValueError: the compiled step's gradient of fc.weight differs\n";
+  test_util::ScopedEnv here("PERF_TEST_PACKAGES", built.path.c_str());
+  std::string got = "not called";
+  EXPECT_NONFATAL_FAILURE(got = test_util::cuda_test_package("net_cuda.pt2", "no_such_file.py:make", scratch),
+                          "the build's export of net_cuda.pt2 failed");
+  EXPECT_EQ(got, "");
+  EXPECT_NONFATAL_FAILURE(test_util::cuda_test_package("net_cuda.pt2", "no_such_file.py:make", scratch),
+                          "gradient of fc.weight differs");
+  EXPECT_FALSE(std::ifstream(scratch / "net_cuda.pt2.log").good()) << "exported again";
+  // A package the build did not try (no stamp line) is still exported here: the
+  // exporter's own refusal of these arguments, from its log.
+  EXPECT_NONFATAL_FAILURE(test_util::cuda_test_package("other_cuda.pt2", "no_such_file.py:make", scratch),
+                          "the following arguments are required: --input");
 }

@@ -115,10 +115,21 @@ inline std::string compiled_models() { return source_dir() + "/tests/compiled/mo
 // for the GPU it sees; tests/compiled/make_cuda_packages.py, with the same
 // arguments), else here into `dir` by tools/export_compiled.py with `args`
 // (the factory first; --device cuda added). "" after a failed export, which is
-// reported with its log.
+// reported with its log. An export that already failed at build time (its
+// line in the build's stamp) is not tried again: on a lent GPU each costs
+// 30-60 s of the test, twice (ctest, then the one-process run), for the same
+// refusal; the build's log is reported instead.
 inline std::string cuda_test_package(const std::string& name, const std::string& args, const TempDir& dir) {
-  const std::string built = test_packages() + "/cuda/" + name;
+  const std::string built_dir = test_packages() + "/cuda/", built = built_dir + name;
   if (std::ifstream(built).good()) return built;
+  std::ifstream stamp(built_dir + "stamp");
+  for (std::string line; std::getline(stamp, line);) {
+    if (line.rfind(name + ": FAILED", 0) != 0) continue;
+    std::ifstream text(built_dir + name.substr(0, name.size() - 4) + ".log");
+    ADD_FAILURE() << "the build's export of " << name << " failed (" << built_dir << "stamp: " << line << "):\n"
+                  << std::string(std::istreambuf_iterator<char>(text), {});
+    return "";
+  }
   const std::string pkg = dir / name, log = dir / (name + ".log");
   const std::string cmd = reference_python() + " " + source_dir() + "/tools/export_compiled.py " + args +
                           " --device cuda -o " + pkg + " > " + log + " 2>&1";

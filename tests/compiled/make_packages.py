@@ -14,7 +14,8 @@ Training packages (tools/export_compiled.py --train, for perf::CompiledTrainStep
 OUT/<name>.pt2 and OUT/<name>.ref.pt holding the initial state, STEPS batches,
 Python eager training's loss, state (before the step) and gradients per step
 (torch.optim.AdamW), the final state and an eval() forward of the trained model
-(tests/test_compiled_train.cpp).
+(tests/test_compiled_train.cpp); OUT/mlp_train_scalar.pt2, the MLP's step for
+batch 8 exported with cpp.simdlen=1 (no reference of its own: mlp_train's).
 """
 import argparse
 import hashlib
@@ -153,6 +154,10 @@ def build(out: str) -> None:
     torch.manual_seed(0)
     export_compiled(models.make_mlp().eval(), (torch.randn(5, 16),), os.path.join(out, "mlp_scalar.pt2"),
                     dynamic_batch=None, inductor_configs={"cpp.simdlen": 1})
+    # ...and its training step exported with the same option, for batch 8.
+    torch.manual_seed(0)
+    export_train(models.make_mlp(), models.classify_loss, (torch.randn(8, 16), torch.zeros(8, dtype=torch.int64)),
+                 os.path.join(out, "mlp_train_scalar.pt2"), inductor_configs={"cpp.simdlen": 1})
     # The CNN exported the way PyTorch's docs show, without perf's tool (so without perf's metadata), and
     # the same package with its generated source removed (nothing left to read input specs from).
     torch.manual_seed(0)
