@@ -1001,7 +1001,7 @@ TEST(CompiledTrain, ACudaPackageTheBuildFailedToExportIsNotExportedAgain) {
   test_util::TempDir built, scratch;
   ASSERT_TRUE(test_util::run_command("mkdir -p " + built / "cuda"));
   std::ofstream(built / "cuda/stamp") << "mlp_cuda.pt2: exported\n"
-                                      << "net_cuda.pt2: FAILED (1; see net_cuda.log); the tests export it themselves\n"
+                                      << "net_cuda.pt2: FAILED (1; see net_cuda.log); its tests fail with this log\n"
                                       << "41 s\n";
   std::ofstream(built / "cuda/net_cuda.log") << "ValueError: the compiled step's gradient of fc.weight differs\n";
   test_util::ScopedEnv here("PERF_TEST_PACKAGES", built.path.c_str());

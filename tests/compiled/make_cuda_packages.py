@@ -18,9 +18,11 @@ exported here, beside the compilation, the tests find them in OUT:
     OUT/<name>.log            each export's output
     OUT/stamp                 what was done
 
-Without a CUDA device, or when an export fails, only the stamp and logs are
-written and the tests export the package themselves (so that a failure shows in
-the test that needs it). This script never fails the build.
+Without a CUDA device only the stamp is written, and the tests export the
+packages themselves. When an export fails, its line in the stamp says so and
+the tests that need the package fail with its log, without exporting it again
+(test_util::cuda_test_package): a failure shows in the test that needs it. This
+script never fails the build.
 """
 import argparse
 import os
@@ -89,7 +91,7 @@ def main() -> int:
             os.replace(os.path.join(a.out, name[:-4] + ".tmp.pt2"), os.path.join(a.out, name))
             lines.append(f"{name}: exported")
         else:
-            then = "no test uses it" if name in DIAGNOSTIC else "the tests export it themselves"
+            then = "no test uses it" if name in DIAGNOSTIC else "its tests fail with this log"
             lines.append(f"{name}: FAILED ({rc}; see {name[:-4]}.log); {then}")
             print(f"warning: exporting the CUDA test package {name} failed ({rc}); see {log.name}", file=sys.stderr)
     lines.append(f"{time.time() - started:.0f} s")
