@@ -156,6 +156,15 @@ inline std::string python(const std::string& code) {
   return out;
 }
 
+// How often the C++ sources an AOTInductor package carries name Vectorized
+// (at::vec, its SIMD kernels): none for one exported with cpp.simdlen=1.
+inline int64_t vectorized_mentions(const std::string& package) {
+  return std::stoll(
+      python("import zipfile\nwith zipfile.ZipFile('" + package +
+             "') as z:\n"
+             "    print(sum(z.read(n).count(b'Vectorized') for n in z.namelist() if n.endswith('.cpp')))\n"));
+}
+
 // The numbers of one line printed by Python (repr of floats; "nan" allowed).
 inline std::vector<double> parse_numbers(const std::string& line) {
   std::istringstream in(line);
