@@ -796,6 +796,10 @@ def parse_input(text: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
+    import warnings
+    # torch 2.11's export copies its pytree specs through a path it deprecated itself: not the user's to fix.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("factory", help="file.py:function or module:function returning the nn.Module")
