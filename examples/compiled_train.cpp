@@ -6,8 +6,9 @@
 //          --loss examples/compiled_train.py:loss --input 64,64 --input 64:int64 -o net_train.pt2
 //   ./compiled_train net_train.pt2
 //
-// For the GPU, export with --device cuda (and, if you like, --amp bf16) and run
-// with --device cuda. The batch size is the package's (it was exported for a
+// For the GPU, export with --device cuda and run with --device cuda (the
+// recipe, e.g. --amp bf16, goes into the package: README, "Compiled
+// training"). The batch size is the package's (it was exported for a
 // static batch: the loader drops the last, smaller batch). At the end the model,
 // trained by the package, answers held-out samples in plain C++ (eval mode);
 // the program fails if it did not learn.
@@ -26,7 +27,7 @@ constexpr int64_t kFeatures = 64, kClasses = 10;
 // The C++ twin of examples/compiled_train.py's Net: the same parameter names
 // and shapes (the package checks them), the same forward (used for inference).
 struct NetImpl : torch::nn::Module {
-  NetImpl(int64_t hidden = 256, double p = 0.1)
+  explicit NetImpl(int64_t hidden = 256, double p = 0.1)
       : fc1(register_module("fc1", torch::nn::Linear(kFeatures, hidden))),
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})))),
         fc2(register_module("fc2", torch::nn::Linear(hidden, kClasses))),
