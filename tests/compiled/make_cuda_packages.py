@@ -15,6 +15,8 @@ exported here, beside the compilation, the tests find them in OUT:
                               optimization off (--inductor-config layout_optimization=False):
                               no test uses it; its line in the stamp says whether the open
                               CUDA CNN bug (README, "Compiled training") goes with that pass
+    OUT/example_net_train_cuda.pt2  examples/compiled_train.py's step, exported as its header
+                              says (batch 64): for the test example_compiled_train_learns
     OUT/<name>.log            each export's output
     OUT/stamp                 what was done
 
@@ -33,8 +35,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
 MODELS = os.path.join(HERE, "models.py")
+EXAMPLE = os.path.join(HERE, "..", "..", "examples", "compiled_train.py")
 
-# The same arguments as the tests' own exports (tests/test_compiled.cpp, tests/test_compiled_train.cpp).
+# The same arguments as the tests' own exports (tests/test_compiled.cpp, tests/test_compiled_train.cpp,
+# and example_compiled_train_learns in tests/CMakeLists.txt).
 EXPORTS = {
     "mlp_cuda.pt2": [f"{MODELS}:make_mlp", "--input", "4,16", "--dynamic-batch", "1:64", "--device", "cuda"],
     "mlp_train_cuda.pt2": [f"{MODELS}:make_mlp", "--train", "--loss", f"{MODELS}:classify_loss", "--input", "8,16",
@@ -49,6 +53,8 @@ EXPORTS = {
     "cnn_train_cl_nolayoutopt_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
                                           "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp",
                                           "bf16", "--channels-last", "--inductor-config", "layout_optimization=False"],
+    "example_net_train_cuda.pt2": [f"{EXAMPLE}:make", "--train", "--loss", f"{EXAMPLE}:loss", "--input", "64,64",
+                                   "--input", "64:int64", "--device", "cuda"],
 }
 
 DIAGNOSTIC = {"cnn_train_cl_nolayoutopt_cuda.pt2"}
