@@ -30,17 +30,13 @@ struct Net : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
-struct Mlp : torch::nn::Module {
-  Mlp() { fc = register_module("fc", torch::nn::Linear(16, 4)); }
+struct LinearModel : torch::nn::Module {
+  LinearModel() { fc = register_module("fc", torch::nn::Linear(16, 4)); }
   torch::Tensor forward(torch::Tensor x) { return fc->forward(x); }
   torch::nn::Linear fc{nullptr};
 };
 
-torch::Tensor cat_params(torch::nn::Module& m) {
-  std::vector<torch::Tensor> v;
-  for (auto& p : m.parameters()) v.push_back(p.detach().flatten());
-  return torch::cat(v);
-}
+using test_util::cat_params;
 
 void train(torch::nn::Module& m, const std::function<torch::Tensor(torch::Tensor)>& fwd, torch::optim::Optimizer& opt,
            int steps, int seed) {
@@ -60,24 +56,28 @@ template <typename A, typename B, typename OA, typename OB>
 void check_switch(const OA& oa, const OB& ob, const std::string& what) {
   const auto path = (std::filesystem::temp_directory_path() / ("perf_switch_" + what + ".pt")).string();
   torch::manual_seed(0);
-  auto ref = std::make_shared<Mlp>();
-  auto m = std::make_shared<Mlp>();
+  auto ref = std::make_shared<LinearModel>();
+  auto m = std::make_shared<LinearModel>();
   {
     torch::NoGradGuard ng;
     for (size_t i = 0; i < m->parameters().size(); ++i) m->parameters()[i].copy_(ref->parameters()[i]);
   }
   A ref_opt(ref->parameters(), oa);
-  train(*ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 1);
-  train(*ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 2);
+  train(
+      *ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 1);
+  train(
+      *ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 2);
 
   A first(m->parameters(), oa);
-  train(*m, [&](torch::Tensor x) { return m->forward(x); }, first, 5, 1);
+  train(
+      *m, [&](torch::Tensor x) { return m->forward(x); }, first, 5, 1);
   torch::save(first, path);
   B second(m->parameters(), ob);
   torch::load(second, path);
-  train(*m, [&](torch::Tensor x) { return m->forward(x); }, second, 5, 2);
+  train(
+      *m, [&](torch::Tensor x) { return m->forward(x); }, second, 5, 2);
   EXPECT_LE((cat_params(*m) - cat_params(*ref)).abs().max().item<double>(), 1e-6) << what;
-  EXPECT_GT((cat_params(*m) - cat_params(*std::make_shared<Mlp>())).abs().max().item<double>(), 0.0);
+  EXPECT_GT((cat_params(*m) - cat_params(*std::make_shared<LinearModel>())).abs().max().item<double>(), 0.0);
   std::filesystem::remove(path);
 }
 
@@ -87,17 +87,17 @@ void check_switch(const OA& oa, const OB& ob, const std::string& what) {
 
 TEST(Adoption, CheckpointsMoveBetweenTorchOptimAndPerfOptimBothWays) {
   check_switch<torch::optim::SGD, perf::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9),
-                                                   perf::optim::SGDOptions(0.1).momentum(0.9), "sgd_to_perf");
+                                                    perf::optim::SGDOptions(0.1).momentum(0.9), "sgd_to_perf");
   check_switch<perf::optim::SGD, torch::optim::SGD>(perf::optim::SGDOptions(0.1).momentum(0.9),
-                                                   torch::optim::SGDOptions(0.1).momentum(0.9), "sgd_to_torch");
-  check_switch<torch::optim::Adam, perf::optim::Adam>(torch::optim::AdamOptions(1e-2),
-                                                     perf::optim::AdamOptions(1e-2), "adam_to_perf");
-  check_switch<perf::optim::Adam, torch::optim::Adam>(perf::optim::AdamOptions(1e-2),
-                                                     torch::optim::AdamOptions(1e-2), "adam_to_torch");
+                                                    torch::optim::SGDOptions(0.1).momentum(0.9), "sgd_to_torch");
+  check_switch<torch::optim::Adam, perf::optim::Adam>(torch::optim::AdamOptions(1e-2), perf::optim::AdamOptions(1e-2),
+                                                      "adam_to_perf");
+  check_switch<perf::optim::Adam, torch::optim::Adam>(perf::optim::AdamOptions(1e-2), torch::optim::AdamOptions(1e-2),
+                                                      "adam_to_torch");
   check_switch<torch::optim::AdamW, perf::optim::AdamW>(torch::optim::AdamWOptions(1e-2).amsgrad(true),
-                                                       perf::optim::AdamWOptions(1e-2).amsgrad(true), "adamw_to_perf");
+                                                        perf::optim::AdamWOptions(1e-2).amsgrad(true), "adamw_to_perf");
   check_switch<perf::optim::AdamW, torch::optim::AdamW>(perf::optim::AdamWOptions(1e-2),
-                                                       torch::optim::AdamWOptions(1e-2), "adamw_to_torch");
+                                                        torch::optim::AdamWOptions(1e-2), "adamw_to_torch");
 }
 
 // --------------------------------------------------------------------------- 2. loader defaults
@@ -156,13 +156,13 @@ TEST(Adoption, ModulesOfEveryShape) {
   torch::manual_seed(0);
   const auto x = torch::randn({3, 16});
   // optimize: temporary plain module, lvalue plain module, shared_ptr, holder.
-  auto a = perf::optimize(Mlp(), perf::ModelOptions().autocast(false));
+  auto a = perf::optimize(LinearModel(), perf::ModelOptions().autocast(false));
   EXPECT_EQ(a(x).sizes(), (std::vector<int64_t>{3, 4}));
-  Mlp local;
+  LinearModel local;
   auto b = perf::optimize(local, perf::ModelOptions().autocast(false));
   torch::NoGradGuard ng;
   EXPECT_TRUE(torch::equal(b(x), local.forward(x))) << "by reference: the same module";
-  auto shared = std::make_shared<Mlp>();
+  auto shared = std::make_shared<LinearModel>();
   auto c = perf::optimize(shared, perf::ModelOptions().autocast(false));
   EXPECT_EQ(c.module().get(), shared.get());
   auto holder = torch::nn::Linear(16, 4);
@@ -191,7 +191,7 @@ TEST(Adoption, ModulesOfEveryShape) {
 TEST(Adoption, TrainStepInARealLoopWithTorchOptimAndTheFirstBatch) {
   auto run = [](bool trainstep) {
     torch::manual_seed(0);
-    Mlp model;
+    LinearModel model;
     torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(1e-2));  // a torch::optim optimizer
     auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
       return torch::nn::functional::cross_entropy(model.forward(x), t);
@@ -223,7 +223,7 @@ TEST(Adoption, TrainStepInARealLoopWithTorchOptimAndTheFirstBatch) {
   };
   EXPECT_TRUE(torch::equal(run(false), run(true)));
   // A wrong target dtype fails at construction, naming the loss function.
-  Mlp model;
+  LinearModel model;
   torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
   PERF_EXPECT_THROW_MSG(perf::TrainStep(
                             model,

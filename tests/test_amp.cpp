@@ -18,7 +18,7 @@
 
 namespace {
 
-bool has_cuda() { return torch::cuda::is_available(); }
+using test_util::has_cuda;
 
 }  // namespace
 

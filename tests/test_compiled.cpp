@@ -22,8 +22,7 @@ namespace {
 
 using test_util::TempDir;
 
-// PERF_TEST_PACKAGES (environment) overrides the build's folder when the binary runs elsewhere.
-std::string package(const std::string& name) { return test_util::test_packages() + "/" + name; }
+using test_util::package;
 
 struct Reference {
   std::vector<at::Tensor> in, out;
@@ -44,10 +43,7 @@ Reference reference(const std::string& name, int batch) {
   return {list(b + "_in"), list(b + "_out")};
 }
 
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using test_util::max_diff;
 
 // The C++ twin of tests/compiled/models.py's Mlp: same layers, same names.
 struct CppMlp : torch::nn::Module {

@@ -32,7 +32,7 @@
 
 namespace {
 
-std::string package(const std::string& name) { return test_util::test_packages() + "/" + name; }
+using test_util::package;
 
 // Twins of tests/compiled/models.py: same layers, same names.
 struct Mlp : torch::nn::Module {
@@ -96,9 +96,9 @@ c10::impl::GenericDict load_dict(const std::string& path) {
 }
 
 // <name>.ref.pt from make_packages.py: init/final state, batches, Python's losses, an eval() forward.
-struct Reference {
+struct TrainReference {
   c10::impl::GenericDict dict;
-  explicit Reference(const std::string& name) : dict(load_dict(package(name + ".ref.pt"))) {}
+  explicit TrainReference(const std::string& name) : dict(load_dict(package(name + ".ref.pt"))) {}
   at::Tensor tensor(const std::string& key) const { return dict.at(key).toTensor(); }
   at::Tensor list(const std::string& key, size_t i) const { return dict.at(key).toList().get(i).toTensor(); }
   size_t steps() const { return dict.at("x").toList().size(); }
@@ -111,10 +111,7 @@ void load_state(torch::nn::Module& m, const c10::impl::GenericDict& state) {
   for (auto& b : m.named_buffers()) b.value().copy_(state.at(b.key()).toTensor());
 }
 
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  EXPECT_EQ(a.sizes(), b.sizes());
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using test_util::max_diff;
 
 // Largest difference between the module's state and a state dict, and where.
 struct StateDiff {
@@ -143,7 +140,7 @@ at::Tensor classify_loss(const at::Tensor& out, const at::Tensor& y) {
 // Trains `name`'s package from the reference's initial state over its batches;
 // returns the losses and leaves the trained state in `model`.
 template <typename Model>
-std::vector<double> train_compiled(const std::string& name, Model& model, const Reference& ref,
+std::vector<double> train_compiled(const std::string& name, Model& model, const TrainReference& ref,
                                    const perf::CompiledTrainOptions& options = perf::CompiledTrainOptions()) {
   load_state(model, ref.state("init"));
   model.train();
@@ -192,7 +189,7 @@ void expect_each_step_equal(const std::string& name, double tol, bool channels_l
                             int kink_steps = 0) {
   Model model;
   if (channels_last) perf::to_channels_last(model);
-  Reference ref(name);
+  TrainReference ref(name);
   torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.0));  // gradients only
   perf::CompiledTrainStep step(package(name + ".pt2"), model, opt);
   torch::manual_seed(kDropoutSeed);  // dropout: the same masks as Python, step by step
@@ -248,19 +245,19 @@ TEST(CompiledTrain, EveryStepEqualsPythonEagerFromTheSameState) {
 TEST(CompiledTrain, MlpCnnAndTransformerLossesEqualPythonEagerStepByStep) {
   {
     Mlp mlp;
-    Reference ref("mlp_train");
+    TrainReference ref("mlp_train");
     EXPECT_LE(worst_step(train_compiled("mlp_train", mlp, ref), ref.tensor("losses")), 1e-5);
     EXPECT_LE(state_diff(mlp, ref.state("final")).worst, 1e-5) << state_diff(mlp, ref.state("final"));
   }
   {
     TinyGpt gpt;
-    Reference ref("gpt_train");
+    TrainReference ref("gpt_train");
     EXPECT_LE(worst_step(train_compiled("gpt_train", gpt, ref), ref.tensor("losses")), 1e-5);
     EXPECT_LE(state_diff(gpt, ref.state("final")).worst, 1e-5) << state_diff(gpt, ref.state("final"));
   }
   {
     Cnn cnn;
-    Reference ref("cnn_train");
+    TrainReference ref("cnn_train");
     const auto losses = train_compiled("cnn_train", cnn, ref);
     EXPECT_LE(worst_step(losses, ref.tensor("losses")), 2e-3);
     EXPECT_LT(losses.back(), 0.7 * losses.front()) << "the data are learnable";
@@ -274,7 +271,7 @@ TEST(CompiledTrain, MlpCnnAndTransformerLossesEqualPythonEagerStepByStep) {
 // model (within the CNN's drift, above) and nothing like the untrained one.
 TEST(CompiledTrain, EvalAfterCompiledTrainingSeesTheTrainedWeightsAndStatistics) {
   Cnn cnn;
-  Reference ref("cnn_train");
+  TrainReference ref("cnn_train");
   train_compiled("cnn_train", cnn, ref);
   cnn.eval();
   torch::NoGradGuard no_grad;
@@ -293,7 +290,7 @@ TEST(CompiledTrain, EvalAfterCompiledTrainingSeesTheTrainedWeightsAndStatistics)
 // of the loss and the trajectories must fall alike.
 TEST(CompiledTrain, RecipeInsideTheGraphTracksPythonEagerWithTheSameRecipe) {
   Cnn cnn;
-  Reference ref("cnn_train_cl_bf16");
+  TrainReference ref("cnn_train_cl_bf16");
   load_state(cnn, ref.state("init"));
   perf::to_channels_last(cnn);
   perf::optim::AdamW opt(cnn.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
@@ -315,7 +312,7 @@ TEST(CompiledTrain, RecipeInsideTheGraphTracksPythonEagerWithTheSameRecipe) {
 // scaled and unscaled programs agree to rounding), accumulation over micro-
 // batches, clipping and a learning rate changed by a scheduler.
 TEST(CompiledTrain, ScalerAccumulationClippingAndSchedulerMatchTrainStep) {
-  Reference ref("mlp_train");
+  TrainReference ref("mlp_train");
   struct Run {
     std::vector<double> losses;
     std::vector<at::Tensor> params;
@@ -370,7 +367,7 @@ TEST(CompiledTrain, ScalerAccumulationClippingAndSchedulerMatchTrainStep) {
 // A dynamic-batch package trains an epoch's smaller last batch (counted as
 // uncaptured); a static one refuses it with the two ways out.
 TEST(CompiledTrain, PartialBatchesFollowTheExportedBatchRange) {
-  Reference ref("mlp_train");
+  TrainReference ref("mlp_train");
   Mlp mlp;
   load_state(mlp, ref.state("init"));
   perf::optim::AdamW opt(mlp.parameters(), perf::optim::AdamWOptions(kLr));
@@ -395,7 +392,7 @@ TEST(CompiledTrain, PartialBatchesFollowTheExportedBatchRange) {
 // The step's loss is the caller's: keeping one per step and reading them at
 // the end gives every step's own loss (not the last one repeated).
 TEST(CompiledTrain, LossesKeptAcrossStepsStayTheirOwn) {
-  Reference ref("mlp_train");
+  TrainReference ref("mlp_train");
   Mlp mlp;
   load_state(mlp, ref.state("init"));
   perf::optim::AdamW opt(mlp.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
@@ -418,7 +415,7 @@ TEST(CompiledTrain, ExportedInductorOptionsReachTheStep) {
   EXPECT_EQ(test_util::vectorized_mentions(pkg), 0) << "cpp.simdlen=1: scalar kernels only";
   EXPECT_GT(test_util::vectorized_mentions(package("mlp_train.pt2")), 0)
       << "the default export vectorizes (else this test shows nothing)";
-  Reference ref("mlp_train");
+  TrainReference ref("mlp_train");
   Mlp mlp;
   load_state(mlp, ref.state("init"));
   perf::optim::AdamW opt(mlp.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
@@ -436,7 +433,7 @@ TEST(CompiledTrain, ExportedInductorOptionsReachTheStep) {
 
 // A checkpoint taken after compiled steps resumes like one taken after eager steps.
 TEST(CompiledTrain, CheckpointsResumeExactly) {
-  Reference ref("cnn_train");
+  TrainReference ref("cnn_train");
   Cnn cnn;
   load_state(cnn, ref.state("init"));
   perf::optim::AdamW opt(cnn.parameters(), perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
@@ -696,7 +693,7 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
   test_util::TempDir dir;
   const std::string pkg = cuda_train_package("mlp_train_cuda.pt2", "make_mlp", "--input 8,16 --input 8:int64", dir);
   ASSERT_FALSE(pkg.empty());
-  Reference ref("mlp_train");
+  TrainReference ref("mlp_train");
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](int mode) {  // 0: eager, 1: compiled uncaptured, 2: compiled graphed
     Mlp mlp;
@@ -893,7 +890,7 @@ void expect_cuda_cnn_tracks_eager(const std::string& name, const std::string& ar
   test_util::TempDir dir;
   const std::string pkg = cuda_train_package(name, "make_cnn", "--input 8,3,32,32 --input 8:int64 " + args, dir);
   ASSERT_FALSE(pkg.empty());
-  Reference ref(reference);
+  TrainReference ref(reference);
   const c10::Device cuda(c10::kCUDA, 0);
   auto train = [&](bool graph) {
     Cnn cnn;

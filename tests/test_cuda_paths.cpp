@@ -19,7 +19,7 @@
 
 namespace {
 
-bool has_cuda() { return torch::cuda::is_available(); }
+using test_util::has_cuda;
 
 torch::nn::Sequential mlp(int64_t width = 32) {
   torch::nn::Sequential m;
@@ -37,7 +37,7 @@ std::vector<torch::Tensor> flat_params(torch::nn::Module& m) {
   return out;
 }
 
-torch::Tensor cat_params(torch::nn::Module& m) { return torch::cat(flat_params(m)); }
+using test_util::cat_params;
 
 struct Data {
   std::vector<torch::Tensor> xs, ts;

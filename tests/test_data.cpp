@@ -57,7 +57,7 @@ std::vector<int64_t> targets_of_epoch(Loader& loader, c10::Device device = c10::
   return seen;
 }
 
-bool has_cuda() { return torch::cuda::is_available(); }
+using test_util::has_cuda;
 
 }  // namespace
 

@@ -193,8 +193,8 @@ TEST(Distributed, Rank1OfTwoProcessTests) {
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool spare = false) {
+struct DdpNetImpl : torch::nn::Module {
+  explicit DdpNetImpl(bool spare = false) {
     l1 = register_module("l1", torch::nn::Linear(8, 16));
     l2 = register_module("l2", torch::nn::Linear(16, 16));
     l3 = register_module("l3", torch::nn::Linear(16, 4));
@@ -203,7 +203,7 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return l3(torch::relu(l2(torch::relu(l1(x))))); }
   torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr}, l4{nullptr};
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(DdpNet);
 
 // Rank 0's flattened parameters equal this rank's, bit for bit.
 void expect_same_on_every_rank(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, torch::nn::Module& m,
@@ -242,7 +242,7 @@ std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, std::vector<at::Ten
 
 // perf::optim's own zero_grad; LibTorch's optimizers through perf::optim::zero_grad
 // (their zero_grad's in-place detach_ refuses gradient_as_bucket_view's views).
-void clear_grads(torch::optim::Optimizer& opt) {
+void clear_ddp_grads(torch::optim::Optimizer& opt) {
   if (auto* fused = dynamic_cast<perf::optim::FusedOptimizer*>(&opt)) {
     fused->zero_grad();
   } else {
@@ -267,9 +267,9 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   SCOPED_TRACE(c.name + " on " + std::to_string(pg->getSize()) + " ranks");
   const int rank = pg->getRank(), world = pg->getSize();
   torch::manual_seed(100 + rank);  // different on every rank: DDP must broadcast rank 0's
-  Net model(c.spare);
+  DdpNet model(c.spare);
   torch::manual_seed(100);  // rank 0's initial weights
-  Net ref(c.spare);
+  DdpNet ref(c.spare);
   perf::DistributedDataParallel ddp(model, pg, c.options);
   EXPECT_LT(max_diff(*model, *ref), 1e-12) << "rank 0's parameters were not broadcast";
   auto opt = make_opt(c.opt, model->parameters());
@@ -281,8 +281,8 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
     torch::manual_seed(1000 + step);  // the same global batch everywhere
     const auto x = torch::randn({c.micro, world * b, 8});
     const auto y = torch::randint(0, 4, {c.micro, world * b});
-    clear_grads(*opt);
-    clear_grads(*ref_opt);
+    clear_ddp_grads(*opt);
+    clear_ddp_grads(*ref_opt);
     for (int m = 0; m < c.micro; ++m) {
       const auto xs = x[m].narrow(0, rank * b, b), ys = y[m].narrow(0, rank * b, b);
       auto local = [&] {
@@ -325,7 +325,7 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   }
   if (c.spare) {
     torch::manual_seed(100);
-    Net fresh(true);
+    DdpNet fresh(true);
     EXPECT_TRUE(torch::equal(model->l4->weight, fresh->l4->weight)) << "the unused parameter moved";
   }
 }
@@ -378,7 +378,7 @@ void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   // An unused parameter without find_unused_parameters: the Reducer's own error, on every rank alike.
   {
     torch::manual_seed(100);
-    Net model(true);
+    DdpNet model(true);
     perf::DistributedDataParallel ddp(model, pg);
     ddp(torch::randn({4, 8})).sum().backward();
     PERF_EXPECT_THROW_MSG(ddp(torch::randn({4, 8})), "find_unused_parameters");
@@ -398,7 +398,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> single_group() {
 TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
 #if PERF_WITH_GLOO
   auto pg = single_group();
-  Net model;
+  DdpNet model;
   PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(model, nullptr), "process group is empty");
   PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(model, pg, perf::DDPOptions().bucket_cap_mb(0)),
                         "perf::DDPOptions::bucket_cap_mb: must be > 0");
@@ -408,7 +408,7 @@ TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
       perf::DistributedDataParallel(model, pg, perf::DDPOptions().static_graph(true).find_unused_parameters(true)),
       "static_graph(true) already handles unused parameters");
   {
-    Net frozen;
+    DdpNet frozen;
     for (auto& p : frozen->parameters()) p.requires_grad_(false);
     PERF_EXPECT_THROW_MSG(perf::DistributedDataParallel(frozen, pg), "no parameter that requires grad");
   }
@@ -464,7 +464,7 @@ TEST(DistributedDataParallel, ARankThatDiesIsABoundedError) {
   try {
     auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(5)).backend("gloo"));
     torch::manual_seed(100);
-    Net model;
+    DdpNet model;
     perf::DistributedDataParallel ddp(model, pg);
     EXPECT_THROW(
         {
@@ -491,7 +491,7 @@ TEST(DistributedDataParallel, WorkerThatDies) {
   if (!is_worker()) GTEST_SKIP() << "skipped: runs only as a worker rank, started by DistributedDataParallel.*";
   auto pg = worker_group(std::chrono::seconds(5));
   torch::manual_seed(100);
-  Net model;
+  DdpNet model;
   perf::DistributedDataParallel ddp(model, pg);
   std::_Exit(3);  // dies after joining, before the first step
 }
@@ -506,7 +506,7 @@ TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
   for (const std::string comp : {"none", "bf16"}) {
     SCOPED_TRACE("compression " + comp);
     torch::manual_seed(100);
-    Net model, ref;
+    DdpNet model, ref;
     model->to(torch::kCUDA);
     ref->to(torch::kCUDA);
     {

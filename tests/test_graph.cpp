@@ -10,9 +10,9 @@
 
 namespace {
 
-bool has_cuda() { return torch::cuda::is_available(); }
+using test_util::has_cuda;
 
-torch::nn::Sequential mlp(int64_t width = 32) {
+torch::nn::Sequential deep_mlp(int64_t width = 32) {
   torch::nn::Sequential m;
   m->push_back(torch::nn::Linear(16, width));
   for (int i = 0; i < 4; ++i) {
@@ -30,7 +30,7 @@ torch::nn::Sequential mlp(int64_t width = 32) {
 // call overwrites, is opt-in with clone_outputs(false)).
 TEST(Graph, SameResultsAsEagerAndOutputsTheCallerKeeps) {
   torch::manual_seed(0);
-  auto model = mlp();
+  auto model = deep_mlp();
   model->eval();
   const auto x = torch::randn({8, 16});
   auto g = perf::graph(model, x);
@@ -50,7 +50,7 @@ TEST(Graph, SameResultsAsEagerAndOutputsTheCallerKeeps) {
 
 TEST(Graph, BucketsPadToTheNextSizeAndSliceBack) {
   torch::manual_seed(0);
-  auto model = mlp();
+  auto model = deep_mlp();
   model->eval();
   auto g = perf::graph(model, torch::randn({8, 16}), perf::GraphOptions().batch_sizes({8, 2, 1, 4, 4}));
   EXPECT_EQ(g.buckets(), (std::vector<int64_t>{1, 2, 4, 8}));
@@ -84,7 +84,7 @@ TEST(Graph, MultipleInputsAndOutputs) {
 }
 
 TEST(Graph, RejectsWhatWouldBeSilentlyWrong) {
-  auto model = mlp();
+  auto model = deep_mlp();
   const auto x = torch::randn({4, 16});
   auto exact = perf::graph(model, x);
   PERF_EXPECT_THROW_MSG(exact(torch::randn({5, 16})), "captured for [4, 16]");
@@ -112,7 +112,7 @@ struct Run {
 Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false,
           const perf::TrainStepOptions& options = {}, torch::Dtype dtype = torch::kFloat) {
   torch::manual_seed(0);
-  auto model = mlp();
+  auto model = deep_mlp();
   model->to(device, dtype);
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
   auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
@@ -262,7 +262,7 @@ TEST(TrainStep, KeptLossesEqualEagerStepByStepOnTheE2eJobs) {
 TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   torch::manual_seed(0);
-  auto model = mlp(256);
+  auto model = deep_mlp(256);
   model->to(torch::kCUDA);
   model->eval();
   const auto x = torch::randn({32, 16}, torch::kCUDA);

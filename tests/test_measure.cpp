@@ -21,13 +21,7 @@
 
 namespace {
 
-bool has_cuda() {
-#if PERF_WITH_CUDA
-  return c10::cuda::device_count() > 0;
-#else
-  return false;
-#endif
-}
+using test_util::perf_has_cuda;
 
 void sleep_ms(double ms) { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms)); }
 
@@ -47,7 +41,7 @@ TEST(Timer, MisuseIsAnError) {
   PERF_EXPECT_THROW_MSG(t.stop(), "start() was not called");
   t.start();
   PERF_EXPECT_THROW_MSG(t.elapsed_ms(), "call start() and stop() first");
-  if (!has_cuda()) PERF_EXPECT_THROW_MSG(perf::Timer(c10::Device(c10::kCUDA)), "cuda");
+  if (!perf_has_cuda()) PERF_EXPECT_THROW_MSG(perf::Timer(c10::Device(c10::kCUDA)), "cuda");
 }
 
 // No timing race: under load (ctest -j16) the host may take any time, so the
@@ -56,7 +50,7 @@ TEST(Timer, MisuseIsAnError) {
 // host's wall time of the same run; and it is at least what 200M cycles take at
 // 5 GHz, faster than any GPU clock (40 ms).
 TEST(Timer, MeasuresKnownGpuWorkWithoutHostSync) {
-  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
   const int64_t cycles = 200'000'000;
   at::cuda::sleep(1000);  // the sleep kernel loaded before anything is timed
@@ -201,7 +195,7 @@ TEST(Memory, CpuReportsRssAndSaysWhatIsMissing) {
 }
 
 TEST(Memory, OnGpuStatsRiseAndFallBeforeAndAfterTheFirstCudaTensor) {
-  if (!has_cuda()) {
+  if (!perf_has_cuda()) {
     PERF_EXPECT_THROW_MSG(perf::memory_stats(c10::Device(c10::kCUDA)), "cuda");
     GTEST_SKIP() << "skipped: no CUDA device on this machine";
   }

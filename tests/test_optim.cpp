@@ -100,7 +100,7 @@ std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor
   return [o](std::vector<torch::Tensor> ps) { return std::make_unique<Opt>(std::move(ps), o); };
 }
 
-bool has_cuda() { return torch::cuda::is_available(); }
+using test_util::has_cuda;
 
 }  // namespace
 

@@ -34,7 +34,7 @@ std::vector<P> fp32_entries() {
   return out;
 }
 
-bool has_cuda() { return perf::detail::cuda_device_count() > 0; }
+using test_util::perf_has_cuda;
 
 // LibTorch's settings are process-wide, and these tests change them: each one
 // starts with this guard, which puts back every value setup() may change (all
@@ -77,7 +77,7 @@ TEST(Setup, DefaultsAreTheFastSettings) {
   EXPECT_EQ(r.at("tf32").requested, "true");
   EXPECT_EQ(r.at("cudnn_benchmark").requested, "true");
   EXPECT_EQ(r.at("deterministic").read_back, "false");
-  if (has_cuda()) {
+  if (perf_has_cuda()) {
     EXPECT_TRUE(ctx.benchmarkCuDNN());
     EXPECT_TRUE(ctx.allowTF32CuDNN());
     EXPECT_EQ(ctx.float32Precision(B::CUDA, O::CONV), P::TF32);
@@ -158,7 +158,7 @@ TEST(Setup, DeterministicTurnsBenchmarkOffAndSaysWhy) {
     EXPECT_EQ(*ws_before, ws_after);
   }
   const auto& cublas = r.at("cublas_workspace_config");
-  if (!has_cuda()) {
+  if (!perf_has_cuda()) {
     EXPECT_EQ(cublas.status, perf::Status::skipped);
     EXPECT_NE(cublas.reason.find("no CUDA device"), std::string::npos);
   } else if (!perf::detail::valid_cublas_workspace(ws_after)) {
@@ -187,7 +187,7 @@ TEST(Setup, DefaultsNeverUndoDeterminism) {
   EXPECT_EQ(r.at("deterministic").read_back, "true");
   const auto& bench = r.at("cudnn_benchmark");
   EXPECT_EQ(bench.status, perf::Status::skipped);
-  if (has_cuda()) {
+  if (perf_has_cuda()) {
     EXPECT_NE(bench.reason.find("yields: deterministic algorithms are on"), std::string::npos) << bench.reason;
   }
   // The same decision where there is no CUDA device to hide it behind.
@@ -369,7 +369,7 @@ TEST(Setup, InvalidValuesThrowAndApplyNothing) {
   for (const char* ok : {"expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
                          "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False"}) {
     EXPECT_NO_THROW(perf::setup(perf::Settings().allocator(ok))) << ok;
-    if (!has_cuda()) {
+    if (!perf_has_cuda()) {
       EXPECT_EQ(flags().at("allocator"), before.at("allocator")) << "skipped means untouched";
     }
   }
@@ -512,7 +512,7 @@ TEST(Setup, ReportPrintsAnAlignedTable) {
 
 TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
   const KeepSettings keep;
-  if (has_cuda()) GTEST_SKIP() << "skipped: this machine has a CUDA device (covered by OnGpu tests)";
+  if (perf_has_cuda()) GTEST_SKIP() << "skipped: this machine has a CUDA device (covered by OnGpu tests)";
   const auto fp16_before = at::globalContext().allowFP16ReductionCuBLAS();
   const auto r = perf::setup(perf::Settings()
                                  .sync_debug("warn")
@@ -531,7 +531,7 @@ TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
 
 TEST(Setup, OnGpuCudaSettingsApply) {
   const KeepSettings keep;
-  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
   const auto r = perf::setup(
       perf::Settings().sync_debug("warn").memory_fraction(0.5).fp16_reduced_precision_reduction(false).allocator(

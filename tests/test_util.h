@@ -1,10 +1,14 @@
 // Small helpers shared by perf's test suites.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <perf/config.h>
 #include <perf/detail/cpu.h>
 #include <stdlib.h>
+#include <torch/cuda.h>
+#include <torch/nn/module.h>
 #include <unistd.h>
 
 #include <array>
@@ -77,13 +81,6 @@ struct TempDir {
 // Runs a shell command; true when it exits 0 (a named function: with
 // _FORTIFY_SOURCE, std::system's result must be used).
 inline bool run_command(const std::string& command) { return std::system(command.c_str()) == 0; }
-
-// An environment variable, or `fallback` when unset or empty (paths baked in at
-// build time that a binary run on another machine overrides).
-inline std::string env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : fallback;
-}
 
 // Plays a CPU with (or without) native bf16 for one scope.
 class ScopedCpuBf16 {
@@ -181,6 +178,34 @@ inline std::vector<std::string> lines(const std::string& text) {
   std::string line;
   while (std::getline(in, line)) out.push_back(line);
   return out;
+}
+
+// LibTorch sees a CUDA device.
+inline bool has_cuda() { return torch::cuda::is_available(); }
+
+// perf can use one: LibTorch sees a device and perf was built with CUDA
+// (false in a PERF_WITH_CUDA=0 build on a GPU machine).
+inline bool perf_has_cuda() {
+#if PERF_WITH_CUDA
+  return torch::cuda::device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+// A test package or its reference, by file name (test_packages()).
+inline std::string package(const std::string& name) { return test_packages() + "/" + name; }
+
+inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  EXPECT_EQ(a.sizes(), b.sizes());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// A module's parameters, flattened into one CPU tensor.
+inline at::Tensor cat_params(torch::nn::Module& m) {
+  std::vector<at::Tensor> v;
+  for (auto& p : m.parameters()) v.push_back(p.detach().cpu().flatten());
+  return at::cat(v);
 }
 
 }  // namespace test_util
