@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <perf/config.h>
 #include <perf/detail/cpu.h>
+#include <perf/setup.h>
 #include <stdlib.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -185,13 +185,7 @@ inline bool has_cuda() { return torch::cuda::is_available(); }
 
 // perf can use one: LibTorch sees a device and perf was built with CUDA
 // (false in a PERF_WITH_CUDA=0 build on a GPU machine).
-inline bool perf_has_cuda() {
-#if PERF_WITH_CUDA
-  return torch::cuda::device_count() > 0;
-#else
-  return false;
-#endif
-}
+inline bool perf_has_cuda() { return perf::detail::cuda_device_count() > 0; }
 
 // A test package or its reference, by file name (test_packages()).
 inline std::string package(const std::string& name) { return test_packages() + "/" + name; }
