@@ -16,6 +16,7 @@
 #include <iterator>
 #include <thread>
 
+#include "compiled/models.h"
 #include "test_util.h"
 
 namespace {
@@ -44,14 +45,6 @@ Reference reference(const std::string& name, int batch) {
 }
 
 using test_util::max_diff;
-
-// The C++ twin of tests/compiled/models.py's Mlp: same layers, same names.
-struct CppMlp : torch::nn::Module {
-  CppMlp()
-      : fc1(register_module("fc1", torch::nn::Linear(16, 64))), fc2(register_module("fc2", torch::nn::Linear(64, 4))) {}
-  at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1, fc2;
-};
 
 }  // namespace
 
@@ -303,7 +296,7 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
 // and is exported from there. Checked end to end: C++ forward == twin forward.
 TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
   torch::manual_seed(3);
-  auto mlp = std::make_shared<CppMlp>();
+  auto mlp = std::make_shared<compiled_models::Mlp>();
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& p : mlp->named_parameters()) state.insert(p.key(), p.value().detach());
   for (const auto& b : mlp->named_buffers()) state.insert(b.key(), b.value());

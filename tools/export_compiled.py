@@ -50,6 +50,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -335,7 +336,6 @@ class AttentionPrecision:
 
     def __enter__(self):
         if self.mode == "float32" or (self.mode == "fastest" and self.device == "cpu"):
-            import warnings
             with warnings.catch_warnings():  # the dispatcher's "Overriding a previously registered kernel"
                 warnings.simplefilter("ignore", UserWarning)
                 self._lib = torch.library.Library("aten", "IMPL")
@@ -796,7 +796,6 @@ def parse_input(text: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    import warnings
     # torch 2.11's export copies its pytree specs through a path it deprecated itself: not the user's to fix.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)

@@ -1,4 +1,5 @@
-"""The models perf's CompiledModel tests export (tests/compiled/make_packages.py)."""
+"""The models perf's CompiledModel tests export (tests/compiled/make_packages.py); their C++ twins,
+with the same parameter and buffer names, are in models.h."""
 import torch
 
 
