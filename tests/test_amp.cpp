@@ -778,6 +778,34 @@ TEST(Checkpoint, GradientsEqualWithDropoutAndParameters) {
   EXPECT_FALSE(torch::allclose(x.grad(), ref[1], 1e-6, 1e-6));
 }
 
+// The first block of a model sees the data, which does not require grad: its
+// parameters must still get their gradients (Python's reentrant checkpoint
+// loses them with a warning; its non-reentrant one, and this, do not).
+TEST(Checkpoint, ParametersGetGradientsWhenNoInputRequiresGrad) {
+  torch::manual_seed(0);
+  torch::nn::Linear l1(16, 32), l2(32, 4);
+  auto block = [&](const std::vector<torch::Tensor>& in) { return l2(torch::gelu(l1(in[0]))); };
+  const auto x = torch::randn({8, 16});  // data: no requires_grad
+  auto run = [&](bool ckpt) {
+    for (auto& p : l1->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : l2->parameters()) p.mutable_grad() = torch::Tensor();
+    auto y = ckpt ? perf::checkpoint(block, {x}) : block({x});
+    EXPECT_TRUE(y.requires_grad()) << (ckpt ? "checkpointed" : "plain");
+    (y * y).sum().backward();
+    return std::vector<torch::Tensor>{y.detach(), l1->weight.grad(), l1->bias.grad(), l2->weight.grad()};
+  };
+  const auto ref = run(false);
+  const auto ck = run(true);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(ck[i].defined()) << "tensor " << i << " (0: output, 1-3: gradients) is undefined";
+    EXPECT_TRUE(torch::allclose(ck[i], ref[i], 1e-6, 1e-6)) << i;
+  }
+  EXPECT_FALSE(x.grad().defined());
+  // Under no_grad nothing is recorded, as without the checkpoint.
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(perf::checkpoint(block, {x}).requires_grad());
+}
+
 TEST(Checkpoint, LowersPeakActivationMemory) {
   if (!perf::reset_peak_memory()) GTEST_SKIP() << "skipped: this kernel refuses to reset peak RSS (clear_refs)";
   // A fixed mmap threshold: glibc then returns every large block on free, so

@@ -29,6 +29,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <iomanip>
@@ -224,7 +225,10 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 /// Activation checkpointing: runs fn(inputs) without keeping its activations,
 /// then recomputes it during backward, with the forward's RNG state (dropout
-/// matches) and autocast state. Gradients equal the non-checkpointed ones.
+/// matches) and autocast state. Gradients equal the non-checkpointed ones,
+/// the parameters' too when no input requires grad (a block fed the data).
+/// With grad mode on the output always requires grad, as fn's parameters are
+/// unknown until the recomputation.
 at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs, bool preserve_rng_state = true);
 
 // ---------------------------------------------------------------------------
@@ -500,6 +504,8 @@ class AutocastStateGuard {
 struct CheckpointState : torch::CustomClassHolder {
   CheckpointFn fn;
   bool preserve_rng = true;
+  size_t num_inputs = 0;        // fn's inputs, the first of the Function's tensors
+  bool recording_leaf = false;  // the Function's last tensor only makes it record (perf::checkpoint)
   RngStates rng;
   AutocastState autocast;
 };
@@ -507,7 +513,8 @@ struct CheckpointState : torch::CustomClassHolder {
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 c10::intrusive_ptr<CheckpointState> st, at::TensorList input_list) {
-    const std::vector<at::Tensor> inputs = input_list.vec();
+    const std::vector<at::Tensor> inputs(input_list.begin(),
+                                         input_list.begin() + static_cast<std::ptrdiff_t>(st->num_inputs));
     if (st->preserve_rng) st->rng = current_rng(inputs);
     st->autocast = AutocastState::current();
     at::Tensor out;
@@ -537,6 +544,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     if (out.requires_grad() && grad_outputs[0].defined()) torch::autograd::backward({out}, {grad_outputs[0]});
     torch::autograd::variable_list grads = {at::Tensor()};  // for the state argument
     for (const auto& x : inputs) grads.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    if (st->recording_leaf) grads.emplace_back();
     return grads;
   }
 };

@@ -118,8 +118,18 @@ PERF_INLINE at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::
   auto st = c10::make_intrusive<detail::CheckpointState>();
   st->fn = fn;
   st->preserve_rng = preserve_rng_state;
+  // A custom Function records itself only when an input requires grad: with
+  // none (the first block sees the data), fn's parameters would get no
+  // gradients. A 0-dim leaf that requires grad makes it record; its gradient
+  // is never computed.
+  const bool any =
+      std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  st->num_inputs = inputs.size();
+  std::vector<at::Tensor> list = inputs;
+  st->recording_leaf = !any && at::GradMode::is_enabled();
+  if (st->recording_leaf) list.push_back(at::zeros({}).requires_grad_(true));
   // As a TensorList: LibTorch's custom Function tracks the tensors of a TensorList, not of a std::vector.
-  return detail::CheckpointFunction::apply(st, at::TensorList(inputs))[0];
+  return detail::CheckpointFunction::apply(st, at::TensorList(list))[0];
 }
 
 }  // namespace perf
