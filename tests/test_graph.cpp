@@ -4,6 +4,9 @@
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "../bench/e2e/models.h"
 #include "test_util.h"
@@ -257,6 +260,145 @@ TEST(TrainStep, KeptLossesEqualEagerStepByStepOnTheE2eJobs) {
       }
     }
   }
+}
+
+namespace {
+
+torch::nn::Sequential bn_mlp() {
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 4));
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()) + ".pt")).string();
+}
+
+}  // namespace
+
+// What a captured step baked in, and what a replay would silently ignore:
+// host-side checks, so they are tested here without a GPU (the re-capture
+// itself in OnGpuCapturesAgainWhereAReplayWouldDifferFromEager).
+TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
+  torch::manual_seed(0);
+  auto model = bn_mlp();
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  auto train_once = [&] {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(torch::randn({8, 8})), torch::randint(0, 4, {8})).backward();
+    opt.step();
+  };
+  train_once();  // state exists, as after TrainStep's warm-up
+  auto fresh = [&] { return perf::detail::CapturedState(*model, opt, /*training_modes=*/true); };
+  auto captured = fresh();
+  EXPECT_EQ(captured.changed(*model, opt), "");
+  train_once();  // steps update in place: nothing a replay would miss
+  EXPECT_EQ(captured.changed(*model, opt), "");
+
+  model->eval();
+  EXPECT_EQ(captured.changed(*model, opt), "the model was switched to eval() mode");
+  model->train();
+  EXPECT_EQ(captured.changed(*model, opt), "") << "a validation pass that ends in train() changes nothing";
+  model[1]->eval();  // BatchNorm frozen
+  EXPECT_EQ(captured.changed(*model, opt), "module '1' was switched to eval() mode");
+  EXPECT_EQ(perf::detail::CapturedState(*model, opt, /*training_modes=*/false).changed(*model, opt), "");
+  model->train();
+
+  model->parameters()[0].requires_grad_(false);
+  EXPECT_EQ(captured.changed(*model, opt), "parameter '0.weight' now has requires_grad=false");
+  model->parameters()[0].requires_grad_(true);
+  EXPECT_EQ(captured.changed(*model, opt), "");
+
+  const auto model_file = temp_path("perf_capture_model"), opt_file = temp_path("perf_capture_opt");
+  torch::save(model, model_file);
+  torch::load(model, model_file);  // LibTorch sets the loaded storage into the same tensors
+  EXPECT_EQ(captured.changed(*model, opt),
+            "parameter '0.weight' was given new storage (torch::load, model->to, set_data)");
+  captured = fresh();
+  model[1]->as<torch::nn::BatchNorm1d>()->running_mean.set_data(torch::zeros({16}));
+  EXPECT_EQ(captured.changed(*model, opt), "buffer '1.running_mean' was given new storage (torch::load, model->to)");
+  captured = fresh();
+  torch::save(opt, opt_file);
+  torch::load(opt, opt_file);
+  EXPECT_EQ(captured.changed(*model, opt), "the optimizer's state was replaced (torch::load of the optimizer)");
+  captured = fresh();
+  opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
+  EXPECT_EQ(captured.changed(*model, opt), "the optimizer's param groups changed (add_param_group)");
+  // Flat mode: the first step lays parameters, gradients and state out in one
+  // buffer (new storage: before capture, in warm-up); later steps keep it.
+  auto flat_model = bn_mlp();
+  perf::optim::AdamW flat(flat_model->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  auto flat_step = [&] {
+    flat.zero_grad();
+    flat_model->forward(torch::randn({8, 8})).square().mean().backward();
+    flat.step();
+  };
+  flat_step();
+  const perf::detail::CapturedState flat_captured(*flat_model, flat, /*training_modes=*/true);
+  flat_step();
+  flat_step();
+  EXPECT_EQ(flat_captured.changed(*flat_model, flat), "");
+  std::filesystem::remove(model_file);
+  std::filesystem::remove(opt_file);
+}
+
+// Freezing a layer, a BatchNorm switched to eval(), a checkpoint loaded into
+// the model and into the optimizer mid-training: the graphed step captures
+// again each time and trains as the eager step does.
+TEST(TrainStep, OnGpuCapturesAgainWhereAReplayWouldDifferFromEager) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  const auto model_file = temp_path("perf_recapture_model"), opt_file = temp_path("perf_recapture_opt");
+  torch::manual_seed(1);
+  std::vector<at::Tensor> xs, ts;
+  for (int i = 0; i < 25; ++i) {
+    xs.push_back(torch::randn({16, 8}, torch::kCUDA));
+    ts.push_back(xs.back().narrow(1, 0, 4).argmax(1));
+  }
+  struct Result {
+    std::vector<double> losses;
+    at::Tensor frozen_before, frozen_after;
+    int64_t captures = 0;
+  };
+  auto run = [&](bool graph) {
+    torch::manual_seed(0);
+    auto model = bn_mlp();
+    model->to(torch::kCUDA);
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+    auto loss_fn = [&](const at::Tensor& x, const at::Tensor& t) {
+      return torch::nn::functional::cross_entropy(model->forward(x), t);
+    };
+    perf::TrainStep step(model, loss_fn, opt, xs[0], ts[0], perf::TrainStepOptions().graph(graph));
+    EXPECT_EQ(step.graphed(), graph);
+    Result r;
+    for (int i = 0; i < 25; ++i) {
+      if (i == 3) {
+        torch::save(model, model_file);
+        torch::save(opt, opt_file);
+      }
+      if (i == 5) {
+        model->parameters()[0].requires_grad_(false);
+        r.frozen_before = model->parameters()[0].detach().clone();
+      }
+      if (i == 10) {
+        r.frozen_after = model->parameters()[0].detach().clone();
+        model->parameters()[0].requires_grad_(true);
+        model[1]->eval();
+      }
+      if (i == 15) torch::load(model, model_file);  // back to step 3's weights; BatchNorm still in eval()
+      if (i == 20) torch::load(opt, opt_file);
+      r.losses.push_back(step.step(xs[static_cast<size_t>(i)], ts[static_cast<size_t>(i)]).item<double>());
+    }
+    r.captures = step.captures();
+    return r;
+  };
+  const auto eager = run(false);
+  const auto graphed = run(true);
+  EXPECT_EQ(eager.captures, 0);
+  EXPECT_EQ(graphed.captures, 5) << "the first capture, then after the freeze, the thaw and eval(), each load";
+  EXPECT_TRUE(torch::equal(graphed.frozen_before, graphed.frozen_after)) << "a frozen parameter moved";
+  for (size_t i = 0; i < eager.losses.size(); ++i) EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-4) << i;
+  std::filesystem::remove(model_file);
+  std::filesystem::remove(opt_file);
 }
 
 TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {

@@ -64,6 +64,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -202,6 +203,9 @@ struct TrainStepOptions {
 /// of an epoch (dim 0 only) is trained eagerly by step() and counted in
 /// eager_steps(), so no sample is lost; drop_last(true) avoids it.
 class CompiledTrainStep;
+namespace detail {
+class CapturedState;
+}  // namespace detail
 
 class TrainStep {
  public:
@@ -221,6 +225,12 @@ class TrainStep {
   /// device: reading it is the only sync). Graphed, it is a device copy of
   /// the graph's static loss (one 0-dim copy kernel, no sync): keep as many as
   /// you like, e.g. one per step to read at the end of an epoch.
+  /// Graphed, a step first checks what the capture baked in, and captures
+  /// again (with a warning) where a replay would silently differ from an
+  /// eager step: a module switched between train() and eval(), a parameter's
+  /// requires_grad changed (freezing, unfreezing), a parameter, buffer or
+  /// optimizer state given new storage (torch::load of the model or the
+  /// optimizer after construction, model->to), param groups added.
   at::Tensor step(const std::vector<at::Tensor>& batch);
   at::Tensor step(const at::Tensor& input, const at::Tensor& target) {
     return step(std::vector<at::Tensor>{input, target});
@@ -236,6 +246,9 @@ class TrainStep {
   /// before the next step and cannot afford a 4-byte copy kernel.
   const at::Tensor& static_loss() const noexcept { return static_loss_; }
   bool graphed() const noexcept { return graphed_; }
+  /// Times the step was captured: 1 once graphed, one more for each re-capture
+  /// (a change a replay would ignore: see step()).
+  int64_t captures() const noexcept { return captures_; }
   /// Steps that ran eagerly because the batch was smaller than the example's
   /// (the last batch of an epoch without drop_last).
   int64_t eager_steps() const noexcept { return eager_steps_; }
@@ -250,6 +263,7 @@ class TrainStep {
             torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
   at::Tensor backward_micro(const std::vector<at::Tensor>& micro, int64_t k);
   void init(std::vector<at::Tensor> example);
+  void capture_graph();
   bool is_partial_batch(const std::vector<at::Tensor>& batch) const;
   at::Tensor body(const std::vector<at::Tensor>& batch);
   void check_batch(const std::vector<at::Tensor>& batch, bool shapes) const;
@@ -264,10 +278,11 @@ class TrainStep {
   std::vector<at::Tensor> static_batch_;
   at::Tensor static_loss_;
   bool graphed_ = false;
-  int64_t eager_steps_ = 0;
+  int64_t eager_steps_ = 0, captures_ = 0;
 #if PERF_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 #endif
+  std::unique_ptr<detail::CapturedState> captured_;
 };
 
 // ---------------------------------------------------------------------------
@@ -371,6 +386,34 @@ class ForwardSnapshot {
  private:
   std::vector<at::Tensor> live_, saved_;
   RngStates rng_;
+};
+
+// What a captured training step baked in, besides its shapes: a CUDA graph
+// replays the kernels, addresses and control flow of its capture. So a
+// module's train()/eval() mode, each parameter's requires_grad and storage
+// (torch::load of a module sets new storage into the same tensors, as do
+// model->to and set_data), the buffers' storage, the optimizer's param groups
+// and state. Checked before each replay by pointer comparisons (no device
+// work, no allocation while nothing changed).
+class CapturedState {
+ public:
+  // training_modes: whether the step runs the module's forward (TrainStep;
+  // not a compiled step, whose package fixes the mode).
+  CapturedState(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool training_modes);
+  // "" while a replay equals an eager step; else what changed, for a warning.
+  std::string changed(torch::nn::Module& module, torch::optim::Optimizer& optimizer) const;
+
+ private:
+  struct Entry {
+    at::Tensor tensor;
+    const void* data;
+    bool requires_grad;
+  };
+  std::optional<bool> training_;                                               // the module's own mode
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> children_;  // submodule, is_training
+  std::vector<Entry> params_, buffers_;
+  std::vector<std::vector<const at::TensorImpl*>> groups_;
+  std::vector<const void*> state_;
 };
 
 #if PERF_WITH_CUDA

@@ -177,6 +177,13 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// graph is being captured; perf::TrainStep calls it before each replay.
   void sync_lr();
 
+  /// Where each parameter's state lives (moments, momentum buffers, step
+  /// counters; nullptr where not created), parameter by parameter in group
+  /// order. A CUDA graph keeps the addresses it captured, and torch::load of
+  /// the optimizer replaces the state: perf::TrainStep compares these before
+  /// each replay.
+  std::vector<const void*> state_addresses();
+
   /// While set, every update is skipped on the device as if found_inf were 1
   /// (state is created, nothing moves): how TrainStep warms up without training.
   void skip_updates(bool skip) noexcept { skip_updates_ = skip; }

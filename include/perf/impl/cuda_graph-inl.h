@@ -37,6 +37,71 @@ PERF_INLINE const char* capture_hint() {
   }
 }
 
+PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                                         bool training_modes) {
+  if (training_modes) {  // the module itself may be a plain object (perf::ModuleRef), not in a shared_ptr
+    training_ = module.is_training();
+    for (auto& m : module.modules(/*include_self=*/false)) children_.emplace_back(m, m->is_training());
+  }
+  std::unordered_set<const at::TensorImpl*> seen;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second)
+      params_.push_back({t, t.data_ptr(), t.requires_grad()});
+  };
+  for (const auto& p : module.parameters()) add(p);
+  for (const auto& group : optimizer.param_groups()) {
+    groups_.emplace_back();
+    for (const auto& p : group.params()) {
+      add(p);
+      groups_.back().push_back(p.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& b : module.buffers())
+    if (b.defined()) buffers_.push_back({b, b.data_ptr(), false});
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) state_ = fused->state_addresses();
+}
+
+PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer& optimizer) const {
+  auto module_name = [&](const torch::nn::Module* m) -> std::string {
+    for (const auto& item : module.named_modules("", /*include_self=*/false))
+      if (item.value().get() == m) return "module '" + item.key() + "'";
+    return "a submodule";
+  };
+  auto tensor_name = [&](const at::Tensor& t, const char* what) -> std::string {
+    for (const auto& item : (std::string(what) == "buffer" ? module.named_buffers() : module.named_parameters()))
+      if (item.value().unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+        return std::string(what) + " '" + item.key() + "'";
+    return std::string("an optimizer ") + what + " outside the model";
+  };
+  auto switched = [](bool training) { return std::string(" was switched to ") + (training ? "eval()" : "train()"); };
+  if (training_ && module.is_training() != *training_) return "the model" + switched(*training_) + " mode";
+  for (const auto& [m, training] : children_) {
+    if (m->is_training() != training) return module_name(m.get()) + switched(training) + " mode";
+  }
+  for (const auto& e : params_) {
+    if (e.tensor.requires_grad() != e.requires_grad)
+      return tensor_name(e.tensor, "parameter") + " now has requires_grad=" + (e.requires_grad ? "false" : "true");
+    if (e.tensor.data_ptr() != e.data)
+      return tensor_name(e.tensor, "parameter") + " was given new storage (torch::load, model->to, set_data)";
+  }
+  for (const auto& e : buffers_) {
+    if (e.tensor.data_ptr() != e.data)
+      return tensor_name(e.tensor, "buffer") + " was given new storage (torch::load, model->to)";
+  }
+  const auto& groups = optimizer.param_groups();
+  bool same_groups = groups.size() == groups_.size();
+  for (size_t g = 0; same_groups && g < groups.size(); ++g) {
+    same_groups = groups[g].params().size() == groups_[g].size();
+    for (size_t i = 0; same_groups && i < groups_[g].size(); ++i)
+      same_groups = groups[g].params()[i].unsafeGetTensorImpl() == groups_[g][i];
+  }
+  if (!same_groups) return "the optimizer's param groups changed (add_param_group)";
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) {
+    if (fused->state_addresses() != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
+  }
+  return "";
+}
+
 #if PERF_WITH_CUDA
 
 PERF_INLINE void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on) {
@@ -257,6 +322,13 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     TORCH_WARN(who_, ": torch::optim optimizer: running eagerly as eager_fallback(true) asks");
     return;
   }
+  capture_graph();
+#endif
+}
+
+PERF_INLINE void TrainStep::capture_graph() {
+#if PERF_WITH_CUDA
+  const auto device = static_batch_[0].device();
   // Warm-up with the update skipped on the device: optimizer state and lr
   // tensors are created, nothing trains. Then undo what the forward changed.
   detail::ForwardSnapshot snapshot(*module_, static_batch_);
@@ -285,6 +357,8 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
   if (result == detail::CaptureResult::captured) {
     graph_ = std::move(graph);
     graphed_ = true;
+    ++captures_;
+    captured_ = std::make_unique<detail::CapturedState>(*module_, opt_, /*training_modes=*/!micro_);
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
   }
@@ -344,6 +418,19 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
     return step_eager(batch);
   }
   check_batch(batch, /*shapes=*/true);
+#if PERF_WITH_CUDA
+  if (graphed_) {
+    if (const auto why = captured_->changed(*module_, opt_); !why.empty()) {
+      TORCH_WARN(who_, ": ", why, " since the step was captured, which its replays would ignore: capturing it again");
+      c10::cuda::device_synchronize();  // the last replay has finished with the graph and its pool
+      graph_.reset();                   // its memory goes back before the new capture takes some
+      graphed_ = false;
+      static_loss_ = at::Tensor();
+      captured_.reset();
+      capture_graph();
+    }
+  }
+#endif
   if (!graphed_) return step_eager(batch);
 #if PERF_WITH_CUDA
   for (size_t i = 0; i < batch.size(); ++i) static_batch_[i].copy_(batch[i], /*non_blocking=*/true);

@@ -312,6 +312,23 @@ PERF_INLINE const torch::Tensor& FusedOptimizer::lr_tensor(size_t g, const c10::
   return slot.value;
 }
 
+PERF_INLINE std::vector<const void*> FusedOptimizer::state_addresses() {
+  std::vector<const void*> out;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      const auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) {
+        out.push_back(nullptr);
+        continue;
+      }
+      auto* step = state_step(*it->second);
+      for (torch::Tensor* t : state_tensors(*it->second)) out.push_back(t && t->defined() ? t->data_ptr() : nullptr);
+      out.push_back(step && step->defined() ? step->data_ptr() : nullptr);
+    }
+  }
+  return out;
+}
+
 PERF_INLINE void FusedOptimizer::sync_lr() {
   at::NoGradGuard no_grad;
   for (auto& [key, slot] : lr_tensors_) {
