@@ -49,6 +49,7 @@ TEST(Graph, SameResultsAsEagerAndOutputsTheCallerKeeps) {
   const auto v1 = views(x1);
   views(x2);
   EXPECT_TRUE(torch::equal(v1, y2)) << "clone_outputs(false): views of the static output, overwritten by the next call";
+  EXPECT_EQ(g.captures(), 0) << "eager on the CPU: nothing captured";
 }
 
 TEST(Graph, BucketsPadToTheNextSizeAndSliceBack) {
@@ -288,41 +289,41 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
     opt.step();
   };
   train_once();  // state exists, as after TrainStep's warm-up
-  auto fresh = [&] { return perf::detail::CapturedState(*model, opt, /*training_modes=*/true); };
+  auto fresh = [&] { return perf::detail::CapturedState(*model, &opt, /*training_modes=*/true); };
   auto captured = fresh();
-  EXPECT_EQ(captured.changed(*model, opt), "");
+  EXPECT_EQ(captured.changed(*model, &opt), "");
   train_once();  // steps update in place: nothing a replay would miss
-  EXPECT_EQ(captured.changed(*model, opt), "");
+  EXPECT_EQ(captured.changed(*model, &opt), "");
 
   model->eval();
-  EXPECT_EQ(captured.changed(*model, opt), "the model was switched to eval() mode");
+  EXPECT_EQ(captured.changed(*model, &opt), "the model was switched to eval() mode");
   model->train();
-  EXPECT_EQ(captured.changed(*model, opt), "") << "a validation pass that ends in train() changes nothing";
+  EXPECT_EQ(captured.changed(*model, &opt), "") << "a validation pass that ends in train() changes nothing";
   model[1]->eval();  // BatchNorm frozen
-  EXPECT_EQ(captured.changed(*model, opt), "module '1' was switched to eval() mode");
-  EXPECT_EQ(perf::detail::CapturedState(*model, opt, /*training_modes=*/false).changed(*model, opt), "");
+  EXPECT_EQ(captured.changed(*model, &opt), "module '1' was switched to eval() mode");
+  EXPECT_EQ(perf::detail::CapturedState(*model, &opt, /*training_modes=*/false).changed(*model, &opt), "");
   model->train();
 
   model->parameters()[0].requires_grad_(false);
-  EXPECT_EQ(captured.changed(*model, opt), "parameter '0.weight' now has requires_grad=false");
+  EXPECT_EQ(captured.changed(*model, &opt), "parameter '0.weight' now has requires_grad=false");
   model->parameters()[0].requires_grad_(true);
-  EXPECT_EQ(captured.changed(*model, opt), "");
+  EXPECT_EQ(captured.changed(*model, &opt), "");
 
   const auto model_file = temp_path("perf_capture_model"), opt_file = temp_path("perf_capture_opt");
   torch::save(model, model_file);
   torch::load(model, model_file);  // LibTorch sets the loaded storage into the same tensors
-  EXPECT_EQ(captured.changed(*model, opt),
+  EXPECT_EQ(captured.changed(*model, &opt),
             "parameter '0.weight' was given new storage (torch::load, model->to, set_data)");
   captured = fresh();
   model[1]->as<torch::nn::BatchNorm1d>()->running_mean.set_data(torch::zeros({16}));
-  EXPECT_EQ(captured.changed(*model, opt), "buffer '1.running_mean' was given new storage (torch::load, model->to)");
+  EXPECT_EQ(captured.changed(*model, &opt), "buffer '1.running_mean' was given new storage (torch::load, model->to)");
   captured = fresh();
   torch::save(opt, opt_file);
   torch::load(opt, opt_file);
-  EXPECT_EQ(captured.changed(*model, opt), "the optimizer's state was replaced (torch::load of the optimizer)");
+  EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's state was replaced (torch::load of the optimizer)");
   captured = fresh();
   opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
-  EXPECT_EQ(captured.changed(*model, opt), "the optimizer's param groups changed (add_param_group)");
+  EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's param groups changed (add_param_group)");
   // Flat mode: the first step lays parameters, gradients and state out in one
   // buffer (new storage: before capture, in warm-up); later steps keep it.
   auto flat_model = bn_mlp();
@@ -333,10 +334,10 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
     flat.step();
   };
   flat_step();
-  const perf::detail::CapturedState flat_captured(*flat_model, flat, /*training_modes=*/true);
+  const perf::detail::CapturedState flat_captured(*flat_model, &flat, /*training_modes=*/true);
   flat_step();
   flat_step();
-  EXPECT_EQ(flat_captured.changed(*flat_model, flat), "");
+  EXPECT_EQ(flat_captured.changed(*flat_model, &flat), "");
   std::filesystem::remove(model_file);
   std::filesystem::remove(opt_file);
 }
@@ -428,6 +429,43 @@ TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {
   const auto d1 = drop(torch::ones({1024}, torch::kCUDA)).clone();
   const auto d2 = drop(torch::ones({1024}, torch::kCUDA)).clone();
   EXPECT_FALSE(torch::equal(d1, d2));
+}
+
+// torch::load of a module sets new storage into its parameters: a graph of the
+// module captures again instead of reading the old, freed storage; a module
+// switched to train() (dropout, BatchNorm statistics) is captured again too.
+TEST(Graph, OnGpuCapturesAgainWhenTheModulesWeightsAreLoaded) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto file = temp_path("perf_graph_reload");
+  torch::manual_seed(0);
+  auto model = deep_mlp(64);
+  model->to(torch::kCUDA);
+  model->eval();
+  const auto x = torch::randn({8, 16}, torch::kCUDA);
+  auto g = perf::graph(model, x, perf::GraphOptions().batch_sizes({4, 8}));
+  ASSERT_TRUE(g.graphed());
+  EXPECT_EQ(g.captures(), 1);
+  const auto before = g(x);
+  torch::manual_seed(1);
+  auto other = deep_mlp(64);
+  other->to(torch::kCUDA);
+  torch::save(other, file);
+  torch::load(model, file);  // CUDA tensors: set into the same parameters, new storage
+  torch::NoGradGuard no_grad;
+  const auto after = g(x);
+  EXPECT_EQ(g.captures(), 2);
+  EXPECT_TRUE(torch::equal(after, model->forward(x))) << "the loaded weights";
+  EXPECT_FALSE(torch::equal(after, before));
+  EXPECT_TRUE(torch::equal(
+      g(x.narrow(0, 0, 3)),
+      model->forward(torch::cat({x.narrow(0, 0, 3), torch::zeros({1, 16}, torch::kCUDA)})).narrow(0, 0, 3)))
+      << "every bucket captured again";
+  EXPECT_EQ(g.captures(), 2) << "nothing changed since";
+  model->train();
+  g(x);
+  EXPECT_EQ(g.captures(), 3);
+  model->eval();
+  std::filesystem::remove(file);
 }
 
 TEST(Graph, OnGpuCaptureErrorsNameTheCause) {

@@ -109,12 +109,24 @@ struct GraphOptions {
 /// A fresh memory-pool handle to share among captures ({0, 0} without CUDA).
 c10::MempoolId_t graph_pool_handle();
 
+namespace detail {
+class CapturedState;
+}  // namespace detail
+
 /// A callable replaying CUDA graphs of `fn` (Out: at::Tensor or std::vector<at::Tensor>).
 template <typename Out>
 class Graphed {
  public:
   using Fn = std::function<Out(const std::vector<at::Tensor>&)>;
-  Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options);
+  Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options)
+      : Graphed(std::move(fn), std::move(examples), options, std::nullopt) {}
+  /// `fn` runs `module`'s forward (what perf::graph(module, ...) builds): before
+  /// each replay the module's train()/eval() mode and the storage of its
+  /// parameters and buffers are checked, and every bucket is captured again,
+  /// with a warning, where they changed (torch::load of the module after the
+  /// capture sets new storage; the graph would read the old, freed one).
+  Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options, ModuleRef module)
+      : Graphed(std::move(fn), std::move(examples), options, std::optional<ModuleRef>(std::move(module))) {}
 
   Out operator()(const std::vector<at::Tensor>& inputs);
   Out operator()(const at::Tensor& input) { return (*this)(std::vector<at::Tensor>{input}); }
@@ -124,18 +136,25 @@ class Graphed {
   std::vector<int64_t> buckets() const;
   /// Calls that ran eagerly because their batch fit no bucket.
   int64_t eager_calls() const noexcept { return eager_calls_; }
+  /// Times the buckets were captured: 1 once graphed, one more for each
+  /// re-capture after the module changed (see the constructor with a module).
+  int64_t captures() const noexcept { return captures_; }
 
  private:
   struct Bucket;
+  Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options, std::optional<ModuleRef> module);
   Out call_eager(const std::vector<at::Tensor>& inputs);
   bool capture(Bucket& b, const c10::MempoolId_t& pool);
+  void capture_all(bool cuda, const c10::MempoolId_t& pool);
 
   Fn fn_;
   GraphOptions options_;
   std::vector<at::Tensor> examples_;
   std::vector<std::unique_ptr<Bucket>> buckets_;  // ascending batch size
   bool bucketed_ = false, graphed_ = false;
-  int64_t eager_calls_ = 0;
+  int64_t eager_calls_ = 0, captures_ = 0;
+  std::optional<ModuleRef> module_;
+  std::unique_ptr<detail::CapturedState> captured_;
 };
 
 /// Graphs `fn(inputs)` for the example inputs (any callable taking a
@@ -203,9 +222,6 @@ struct TrainStepOptions {
 /// of an epoch (dim 0 only) is trained eagerly by step() and counted in
 /// eager_steps(), so no sample is lost; drop_last(true) avoids it.
 class CompiledTrainStep;
-namespace detail {
-class CapturedState;
-}  // namespace detail
 
 class TrainStep {
  public:
@@ -390,18 +406,19 @@ class ForwardSnapshot {
 
 // What a captured training step baked in, besides its shapes: a CUDA graph
 // replays the kernels, addresses and control flow of its capture. So a
-// module's train()/eval() mode, each parameter's requires_grad and storage
+// module's train()/eval() mode, the storage of its parameters and buffers
 // (torch::load of a module sets new storage into the same tensors, as do
-// model->to and set_data), the buffers' storage, the optimizer's param groups
-// and state. Checked before each replay by pointer comparisons (no device
-// work, no allocation while nothing changed).
+// model->to and set_data; the old storage, which the graph still reads, is
+// freed), and for a training step (an optimizer given) each parameter's
+// requires_grad and the optimizer's param groups and state. Checked before
+// each replay by pointer comparisons (no device work).
 class CapturedState {
  public:
-  // training_modes: whether the step runs the module's forward (TrainStep;
-  // not a compiled step, whose package fixes the mode).
-  CapturedState(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool training_modes);
-  // "" while a replay equals an eager step; else what changed, for a warning.
-  std::string changed(torch::nn::Module& module, torch::optim::Optimizer& optimizer) const;
+  // training_modes: whether the graph runs the module's forward (not a
+  // compiled step, whose package fixes the mode).
+  CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer, bool training_modes);
+  // "" while a replay equals an eager call; else what changed, for a warning.
+  std::string changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer) const;
 
  private:
   struct Entry {
@@ -501,8 +518,9 @@ struct Graphed<Out>::Bucket {
 };
 
 template <typename Out>
-Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options)
-    : fn_(std::move(fn)), options_(options), examples_(std::move(examples)) {
+Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options,
+                      std::optional<ModuleRef> module)
+    : fn_(std::move(fn)), options_(options), examples_(std::move(examples)), module_(std::move(module)) {
   TORCH_CHECK(fn_, "perf::graph: empty function");
   TORCH_CHECK(!examples_.empty(), "perf::graph: needs at least one example input");
   TORCH_CHECK(options_.warmup() >= 0, "perf::GraphOptions::warmup: must be >= 0, got ", options_.warmup());
@@ -530,7 +548,6 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
 #if !PERF_WITH_CUDA
   TORCH_CHECK(!cuda, "perf::graph: CUDA inputs but perf was built without CUDA (PERF_WITH_CUDA=0)");
 #endif
-  const auto pool = options_.pool() ? *options_.pool() : graph_pool_handle();
   for (int64_t b : sizes) {
     auto bucket = std::make_unique<Bucket>();
     bucket->batch = b;
@@ -548,6 +565,11 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
     }
     buckets_.push_back(std::move(bucket));
   }
+  capture_all(cuda, options_.pool() ? *options_.pool() : graph_pool_handle());
+}
+
+template <typename Out>
+void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
   // Capture the largest bucket first; the smaller ones reuse its pool memory.
   graphed_ = cuda;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
@@ -574,6 +596,10 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
                     " in dim 0; padded batches would change it. Capture exact shapes (no batch_sizes) instead.");
       }
     }
+  }
+  if (graphed_) {
+    ++captures_;
+    if (module_) captured_ = std::make_unique<detail::CapturedState>(**module_, nullptr, /*training_modes=*/true);
   }
 }
 
@@ -633,6 +659,18 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
                   "; use GraphOptions().batch_sizes(...) for varying batch sizes");
     }
   }
+#if PERF_WITH_CUDA
+  if (graphed_ && captured_) {
+    if (const auto why = captured_->changed(**module_, nullptr); !why.empty()) {
+      TORCH_WARN("perf::graph: ", why, " since the graph was captured, which its replays would ignore: capturing ",
+                 "it again");
+      c10::cuda::device_synchronize();  // the last replay has finished with the graphs and their pool
+      for (auto& b : buckets_) b->graph.reset();
+      captured_.reset();
+      capture_all(true, options_.pool() ? *options_.pool() : graph_pool_handle());
+    }
+  }
+#endif
   Bucket* bucket = buckets_.front().get();
   if (bucketed_) {
     auto it = std::find_if(buckets_.begin(), buckets_.end(), [&](const auto& b) { return b->batch >= batch; });
@@ -684,23 +722,34 @@ auto graph(Fn fn, const at::Tensor& example, const GraphOptions& options) {
   using R = decltype(detail::call_with_tensor(std::declval<Fn&>(), std::declval<const at::Tensor&>()));
   using Out = detail::graph_out_t<R>;
   static_assert(std::is_convertible_v<R, Out>, "perf::graph: fn must return a tensor or a std::vector of tensors");
-  return Graphed<Out>(
-      [f = std::move(fn)](const std::vector<at::Tensor>& in) mutable -> Out {
-        return detail::call_with_tensor(f, in[0]);
-      },
-      std::vector<at::Tensor>{example}, options);
+  std::optional<ModuleRef> module;
+  if constexpr (detail::is_holder<Fn>::value) module.emplace(fn);  // a module holder: checked before replays
+  auto call = [f = std::move(fn)](const std::vector<at::Tensor>& in) mutable -> Out {
+    return detail::call_with_tensor(f, in[0]);
+  };
+  if (module) return Graphed<Out>(std::move(call), std::vector<at::Tensor>{example}, options, *module);
+  return Graphed<Out>(std::move(call), std::vector<at::Tensor>{example}, options);
 }
 
 template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int>>
 auto graph(std::shared_ptr<M> module, const at::Tensor& example, const GraphOptions& options) {
   TORCH_CHECK(module, "perf::graph: null module");
-  return graph([m = std::move(module)](const at::Tensor& x) { return m->forward(x); }, example, options);
+  ModuleRef ref(module);
+  using R = decltype(module->forward(example));
+  using Out = detail::graph_out_t<R>;
+  static_assert(std::is_convertible_v<R, Out>, "perf::graph: forward must return a tensor or a std::vector of tensors");
+  return Graphed<Out>([m = std::move(module)](const std::vector<at::Tensor>& in) -> Out { return m->forward(in[0]); },
+                      std::vector<at::Tensor>{example}, options, std::move(ref));
 }
 
 template <typename M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>, int>>
 auto graph(M& module, const at::Tensor& example, const GraphOptions& options) {
   // By reference: the module must outlive the returned Graphed.
-  return graph([m = &module](const at::Tensor& x) { return m->forward(x); }, example, options);
+  using R = decltype(module.forward(example));
+  using Out = detail::graph_out_t<R>;
+  static_assert(std::is_convertible_v<R, Out>, "perf::graph: forward must return a tensor or a std::vector of tensors");
+  return Graphed<Out>([m = &module](const std::vector<at::Tensor>& in) -> Out { return m->forward(in[0]); },
+                      std::vector<at::Tensor>{example}, options, ModuleRef(module));
 }
 
 }  // namespace perf

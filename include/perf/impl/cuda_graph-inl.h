@@ -37,7 +37,7 @@ PERF_INLINE const char* capture_hint() {
   }
 }
 
-PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
                                          bool training_modes) {
   if (training_modes) {  // the module itself may be a plain object (perf::ModuleRef), not in a shared_ptr
     training_ = module.is_training();
@@ -49,19 +49,20 @@ PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim
       params_.push_back({t, t.data_ptr(), t.requires_grad()});
   };
   for (const auto& p : module.parameters()) add(p);
-  for (const auto& group : optimizer.param_groups()) {
+  for (const auto& b : module.buffers())
+    if (b.defined()) buffers_.push_back({b, b.data_ptr(), false});
+  if (optimizer == nullptr) return;
+  for (const auto& group : optimizer->param_groups()) {
     groups_.emplace_back();
     for (const auto& p : group.params()) {
       add(p);
       groups_.back().push_back(p.unsafeGetTensorImpl());
     }
   }
-  for (const auto& b : module.buffers())
-    if (b.defined()) buffers_.push_back({b, b.data_ptr(), false});
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) state_ = fused->state_addresses();
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) state_ = fused->state_addresses();
 }
 
-PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer& optimizer) const {
+PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer) const {
   auto module_name = [&](const torch::nn::Module* m) -> std::string {
     for (const auto& item : module.named_modules("", /*include_self=*/false))
       if (item.value().get() == m) return "module '" + item.key() + "'";
@@ -79,7 +80,7 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
     if (m->is_training() != training) return module_name(m.get()) + switched(training) + " mode";
   }
   for (const auto& e : params_) {
-    if (e.tensor.requires_grad() != e.requires_grad)
+    if (optimizer != nullptr && e.tensor.requires_grad() != e.requires_grad)
       return tensor_name(e.tensor, "parameter") + " now has requires_grad=" + (e.requires_grad ? "false" : "true");
     if (e.tensor.data_ptr() != e.data)
       return tensor_name(e.tensor, "parameter") + " was given new storage (torch::load, model->to, set_data)";
@@ -88,7 +89,8 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
     if (e.tensor.data_ptr() != e.data)
       return tensor_name(e.tensor, "buffer") + " was given new storage (torch::load, model->to)";
   }
-  const auto& groups = optimizer.param_groups();
+  if (optimizer == nullptr) return "";
+  const auto& groups = optimizer->param_groups();
   bool same_groups = groups.size() == groups_.size();
   for (size_t g = 0; same_groups && g < groups.size(); ++g) {
     same_groups = groups[g].params().size() == groups_[g].size();
@@ -96,7 +98,7 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
       same_groups = groups[g].params()[i].unsafeGetTensorImpl() == groups_[g][i];
   }
   if (!same_groups) return "the optimizer's param groups changed (add_param_group)";
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) {
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
     if (fused->state_addresses() != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
   }
   return "";
@@ -358,7 +360,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     graph_ = std::move(graph);
     graphed_ = true;
     ++captures_;
-    captured_ = std::make_unique<detail::CapturedState>(*module_, opt_, /*training_modes=*/!micro_);
+    captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_);
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
   }
@@ -420,7 +422,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   check_batch(batch, /*shapes=*/true);
 #if PERF_WITH_CUDA
   if (graphed_) {
-    if (const auto why = captured_->changed(*module_, opt_); !why.empty()) {
+    if (const auto why = captured_->changed(*module_, &opt_); !why.empty()) {
       TORCH_WARN(who_, ": ", why, " since the step was captured, which its replays would ignore: capturing it again");
       c10::cuda::device_synchronize();  // the last replay has finished with the graph and its pool
       graph_.reset();                   // its memory goes back before the new capture takes some
