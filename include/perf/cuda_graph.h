@@ -404,8 +404,9 @@ class ForwardSnapshot {
   RngStates rng_;
 };
 
-// What a captured training step baked in, besides its shapes: a CUDA graph
-// replays the kernels, addresses and control flow of its capture. So a
+// What a capture of a module's forward (perf::graph, perf::TrainStep) baked
+// in, besides its shapes: a CUDA graph replays the kernels, addresses and
+// control flow of its capture. So a
 // module's train()/eval() mode, the storage of its parameters and buffers
 // (torch::load of a module sets new storage into the same tensors, as do
 // model->to and set_data; the old storage, which the graph still reads, is

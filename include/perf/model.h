@@ -404,9 +404,9 @@ void Optimized<M>::capture(const at::Tensor& example) {
     const at::Tensor x = prepare(example.to(device_));
     graph_sizes_ = example.sizes().vec();
     detail::EvalScope eval(*module_);
-    graph_ = std::make_shared<Graphed<at::Tensor>>(
+    graph_ = std::make_shared<Graphed<at::Tensor>>(  // with the module: weights loaded later are seen
         [this](const std::vector<at::Tensor>& in) -> at::Tensor { return eager_forward(in[0]); },
-        std::vector<at::Tensor>{x}, GraphOptions());
+        std::vector<at::Tensor>{x}, GraphOptions(), ModuleRef(module_));
   } else {
     TORCH_CHECK(false, "perf::Recipe::graph: the module's forward must take one tensor and return one");
   }
