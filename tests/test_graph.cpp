@@ -324,10 +324,13 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
   captured = fresh();
   opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
   EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's param groups changed (add_param_group)");
-  // Flat mode: the first step lays parameters, gradients and state out in one
-  // buffer (new storage: before capture, in warm-up); later steps keep it.
+  // Flat mode: constructing the optimizer moves the parameters into one buffer
+  // (new storage, which a graph built before sees); steps keep them there.
   auto flat_model = bn_mlp();
+  const perf::detail::CapturedState before_flat(*flat_model, nullptr, /*training_modes=*/true);
   perf::optim::AdamW flat(flat_model->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  EXPECT_EQ(before_flat.changed(*flat_model, nullptr),
+            "parameter '0.weight' was given new storage (torch::load, model->to, set_data)");
   auto flat_step = [&] {
     flat.zero_grad();
     flat_model->forward(torch::randn({8, 8})).square().mean().backward();
