@@ -452,6 +452,17 @@ TEST(CompiledTrain, MismatchedModelsPackagesAndStateAreClearErrors) {
   PERF_EXPECT_THROW_MSG(step.step(x, y), "parameter 'fc1.weight' became Double; the package was exported for Float");
   mlp.to(at::kFloat);
   EXPECT_TRUE(std::isfinite(step.step(x, y).item<double>())) << "usable again once the state is back";
+  // The package computes the step in train() mode, whatever the module's mode.
+  mlp.eval();
+  PERF_EXPECT_THROW_MSG(step.step(x, y),
+                        "the model is in eval() mode, but the package computes the step in train() mode, as "
+                        "exported (batch statistics, dropout), and cannot follow a mode change: call "
+                        "model->train() before step()");
+  mlp.train();
+  mlp.fc2->eval();
+  PERF_EXPECT_THROW_MSG(step.step(x, y), "module 'fc2' is in eval() mode");
+  mlp.train();
+  EXPECT_TRUE(std::isfinite(step.step(x, y).item<double>())) << "a validation pass that ends in train() is fine";
   // A channels-last model on a contiguous package, and the other way round.
   perf::to_channels_last(cnn);
   PERF_EXPECT_THROW_MSG(perf::CompiledTrainStep(package("cnn_train.pt2"), cnn, copt),

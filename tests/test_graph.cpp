@@ -322,6 +322,29 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
   torch::load(opt, opt_file);
   EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's state was replaced (torch::load of the optimizer)");
   captured = fresh();
+  // Options the kernels take as host values (a weight-decay or momentum
+  // schedule); lr reaches them as a device tensor and is no change.
+  auto& options = static_cast<perf::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  options.lr(5e-3);
+  EXPECT_EQ(captured.changed(*model, &opt), "");
+  options.weight_decay(0.05);
+  EXPECT_EQ(captured.changed(*model, &opt),
+            "the optimizer's option weight_decay of param group 0 changed from 0.01 to 0.05 (the kernels take it as "
+            "a host value, which a replay would keep)");
+  options.weight_decay(0.01).betas({0.85, 0.999});
+  EXPECT_EQ(captured.changed(*model, &opt),
+            "the optimizer's option betas[0] of param group 0 changed from 0.9 to 0.85 (the kernels take it as a "
+            "host value, which a replay would keep)");
+  options.betas({0.9, 0.999}).amsgrad(true);
+  EXPECT_NE(captured.changed(*model, &opt).find("option amsgrad of param group 0 changed from 0 to 1"),
+            std::string::npos);
+  options.amsgrad(false);
+  EXPECT_EQ(captured.changed(*model, &opt), "");
+  perf::optim::SGD sgd(model->parameters(), perf::optim::SGDOptions(0.1).momentum(0.9));
+  const perf::detail::CapturedState sgd_captured(*model, &sgd, /*training_modes=*/true);
+  static_cast<perf::optim::SGDOptions&>(sgd.param_groups()[0].options()).momentum(0.8);
+  EXPECT_NE(sgd_captured.changed(*model, &sgd).find("option momentum of param group 0 changed from 0.9 to 0.8"),
+            std::string::npos);
   opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
   EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's param groups changed (add_param_group)");
   // Flat mode: constructing the optimizer moves the parameters into one buffer
@@ -362,6 +385,7 @@ TEST(TrainStep, OnGpuCapturesAgainWhereAReplayWouldDifferFromEager) {
     std::vector<double> losses;
     at::Tensor frozen_before, frozen_after;
     int64_t captures = 0;
+    std::vector<at::Tensor> params;
   };
   auto run = [&](bool graph) {
     torch::manual_seed(0);
@@ -390,17 +414,24 @@ TEST(TrainStep, OnGpuCapturesAgainWhereAReplayWouldDifferFromEager) {
       }
       if (i == 15) torch::load(model, model_file);  // back to step 3's weights; BatchNorm still in eval()
       if (i == 20) torch::load(opt, opt_file);
+      if (i == 22)  // a weight-decay schedule: a host value in the kernels
+        static_cast<perf::optim::AdamWOptions&>(opt.param_groups()[0].options()).weight_decay(5.0);
       r.losses.push_back(step.step(xs[static_cast<size_t>(i)], ts[static_cast<size_t>(i)]).item<double>());
     }
     r.captures = step.captures();
+    for (const auto& p : model->parameters()) r.params.push_back(p.detach().clone());
     return r;
   };
   const auto eager = run(false);
   const auto graphed = run(true);
   EXPECT_EQ(eager.captures, 0);
-  EXPECT_EQ(graphed.captures, 5) << "the first capture, then after the freeze, the thaw and eval(), each load";
+  EXPECT_EQ(graphed.captures, 6)
+      << "the first capture, then after the freeze, the thaw and eval(), each load, the weight decay";
   EXPECT_TRUE(torch::equal(graphed.frozen_before, graphed.frozen_after)) << "a frozen parameter moved";
   for (size_t i = 0; i < eager.losses.size(); ++i) EXPECT_NEAR(graphed.losses[i], eager.losses[i], 1e-4) << i;
+  ASSERT_EQ(graphed.params.size(), eager.params.size());
+  for (size_t i = 0; i < eager.params.size(); ++i)
+    EXPECT_LT((graphed.params[i] - eager.params[i]).abs().max().item<double>(), 1e-4) << "parameter " << i;
   std::filesystem::remove(model_file);
   std::filesystem::remove(opt_file);
 }

@@ -24,7 +24,9 @@
 // Names, shapes, dtypes, strides and requires_grad of the module's state are
 // checked against the package at construction, and again (cheaply) at every
 // step, so a model moved, re-laid-out or frozen after export fails clearly
-// instead of feeding the generated code tensors it was not compiled for.
+// instead of feeding the generated code tensors it was not compiled for. So is
+// train() mode: the package computes the step as exported, in train() mode
+// (batch statistics, dropout), whatever mode the module is in.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -130,6 +132,7 @@ class CompiledTrainStep {
   torch::optim::Optimizer& opt_;
   CompiledTrainOptions options_;
   std::vector<State> state_;
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> submodules_;  // train() checked per step
   std::vector<size_t> mutated_, grads_;  // state indexes of the package's buffer and gradient outputs
   std::unique_ptr<TrainStep> inner_;     // made at the first step(), on its batch
 };

@@ -432,6 +432,7 @@ class CapturedState {
   std::vector<Entry> params_, buffers_;
   std::vector<std::vector<const at::TensorImpl*>> groups_;
   std::vector<const void*> state_;
+  std::vector<optim::StepConstant> constants_;
 };
 
 #if PERF_WITH_CUDA

@@ -142,6 +142,14 @@ struct FlatStore;
 struct Bucket;
 }  // namespace detail
 
+/// One option of one param group that step() hands its kernels as a host value
+/// (see FusedOptimizer::step_constants).
+struct StepConstant {
+  size_t group;
+  const char* option;  // "weight_decay", "betas[0]", ...
+  double value;        // booleans as 0 or 1
+};
+
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   using torch::optim::Optimizer::Optimizer;
@@ -184,6 +192,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// each replay.
   std::vector<const void*> state_addresses();
 
+  /// Each param group's options that step() passes to its kernels as host
+  /// values: all but lr, which the CUDA kernels read from a device tensor
+  /// (weight decay, betas, eps, momentum, ...). A CUDA graph keeps the values
+  /// it captured, so perf::TrainStep compares these before each replay.
+  std::vector<StepConstant> step_constants() const;
+
   /// While set, every update is skipped on the device as if found_inf were 1
   /// (state is created, nothing moves): how TrainStep warms up without training.
   void skip_updates(bool skip) noexcept { skip_updates_ = skip; }
@@ -225,6 +239,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   virtual std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const = 0;
   virtual torch::Tensor* state_step(torch::optim::OptimizerParamState&) const { return nullptr; }
   virtual std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const = 0;
+  // Appends group g's step constants (options `o`) to `out`.
+  virtual void add_step_constants(const torch::optim::OptimizerOptions& /*o*/, size_t /*g*/,
+                                  std::vector<StepConstant>& /*out*/) const {}
   // Called by the subclass constructor once its options are checked.
   void init_flat(bool flat, const char* name);
   // The (device, dtype) buckets of group g in flat mode, each entry a run of
@@ -293,6 +310,16 @@ class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Dec
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const Options&>(o).flat();
   }
+  void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
+                          std::vector<StepConstant>& out) const override {
+    const auto& o = static_cast<const Options&>(options);
+    out.insert(out.end(), {{g, "betas[0]", std::get<0>(o.betas())},
+                           {g, "betas[1]", std::get<1>(o.betas())},
+                           {g, "eps", o.eps()},
+                           {g, "weight_decay", o.weight_decay()},
+                           {g, "amsgrad", o.amsgrad() ? 1.0 : 0.0},
+                           {g, "maximize", o.maximize() ? 1.0 : 0.0}});
+  }
 };
 using Adam = AdamT<false>;
 using AdamW = AdamT<true>;
@@ -315,6 +342,15 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
   }
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const SGDOptions&>(o).flat();
+  }
+  void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
+                          std::vector<StepConstant>& out) const override {
+    const auto& o = static_cast<const SGDOptions&>(options);
+    out.insert(out.end(), {{g, "momentum", o.momentum()},
+                           {g, "dampening", o.dampening()},
+                           {g, "weight_decay", o.weight_decay()},
+                           {g, "nesterov", o.nesterov() ? 1.0 : 0.0},
+                           {g, "maximize", o.maximize() ? 1.0 : 0.0}});
   }
 };
 

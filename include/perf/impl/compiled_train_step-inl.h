@@ -86,6 +86,7 @@ PERF_INLINE void CompiledTrainStep::bind_state() {
                 ": malformed metadata perf.train.grads");
     grads_.push_back(static_cast<size_t>(i));
   }
+  for (const auto& m : module_->named_modules("", /*include_self=*/false)) submodules_.emplace_back(m.key(), m.value());
   check_state();
 }
 
@@ -93,6 +94,15 @@ PERF_INLINE void CompiledTrainStep::bind_state() {
 PERF_INLINE void CompiledTrainStep::check_state() const {
   const std::string& who = package_->who();
   const c10::Device device = package_->device();
+  // tools/export_compiled.py --train exports the whole model in train() mode.
+  auto check_mode = [&](bool training, const std::string& what) {
+    TORCH_CHECK(training, who, ": ", what,
+                " is in eval() mode, but the package computes the step in train() mode, as exported (batch "
+                "statistics, dropout), and cannot follow a mode change: call model->train() before step() (eval() "
+                "is for evaluating between steps), or train this configuration with perf::TrainStep");
+  };
+  check_mode(module_->is_training(), "the model");
+  for (const auto& [name, m] : submodules_) check_mode(m->is_training(), "module '" + name + "'");
   for (const auto& s : state_) {
     const char* what = s.param ? "parameter" : "buffer";
     TORCH_CHECK(s.live.device().type() == device.type() && (!device.is_cuda() || s.live.device() == device), who, ": ",

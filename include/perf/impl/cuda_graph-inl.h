@@ -59,7 +59,10 @@ PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim
       groups_.back().push_back(p.unsafeGetTensorImpl());
     }
   }
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) state_ = fused->state_addresses();
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
+    state_ = fused->state_addresses();
+    constants_ = fused->step_constants();
+  }
 }
 
 PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer) const {
@@ -100,6 +103,16 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
   if (!same_groups) return "the optimizer's param groups changed (add_param_group)";
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
     if (fused->state_addresses() != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
+    const auto constants = fused->step_constants();
+    for (size_t i = 0; i < constants.size() && i < constants_.size(); ++i) {
+      if (constants[i].value != constants_[i].value) {
+        std::ostringstream os;
+        os << "the optimizer's option " << constants[i].option << " of param group " << constants[i].group
+           << " changed from " << constants_[i].value << " to " << constants[i].value
+           << " (the kernels take it as a host value, which a replay would keep)";
+        return os.str();
+      }
+    }
   }
   return "";
 }

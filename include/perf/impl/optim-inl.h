@@ -329,6 +329,12 @@ PERF_INLINE std::vector<const void*> FusedOptimizer::state_addresses() {
   return out;
 }
 
+PERF_INLINE std::vector<StepConstant> FusedOptimizer::step_constants() const {
+  std::vector<StepConstant> out;
+  for (size_t g = 0; g < param_groups_.size(); ++g) add_step_constants(param_groups_[g].options(), g, out);
+  return out;
+}
+
 PERF_INLINE void FusedOptimizer::sync_lr() {
   at::NoGradGuard no_grad;
   for (auto& [key, slot] : lr_tensors_) {
