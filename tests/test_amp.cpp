@@ -546,6 +546,19 @@ TEST(Optimize, InferUsesEvalAndInferenceModeThenRestores) {
   EXPECT_TRUE(y.is_inference());
   EXPECT_TRUE(torch::equal(net->bn->running_mean, mean_before)) << "eval mode: running stats untouched";
   EXPECT_TRUE(net->is_training()) << "training mode restored";
+  // Each module's own mode comes back: a BatchNorm frozen in eval() while the
+  // rest trains stays frozen (fine-tuning), after infer() and InferenceScope.
+  net->bn->eval();
+  model.infer(x);
+  EXPECT_TRUE(net->is_training());
+  EXPECT_FALSE(net->bn->is_training()) << "infer() unfroze the BatchNorm";
+  {
+    perf::InferenceScope scope(net);
+    EXPECT_FALSE(net->is_training());
+    EXPECT_TRUE(c10::InferenceMode::is_enabled());
+  }
+  EXPECT_TRUE(net->is_training());
+  EXPECT_FALSE(net->bn->is_training()) << "InferenceScope unfroze the BatchNorm";
   net->eval();
   EXPECT_TRUE(torch::allclose(y, net->forward(perf::channels_last(x)), 1e-5, 1e-5));
 }
@@ -776,6 +789,25 @@ TEST(Checkpoint, GradientsEqualWithDropoutAndParameters) {
   torch::randn({100});
   (y * y).sum().backward();
   EXPECT_FALSE(torch::allclose(x.grad(), ref[1], 1e-6, 1e-6));
+}
+
+// torch::autograd::grad() and backward(inputs) only return or fill what they
+// were asked for; the recomputation accumulates into .grad(): refused, as
+// Python's reentrant checkpoint refuses them.
+TEST(Checkpoint, GradAndBackwardWithInputsAreClearErrors) {
+  torch::manual_seed(0);
+  torch::nn::Linear l1(16, 16);
+  auto block = [&](const std::vector<torch::Tensor>& in) { return torch::gelu(l1(in[0])); };
+  const auto x = torch::randn({8, 16}).requires_grad_(true);
+  const char* expected = "perf::checkpoint is incompatible with torch::autograd::grad() and with backward() given";
+  PERF_EXPECT_THROW_MSG(torch::autograd::grad({perf::checkpoint(block, {x}).sum()}, {x}), expected);
+  PERF_EXPECT_THROW_MSG(perf::checkpoint(block, {x}).sum().backward({}, std::nullopt, false, {x}), expected);
+  EXPECT_FALSE(x.grad().defined()) << "nothing accumulated";
+  perf::checkpoint(block, {x}).sum().backward();  // the supported way still works
+  const auto with_checkpoint = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  block({x}).sum().backward();
+  EXPECT_TRUE(torch::allclose(with_checkpoint, x.grad(), 1e-6, 1e-6));
 }
 
 // The first block of a model sees the data, which does not require grad: its

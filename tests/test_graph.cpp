@@ -345,6 +345,21 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
   static_cast<perf::optim::SGDOptions&>(sgd.param_groups()[0].options()).momentum(0.8);
   EXPECT_NE(sgd_captured.changed(*model, &sgd).find("option momentum of param group 0 changed from 0.9 to 0.8"),
             std::string::npos);
+  // A scaler's update() is captured with its settings as host values; loading
+  // a checkpoint saved with other settings changes them (the scale itself is
+  // updated in place).
+  perf::GradScaler scaler(perf::GradScalerOptions().growth_interval(100));
+  scaler.scale(torch::ones({}));  // creates the scale
+  const perf::detail::CapturedState scaled(*model, &opt, /*training_modes=*/true, &scaler);
+  EXPECT_EQ(scaled.changed(*model, &opt, &scaler), "");
+  const auto scaler_file = temp_path("perf_capture_scaler");
+  perf::GradScaler other(perf::GradScalerOptions().init_scale(1024.0));
+  torch::save(other, scaler_file);
+  torch::load(scaler, scaler_file);
+  EXPECT_EQ(scaler.get_scale(), 1024.0);
+  EXPECT_EQ(scaled.changed(*model, &opt, &scaler),
+            "the GradScaler's growth_factor, backoff_factor or growth_interval changed (torch::load of the scaler)");
+  std::filesystem::remove(scaler_file);
   opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
   EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's param groups changed (add_param_group)");
   // Flat mode: constructing the optimizer moves the parameters into one buffer

@@ -344,6 +344,38 @@ TEST(Optim, BadOptionsNameTheOption) {
   PERF_EXPECT_THROW_MSG(ok.step(), "invalid lr -1 in param group 0");
 }
 
+// A group built with torch::optim's options class (same names, another type)
+// is refused, not read as perf's (which has more fields: a read past the
+// object), at construction and, for a group added later, before any group
+// of the step is updated.
+TEST(Optim, AGroupWithTorchOptimsOptionsClassIsAClearError) {
+  auto p = torch::ones({2}, torch::requires_grad());
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{p}, std::make_unique<torch::optim::AdamWOptions>(1e-3));
+  PERF_EXPECT_THROW_MSG(perf::optim::AdamW(groups, perf::optim::AdamWOptions()),
+                        "perf::optim::AdamW: param group 0 has options of type torch::optim::AdamWOptions, not "
+                        "perf::optim::AdamWOptions: build the group with perf::optim::AdamWOptions");
+  PERF_EXPECT_THROW_MSG(perf::optim::Adam(groups, perf::optim::AdamOptions()),
+                        "param group 0 has options of type torch::optim::AdamWOptions, not perf::optim::AdamOptions");
+  std::vector<torch::optim::OptimizerParamGroup> sgd_groups;
+  sgd_groups.emplace_back(std::vector<torch::Tensor>{p}, std::make_unique<torch::optim::SGDOptions>(0.1));
+  PERF_EXPECT_THROW_MSG(perf::optim::SGD(sgd_groups, perf::optim::SGDOptions(0.1)),
+                        "perf::optim::SGD: param group 0 has options of type torch::optim::SGDOptions, not "
+                        "perf::optim::SGDOptions");
+  for (const bool flat : {false, true}) {
+    auto a = torch::ones({2}, torch::requires_grad()), b = torch::ones({3}, torch::requires_grad());
+    perf::optim::AdamW opt({a}, perf::optim::AdamWOptions(0.1).flat(flat));
+    opt.add_param_group(torch::optim::OptimizerParamGroup({b}, std::make_unique<torch::optim::AdamWOptions>(0.1)));
+    a.mutable_grad() = torch::ones_like(a);
+    b.mutable_grad() = torch::ones_like(b);
+    const auto a_before = a.detach().clone();
+    PERF_EXPECT_THROW_MSG(opt.step(), "param group 1 has options of type torch::optim::AdamWOptions");
+    EXPECT_TRUE(torch::equal(a, a_before)) << "group 0 was updated before the refusal (flat " << flat << ")";
+    PERF_EXPECT_THROW_MSG(opt.step_constants(), "param group 1 has options of type torch::optim::AdamWOptions");
+    if (flat) PERF_EXPECT_THROW_MSG(opt.zero_grad(), "param group 1 has options of type");
+  }
+}
+
 TEST(Optim, BadParametersAreRejected) {
   auto cpu = torch::zeros({2}, torch::requires_grad());
   auto meta = torch::zeros({2}, torch::TensorOptions().device(torch::kMeta).requires_grad(true));

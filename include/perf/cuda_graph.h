@@ -58,6 +58,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -417,9 +418,13 @@ class CapturedState {
  public:
   // training_modes: whether the graph runs the module's forward (not a
   // compiled step, whose package fixes the mode).
-  CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer, bool training_modes);
+  // scaler: a GradScaler whose update() the step captures (its growth and
+  // backoff settings are host values there; torch::load of it sets them).
+  CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer, bool training_modes,
+                const GradScaler* scaler = nullptr);
   // "" while a replay equals an eager call; else what changed, for a warning.
-  std::string changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer) const;
+  std::string changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                      const GradScaler* scaler = nullptr) const;
 
  private:
   struct Entry {
@@ -433,6 +438,7 @@ class CapturedState {
   std::vector<std::vector<const at::TensorImpl*>> groups_;
   std::vector<const void*> state_;
   std::vector<optim::StepConstant> constants_;
+  std::optional<std::array<double, 3>> scaler_;  // growth_factor, backoff_factor, growth_interval
 };
 
 #if PERF_WITH_CUDA

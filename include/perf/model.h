@@ -25,6 +25,7 @@
 #include <perf/module.h>
 #include <torch/arg.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -112,19 +113,27 @@ namespace detail {
 class EvalScope {
  public:
   explicit EvalScope(ModuleRef module) : module_(std::move(module)), was_training_(module_->is_training()) {
+    for (auto& m : module_->modules(/*include_self=*/false)) children_.emplace_back(m, m->is_training());
     module_->eval();
   }
-  ~EvalScope() { module_->train(was_training_); }
+  // Each module's own mode back, not the root's for all: a model training with
+  // a BatchNorm frozen in eval() keeps it frozen. train() is recursive, and
+  // modules() lists parents before their children.
+  ~EvalScope() {
+    module_->train(was_training_);
+    for (auto& [m, training] : children_) m->train(training);
+  }
   EvalScope(const EvalScope&) = delete;
   EvalScope& operator=(const EvalScope&) = delete;
 
  private:
   ModuleRef module_;
   bool was_training_;
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> children_;
 };
 }  // namespace detail
 
-/// eval() + c10::InferenceMode for a scope; restores the training mode.
+/// eval() + c10::InferenceMode for a scope; restores each module's own mode.
 /// Takes a plain module, a module holder or a std::shared_ptr to a module.
 class InferenceScope {
  public:
@@ -228,7 +237,8 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 /// matches) and autocast state. Gradients equal the non-checkpointed ones,
 /// the parameters' too when no input requires grad (a block fed the data).
 /// With grad mode on the output always requires grad, as fn's parameters are
-/// unknown until the recomputation.
+/// unknown until the recomputation. Reentrant: backward() fills .grad();
+/// torch::autograd::grad() and backward(inputs) are refused, as in Python.
 at::Tensor checkpoint(const CheckpointFn& fn, const std::vector<at::Tensor>& inputs, bool preserve_rng_state = true);
 
 // ---------------------------------------------------------------------------
@@ -529,6 +539,13 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
+    // The recomputation runs its own backward, which accumulates into .grad()
+    // where grad() or backward(inputs) would not look (Python's reentrant
+    // checkpoint refuses them the same way).
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+                "perf::checkpoint is incompatible with torch::autograd::grad() and with backward() given `inputs`: "
+                "its backward recomputes the block and accumulates the gradients into .grad() (reentrant, like "
+                "Python's checkpoint(use_reentrant=True)); call backward() without `inputs` and read .grad()");
     auto st = c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
     const auto saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;

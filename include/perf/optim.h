@@ -32,6 +32,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <perf/config.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -52,6 +53,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -239,6 +241,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
   virtual std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const = 0;
   virtual torch::Tensor* state_step(torch::optim::OptimizerParamState&) const { return nullptr; }
   virtual std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const = 0;
+  // Checks group g's options: their type (a group built with torch::optim's
+  // options class would be misread) and values. Before anything moves.
+  virtual void check_options(const torch::optim::OptimizerOptions& o, size_t g) const = 0;
+  void check_groups() const;
   // Appends group g's step constants (options `o`) to `out`.
   virtual void add_step_constants(const torch::optim::OptimizerOptions& /*o*/, size_t /*g*/,
                                   std::vector<StepConstant>& /*out*/) const {}
@@ -310,6 +316,7 @@ class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Dec
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const Options&>(o).flat();
   }
+  void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
                           std::vector<StepConstant>& out) const override {
     const auto& o = static_cast<const Options&>(options);
@@ -343,6 +350,7 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const SGDOptions&>(o).flat();
   }
+  PERF_INLINE void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
                           std::vector<StepConstant>& out) const override {
     const auto& o = static_cast<const SGDOptions&>(options);
@@ -467,6 +475,17 @@ PERF_INLINE bool use_fused(const std::optional<bool>& fused, const Bucket& b, co
 
 PERF_INLINE std::string kernel_line(const Bucket& b, bool fused);
 
+// A param group's options as `Options`, or a clear error naming both types.
+template <typename Options>
+const Options& group_options(const torch::optim::OptimizerOptions& o, size_t g, const char* name,
+                             const char* options_name) {
+  const auto* typed = dynamic_cast<const Options*>(&o);
+  TORCH_CHECK(typed != nullptr, name, ": param group ", g, " has options of type ", c10::demangle(typeid(o).name()),
+              ", not ", options_name, ": build the group with ", options_name,
+              " (torch::optim's option names, plus maximize, fused and flat)");
+  return *typed;
+}
+
 // Checks shared by the constructors: floating parameters, one device per group.
 PERF_INLINE void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name);
 
@@ -549,10 +568,15 @@ AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
             return param_groups;
           }(),
           std::make_unique<Options>(defaults)) {
-  for (size_t g = 0; g < this->param_groups_.size(); ++g)
-    detail::check_adam_options(static_cast<const Options&>(this->param_groups_[g].options()),
-                               " in param group " + std::to_string(g));
-  this->init_flat(defaults.flat().value_or(false), detail::adam_name<D>());
+  this->init_flat(defaults.flat().value_or(false), detail::adam_name<D>());  // checks every group's options first
+}
+
+template <bool D>
+void AdamT<D>::check_options(const torch::optim::OptimizerOptions& o, size_t g) const {
+  detail::check_adam_options(
+      detail::group_options<Options>(o, g, detail::adam_name<D>(),
+                                     D ? "perf::optim::AdamWOptions" : "perf::optim::AdamOptions"),
+      " in param group " + std::to_string(g));
 }
 
 template <bool D>
@@ -562,8 +586,7 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
   this->ensure_flat();
   for (size_t g = 0; g < this->param_groups_.size(); ++g) {
     auto& group = this->param_groups_[g];
-    const auto& o = static_cast<const Options&>(group.options());
-    detail::check_adam_options(o, " in param group " + std::to_string(g));
+    const auto& o = static_cast<const Options&>(group.options());  // checked by step()
     std::vector<detail::Bucket> buckets;
     if (this->flat()) {
       buckets = this->flat_buckets(g, {true, true, o.amsgrad()}, /*split_first=*/false);

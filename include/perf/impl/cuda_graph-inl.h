@@ -37,8 +37,14 @@ PERF_INLINE const char* capture_hint() {
   }
 }
 
+PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
+  const auto& o = s.options();
+  return {o.growth_factor(), o.backoff_factor(), static_cast<double>(o.growth_interval())};
+}
+
 PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
-                                         bool training_modes) {
+                                         bool training_modes, const GradScaler* scaler) {
+  if (scaler != nullptr) scaler_ = scaler_settings(*scaler);
   if (training_modes) {  // the module itself may be a plain object (perf::ModuleRef), not in a shared_ptr
     training_ = module.is_training();
     for (auto& m : module.modules(/*include_self=*/false)) children_.emplace_back(m, m->is_training());
@@ -65,7 +71,8 @@ PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim
   }
 }
 
-PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer) const {
+PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                                               const GradScaler* scaler) const {
   auto module_name = [&](const torch::nn::Module* m) -> std::string {
     for (const auto& item : module.named_modules("", /*include_self=*/false))
       if (item.value().get() == m) return "module '" + item.key() + "'";
@@ -92,6 +99,8 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
     if (e.tensor.data_ptr() != e.data)
       return tensor_name(e.tensor, "buffer") + " was given new storage (torch::load, model->to)";
   }
+  if (scaler != nullptr && scaler_ && scaler_settings(*scaler) != *scaler_)
+    return "the GradScaler's growth_factor, backoff_factor or growth_interval changed (torch::load of the scaler)";
   if (optimizer == nullptr) return "";
   const auto& groups = optimizer->param_groups();
   bool same_groups = groups.size() == groups_.size();
@@ -373,7 +382,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     graph_ = std::move(graph);
     graphed_ = true;
     ++captures_;
-    captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_);
+    captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
   }
@@ -435,7 +444,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   check_batch(batch, /*shapes=*/true);
 #if PERF_WITH_CUDA
   if (graphed_) {
-    if (const auto why = captured_->changed(*module_, &opt_); !why.empty()) {
+    if (const auto why = captured_->changed(*module_, &opt_, options_.scaler()); !why.empty()) {
       TORCH_WARN(who_, ": ", why, " since the step was captured, which its replays would ignore: capturing it again");
       c10::cuda::device_synchronize();  // the last replay has finished with the graph and its pool
       graph_.reset();                   // its memory goes back before the new capture takes some

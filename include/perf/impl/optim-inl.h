@@ -273,6 +273,7 @@ PERF_INLINE torch::Tensor FusedOptimizer::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  check_groups();
   at::NoGradGuard no_grad;
   update(std::nullopt, std::nullopt);
   return loss;
@@ -280,8 +281,13 @@ PERF_INLINE torch::Tensor FusedOptimizer::step(LossClosure closure) {
 
 PERF_INLINE void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>& grad_scale,
                                              const torch::Tensor& found_inf) {
+  check_groups();
   at::NoGradGuard no_grad;
   update(grad_scale, found_inf);
+}
+
+PERF_INLINE void FusedOptimizer::check_groups() const {
+  for (size_t g = 0; g < param_groups_.size(); ++g) check_options(param_groups_[g].options(), g);
 }
 
 namespace detail {
@@ -330,6 +336,7 @@ PERF_INLINE std::vector<const void*> FusedOptimizer::state_addresses() {
 }
 
 PERF_INLINE std::vector<StepConstant> FusedOptimizer::step_constants() const {
+  check_groups();
   std::vector<StepConstant> out;
   for (size_t g = 0; g < param_groups_.size(); ++g) add_step_constants(param_groups_[g].options(), g, out);
   return out;
@@ -367,6 +374,7 @@ PERF_INLINE FusedOptimizer::~FusedOptimizer() {
 
 PERF_INLINE void FusedOptimizer::init_flat(bool flat, const char* name) {
   name_ = name;
+  check_groups();
   for (size_t g = 0; g < param_groups_.size(); ++g) check_group_flat(g, flat);
   if (!flat) return;
   flat_ = std::make_unique<detail::FlatStore>();
@@ -663,6 +671,7 @@ PERF_INLINE std::vector<detail::Bucket> FusedOptimizer::flat_buckets(size_t g, s
 
 PERF_INLINE void FusedOptimizer::zero_grad(bool set_to_none) {
   if (!flat_) return perf::optim::zero_grad(*this, set_to_none);
+  check_groups();  // before a rebuild reads a group added since
   ensure_flat();
   at::NoGradGuard no_grad;
   for (auto& k : flat_->keys) k.grads.zero_();
@@ -705,10 +714,12 @@ PERF_INLINE SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param
             return param_groups;
           }(),
           std::make_unique<SGDOptions>(defaults)) {
-  for (size_t g = 0; g < param_groups_.size(); ++g)
-    detail::check_sgd_options(static_cast<const SGDOptions&>(param_groups_[g].options()),
-                              " in param group " + std::to_string(g));
-  init_flat(defaults.flat().value_or(false), "perf::optim::SGD");
+  init_flat(defaults.flat().value_or(false), "perf::optim::SGD");  // checks every group's options first
+}
+
+PERF_INLINE void SGD::check_options(const torch::optim::OptimizerOptions& o, size_t g) const {
+  detail::check_sgd_options(detail::group_options<SGDOptions>(o, g, "perf::optim::SGD", "perf::optim::SGDOptions"),
+                            " in param group " + std::to_string(g));
 }
 
 PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
@@ -718,8 +729,7 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
   ensure_flat();
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
-    const auto& o = static_cast<const SGDOptions&>(group.options());
-    detail::check_sgd_options(o, " in param group " + std::to_string(g));
+    const auto& o = static_cast<const SGDOptions&>(group.options());  // checked by step()
     const bool momentum = o.momentum() != 0;
     std::vector<detail::Bucket> buckets;
     if (flat()) {
