@@ -383,6 +383,51 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
   std::filesystem::remove(opt_file);
 }
 
+// perf::graph is for inference, but a module may be in train() mode (dropout
+// kept on at inference). Building the graph runs the forward (warm-up,
+// capture; on the CPU one eager call per bucket): the module's buffers and the
+// generator are left as they were. A train()-mode BatchNorm with batch_sizes
+// would average the padding rows into its batch statistics: refused.
+TEST(Graph, ATrainModeModuleIsLeftAsItWasAndBatchNormIsNotPadded) {
+  auto make = [] {
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::ReLU(),
+                                 torch::nn::Dropout(0.5), torch::nn::Linear(16, 4));
+  };
+  torch::manual_seed(0);
+  auto model = make();
+  const auto x = torch::randn({8, 8});
+  auto& bn = *model[1]->as<torch::nn::BatchNorm1d>();
+  const auto mean_before = bn.running_mean.clone();
+  const auto batches_before = bn.num_batches_tracked.item<int64_t>();
+  PERF_EXPECT_THROW_MSG(perf::graph(model, x, perf::GraphOptions().batch_sizes({4, 8})),
+                        "perf::graph: module '1' (torch::nn::BatchNorm1dImpl) is in train() mode: with batch_sizes a "
+                        "call is padded with zero rows to its bucket");
+  auto exact = perf::graph(model, x);
+  EXPECT_TRUE(torch::equal(bn.running_mean, mean_before)) << "building the graph moved the running statistics";
+  EXPECT_EQ(bn.num_batches_tracked.item<int64_t>(), batches_before);
+  const auto next_random = torch::rand({3});
+  torch::manual_seed(0);
+  make();
+  torch::randn({8, 8});
+  EXPECT_TRUE(torch::equal(torch::rand({3}), next_random)) << "building the graph drew from the generator";
+  // A call is one train()-mode forward, as eager: the same output (dropout
+  // mask included) and the same running statistics afterwards.
+  auto twin = make();
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < model->parameters().size(); ++i) twin->parameters()[i].copy_(model->parameters()[i]);
+  }
+  torch::manual_seed(5);
+  const auto y = exact(x);
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(5);
+  EXPECT_TRUE(torch::allclose(y, twin->forward(x), 1e-6, 1e-6));
+  EXPECT_TRUE(torch::allclose(bn.running_mean, twin[1]->as<torch::nn::BatchNorm1d>()->running_mean, 1e-6, 1e-6));
+  model->eval();
+  auto bucketed = perf::graph(model, x, perf::GraphOptions().batch_sizes({4, 8}));  // eval(): padding is harmless
+  EXPECT_TRUE(torch::allclose(bucketed(x.narrow(0, 0, 3)), model->forward(x.narrow(0, 0, 3)), 1e-6, 1e-6));
+}
+
 // Freezing a layer, a BatchNorm switched to eval(), a checkpoint loaded into
 // the model and into the optimizer mid-training: the graphed step captures
 // again each time and trains as the eager step does.

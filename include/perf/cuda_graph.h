@@ -147,6 +147,7 @@ class Graphed {
   Out call_eager(const std::vector<at::Tensor>& inputs);
   bool capture(Bucket& b, const c10::MempoolId_t& pool);
   void capture_all(bool cuda, const c10::MempoolId_t& pool);
+  void capture_buckets(bool cuda, const c10::MempoolId_t& pool);
 
   Fn fn_;
   GraphOptions options_;
@@ -405,6 +406,11 @@ class ForwardSnapshot {
   RngStates rng_;
 };
 
+// "module 'name' (its class)" for the first BatchNorm of `module` (itself
+// included) in train() mode, or "". By class name, so that a user's own
+// batch norm is found too.
+PERF_INLINE std::string training_batch_norm(torch::nn::Module& module);
+
 // What a capture of a module's forward (perf::graph, perf::TrainStep) baked
 // in, besides its shapes: a CUDA graph replays the kernels, addresses and
 // control flow of its capture. So a
@@ -578,6 +584,34 @@ Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOption
 
 template <typename Out>
 void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
+  std::optional<detail::ForwardSnapshot> snapshot;
+  if (module_) {
+    if (bucketed_) {
+      const auto bn = detail::training_batch_norm(**module_);
+      TORCH_CHECK(bn.empty(), "perf::graph: ", bn,
+                  " is in train() mode: with batch_sizes a call is padded with zero rows to its bucket, and those "
+                  "rows would enter its batch statistics. Call eval() first (perf::graph is for inference), or "
+                  "capture exact shapes (no batch_sizes)");
+    }
+    // Warm-up and capture run the forward: a train()-mode module (BatchNorm
+    // statistics, dropout's generator) is left as it was before them.
+    snapshot.emplace(**module_, examples_);
+  }
+  try {
+    capture_buckets(cuda, pool);
+  } catch (const std::exception&) {
+    if (snapshot) snapshot->restore();
+    throw;
+  }
+  if (snapshot) snapshot->restore();
+  if (graphed_) {
+    ++captures_;
+    if (module_) captured_ = std::make_unique<detail::CapturedState>(**module_, nullptr, /*training_modes=*/true);
+  }
+}
+
+template <typename Out>
+void Graphed<Out>::capture_buckets(bool cuda, const c10::MempoolId_t& pool) {
   // Capture the largest bucket first; the smaller ones reuse its pool memory.
   graphed_ = cuda;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
@@ -604,10 +638,6 @@ void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
                     " in dim 0; padded batches would change it. Capture exact shapes (no batch_sizes) instead.");
       }
     }
-  }
-  if (graphed_) {
-    ++captures_;
-    if (module_) captured_ = std::make_unique<detail::CapturedState>(**module_, nullptr, /*training_modes=*/true);
   }
 }
 

@@ -37,6 +37,15 @@ PERF_INLINE const char* capture_hint() {
   }
 }
 
+PERF_INLINE std::string training_batch_norm(torch::nn::Module& module) {
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const auto& m = item.value();
+    if (m->is_training() && m->name().find("BatchNorm") != std::string::npos)
+      return (item.key().empty() ? std::string("the module") : "module '" + item.key() + "'") + " (" + m->name() + ")";
+  }
+  return "";
+}
+
 PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
   const auto& o = s.options();
   return {o.growth_factor(), o.backoff_factor(), static_cast<double>(o.growth_interval())};
