@@ -426,6 +426,12 @@ TEST(Graph, ATrainModeModuleIsLeftAsItWasAndBatchNormIsNotPadded) {
   model->eval();
   auto bucketed = perf::graph(model, x, perf::GraphOptions().batch_sizes({4, 8}));  // eval(): padding is harmless
   EXPECT_TRUE(torch::allclose(bucketed(x.narrow(0, 0, 3)), model->forward(x.narrow(0, 0, 3)), 1e-6, 1e-6));
+  // Switched to train() after: refused at the next call (on CUDA, by the
+  // capture the mode change triggers).
+  model->train();
+  PERF_EXPECT_THROW_MSG(bucketed(x.narrow(0, 0, 3)), "module '1' (torch::nn::BatchNorm1dImpl) is in train() mode");
+  EXPECT_TRUE(torch::allclose(bn.running_mean, twin[1]->as<torch::nn::BatchNorm1d>()->running_mean, 1e-6, 1e-6))
+      << "the refused call ran";
 }
 
 // Freezing a layer, a BatchNorm switched to eval(), a checkpoint loaded into

@@ -697,6 +697,12 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
                   "; use GraphOptions().batch_sizes(...) for varying batch sizes");
     }
   }
+  if (bucketed_ && module_ && !graphed_) {  // eager calls pad too: same rule as at capture
+    const auto bn = detail::training_batch_norm(**module_);
+    TORCH_CHECK(bn.empty(), "perf::graph: ", bn,
+                " is in train() mode: a call is padded with zero rows to its bucket, and those rows would enter its "
+                "batch statistics. Call eval() first (perf::graph is for inference)");
+  }
 #if PERF_WITH_CUDA
   if (graphed_ && captured_) {
     if (const auto why = captured_->changed(**module_, nullptr); !why.empty()) {
