@@ -406,10 +406,11 @@ class ForwardSnapshot {
   RngStates rng_;
 };
 
-// "module 'name' (its class)" for the first BatchNorm of `module` (itself
-// included) in train() mode, or "". By class name, so that a user's own
-// batch norm is found too.
-PERF_INLINE std::string training_batch_norm(torch::nn::Module& module);
+// perf::graph with batch_sizes pads a call with zero rows to its bucket:
+// refused while a BatchNorm of `module` (itself included; found by class
+// name, so a user's own batch norm too) is in train() mode, since the padding
+// would enter its batch statistics.
+PERF_INLINE void check_padding_allowed(torch::nn::Module& module);
 
 // What a capture of a module's forward (perf::graph, perf::TrainStep) baked
 // in, besides its shapes: a CUDA graph replays the kernels, addresses and
@@ -586,13 +587,7 @@ template <typename Out>
 void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
   std::optional<detail::ForwardSnapshot> snapshot;
   if (module_) {
-    if (bucketed_) {
-      const auto bn = detail::training_batch_norm(**module_);
-      TORCH_CHECK(bn.empty(), "perf::graph: ", bn,
-                  " is in train() mode: with batch_sizes a call is padded with zero rows to its bucket, and those "
-                  "rows would enter its batch statistics. Call eval() first (perf::graph is for inference), or "
-                  "capture exact shapes (no batch_sizes)");
-    }
+    if (bucketed_) detail::check_padding_allowed(**module_);
     // Warm-up and capture run the forward: a train()-mode module (BatchNorm
     // statistics, dropout's generator) is left as it was before them.
     snapshot.emplace(**module_, examples_);
@@ -697,12 +692,8 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
                   "; use GraphOptions().batch_sizes(...) for varying batch sizes");
     }
   }
-  if (bucketed_ && module_ && !graphed_) {  // eager calls pad too: same rule as at capture
-    const auto bn = detail::training_batch_norm(**module_);
-    TORCH_CHECK(bn.empty(), "perf::graph: ", bn,
-                " is in train() mode: a call is padded with zero rows to its bucket, and those rows would enter its "
-                "batch statistics. Call eval() first (perf::graph is for inference)");
-  }
+  // Eager calls pad too (graphed: a mode change captures again, which checks).
+  if (bucketed_ && module_ && !graphed_) detail::check_padding_allowed(**module_);
 #if PERF_WITH_CUDA
   if (graphed_ && captured_) {
     if (const auto why = captured_->changed(**module_, nullptr); !why.empty()) {

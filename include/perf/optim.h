@@ -245,10 +245,11 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // options class would be misread) and values. Before anything moves.
   virtual void check_options(const torch::optim::OptimizerOptions& o, size_t g) const = 0;
   void check_groups() const;
-  // Appends group g's step constants (options `o`) to `out`.
-  virtual void add_step_constants(const torch::optim::OptimizerOptions& /*o*/, size_t /*g*/,
-                                  std::vector<StepConstant>& /*out*/) const {}
-  // Called by the subclass constructor once its options are checked.
+  // Appends group g's step constants (options `o`, checked) to `out`.
+  virtual void add_step_constants(const torch::optim::OptimizerOptions& o, size_t g,
+                                  std::vector<StepConstant>& out) const = 0;
+  // Called at the end of the subclass constructor: checks every group's
+  // options, then lays the parameters out flat if asked.
   void init_flat(bool flat, const char* name);
   // The (device, dtype) buckets of group g in flat mode, each entry a run of
   // adjacent parameters: kinds[k] says which state tensors this group uses

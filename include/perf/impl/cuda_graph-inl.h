@@ -37,13 +37,16 @@ PERF_INLINE const char* capture_hint() {
   }
 }
 
-PERF_INLINE std::string training_batch_norm(torch::nn::Module& module) {
+PERF_INLINE void check_padding_allowed(torch::nn::Module& module) {
   for (const auto& item : module.named_modules("", /*include_self=*/true)) {
     const auto& m = item.value();
-    if (m->is_training() && m->name().find("BatchNorm") != std::string::npos)
-      return (item.key().empty() ? std::string("the module") : "module '" + item.key() + "'") + " (" + m->name() + ")";
+    TORCH_CHECK(!m->is_training() || m->name().find("BatchNorm") == std::string::npos,
+                "perf::graph: ", item.key().empty() ? std::string("the module") : "module '" + item.key() + "'", " (",
+                m->name(),
+                ") is in train() mode: with batch_sizes a call is padded with zero rows to its bucket, and those "
+                "rows would enter its batch statistics. Call eval() first (perf::graph is for inference), or "
+                "capture exact shapes (no batch_sizes)");
   }
-  return "";
 }
 
 PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
