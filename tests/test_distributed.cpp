@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -205,6 +206,35 @@ struct DdpNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(DdpNet);
 
+// Two outputs, as a model with an auxiliary head: the logits and the spare layer's features.
+struct DdpHeadsImpl : DdpNetImpl {
+  explicit DdpHeadsImpl(bool /*spare: always*/ = true) : DdpNetImpl(true) {}
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    const auto h = torch::relu(l2(torch::relu(l1(x))));
+    return {l3(h), l4(h)};
+  }
+};
+TORCH_MODULE(DdpHeads);
+
+// Named outputs, as a Python model returning a dict.
+struct DdpNamedImpl : DdpNetImpl {
+  DdpNamedImpl() : DdpNetImpl(true) {}
+  std::map<std::string, at::Tensor> forward(const at::Tensor& x) {
+    const auto h = torch::relu(l2(torch::relu(l1(x))));
+    return {{"logits", l3(h)}, {"features", l4(h)}};
+  }
+};
+TORCH_MODULE(DdpNamed);
+
+// An output type perf's DDP cannot look into.
+struct OpaqueOutput {
+  at::Tensor logits;
+};
+struct DdpOpaqueImpl : DdpNetImpl {
+  OpaqueOutput forward(const at::Tensor& x) { return {DdpNetImpl::forward(x)}; }
+};
+TORCH_MODULE(DdpOpaque);
+
 // Rank 0's flattened parameters equal this rank's, bit for bit.
 void expect_same_on_every_rank(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, torch::nn::Module& m,
                                const std::string& what) {
@@ -259,17 +289,29 @@ struct Case {
   bool scaler = false;  // perf::GradScaler around the step
   double tol = 1e-5;
   bool autocast = false;  // forward under perf::Autocast (CPU bf16)
+  bool heads = false;     // DdpHeads (two outputs) instead of DdpNet
+  bool aux_loss = false;  // heads: the second output enters the loss (else it is left out)
 };
+
+at::Tensor case_loss(const at::Tensor& out, const at::Tensor& y, const Case& /*c*/) {
+  return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y);
+}
+
+at::Tensor case_loss(const std::tuple<at::Tensor, at::Tensor>& out, const at::Tensor& y, const Case& c) {
+  auto loss = torch::nn::functional::cross_entropy(std::get<0>(out).to(torch::kFloat), y);
+  return c.aux_loss ? loss + 0.1 * std::get<1>(out).to(torch::kFloat).pow(2).mean() : loss;
+}
 
 // Trains with DDP on this rank's slice for 10 steps and a reference model on the
 // whole batch in this process; both start from rank 0's initial weights.
+template <typename Net>
 void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   SCOPED_TRACE(c.name + " on " + std::to_string(pg->getSize()) + " ranks");
   const int rank = pg->getRank(), world = pg->getSize();
   torch::manual_seed(100 + rank);  // different on every rank: DDP must broadcast rank 0's
-  DdpNet model(c.spare);
+  Net model(c.spare);
   torch::manual_seed(100);  // rank 0's initial weights
-  DdpNet ref(c.spare);
+  Net ref(c.spare);
   perf::DistributedDataParallel ddp(model, pg, c.options);
   EXPECT_LT(max_diff(*model, *ref), 1e-12) << "rank 0's parameters were not broadcast";
   auto opt = make_opt(c.opt, model->parameters());
@@ -283,21 +325,22 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
     const auto y = torch::randint(0, 4, {c.micro, world * b});
     clear_ddp_grads(*opt);
     clear_ddp_grads(*ref_opt);
-    for (int m = 0; m < c.micro; ++m) {
+    // static_graph learns the graph in a synchronised first step; no_sync() may follow it.
+    const int micro = c.options.static_graph() && step == 0 ? 1 : c.micro;
+    for (int m = 0; m < micro; ++m) {
       const auto xs = x[m].narrow(0, rank * b, b), ys = y[m].narrow(0, rank * b, b);
       auto local = [&] {
         perf::Autocast ac(torch::kCPU, torch::kBFloat16, c.autocast);
-        auto loss = torch::nn::functional::cross_entropy(ddp(xs).to(torch::kFloat), ys);
-        scaler.scale(loss).backward();
+        scaler.scale(case_loss(ddp(xs), ys, c)).backward();
       };
-      if (m + 1 < c.micro) {
+      if (m + 1 < micro) {
         auto guard = ddp.no_sync();
         local();
       } else {
         local();
       }
       perf::Autocast ac(torch::kCPU, torch::kBFloat16, c.autocast);
-      ref_scaler.scale(torch::nn::functional::cross_entropy(ref(x[m]).to(torch::kFloat), y[m])).backward();
+      ref_scaler.scale(case_loss(ref(x[m]), y[m], c)).backward();
     }
     scaler.step(*opt);
     scaler.update();
@@ -323,7 +366,7 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   if (c.options.static_graph() || !c.options.find_unused_parameters()) {
     EXPECT_GE(ddp.buckets().size(), c.options.bucket_cap_mb() < 0.01 ? 2u : 1u) << "buckets after the rebuild";
   }
-  if (c.spare) {
+  if (c.spare && !c.aux_loss) {
     torch::manual_seed(100);
     DdpNet fresh(true);
     EXPECT_TRUE(torch::equal(model->l4->weight, fresh->l4->weight)) << "the unused parameter moved";
@@ -371,8 +414,24 @@ void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
       {"SGD, fp16 compression", perf::DDPOptions().compression("fp16"), OptKind::sgd, false, 1, false, 2e-3},
       {"SGD, bf16 compression", perf::DDPOptions().compression("bf16"), OptKind::sgd, false, 1, false, 2e-2},
       {"SGD, perf::Autocast bf16", perf::DDPOptions(), OptKind::sgd, false, 1, false, 2e-2, true},
+      // Two outputs (as Python's DDP: every output passes its _DDPSink) ...
+      {"AdamW, two outputs, the second left out of the loss, find_unused_parameters",
+       perf::DDPOptions().find_unused_parameters(true).bucket_cap_mb(0.001), OptKind::adamw, true, 1, false, 1e-5,
+       false, true, false},
+      {"SGD, two outputs in the loss, static_graph", perf::DDPOptions().static_graph(true), OptKind::sgd, true, 1,
+       false, 1e-5, false, true, true},
+      {"SGD, no_sync over 2 micro-batches after the first step, static_graph", perf::DDPOptions().static_graph(true),
+       OptKind::sgd, false, 2},
+      {"SGD, two outputs in the loss, no_sync over 2 micro-batches after the first step, static_graph",
+       perf::DDPOptions().static_graph(true), OptKind::sgd, true, 2, false, 1e-5, false, true, true},
   };
-  for (const auto& c : cases) run_case(pg, c);
+  for (const auto& c : cases) {
+    if (c.heads) {
+      run_case<DdpHeads>(pg, c);
+    } else {
+      run_case<DdpNet>(pg, c);
+    }
+  }
   run_buffers(pg, true);
   run_buffers(pg, false);
   // An unused parameter without find_unused_parameters: the Reducer's own error, on every rank alike.
@@ -422,8 +481,50 @@ TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
     PERF_EXPECT_THROW_MSG(perf::TrainStep(*model, loss, opt, torch::randn({4, 8}), torch::randint(0, 4, {4})),
                           "synchronised by a perf::DistributedDataParallel");
   }
+  // static_graph learns the graph in the first synchronised iteration: no_sync() before it is refused, after it works.
+  {
+    DdpNet net;
+    perf::DistributedDataParallel ddp(net, pg, perf::DDPOptions().static_graph(true));
+    {
+      auto guard = ddp.no_sync();
+      PERF_EXPECT_THROW_MSG(ddp(torch::randn({4, 8})), "no_sync() cannot come before it");
+      torch::NoGradGuard no_grad;
+      EXPECT_NO_THROW(ddp(torch::randn({4, 8})));  // evaluation: no backward follows
+    }
+    ddp(torch::randn({4, 8})).sum().backward();
+    auto guard = ddp.no_sync();
+    EXPECT_NO_THROW(ddp(torch::randn({4, 8})).sum().backward());
+  }
+  // Named outputs, one left out of the loss: every iteration finishes its reduction.
+  {
+    DdpNamed named;
+    perf::DistributedDataParallel ddp(named, pg, perf::DDPOptions().find_unused_parameters(true));
+    for (int i = 0; i < 3; ++i) EXPECT_NO_THROW(ddp(torch::randn({4, 8})).at("logits").sum().backward());
+    EXPECT_TRUE(named->l3->weight.grad().defined());
+    EXPECT_FALSE(named->l4->weight.grad().defined());
+  }
+  {  // the backward of a forward whose DDP is gone: a clear error, not a read of the freed Reducer
+    DdpNamed named;
+    at::Tensor logits;
+    {
+      perf::DistributedDataParallel ddp(named, pg, perf::DDPOptions().find_unused_parameters(true));
+      logits = ddp(torch::randn({4, 8})).at("logits");
+    }
+    PERF_EXPECT_THROW_MSG(logits.sum().backward(), "keep it alive until backward");
+  }
+  // An output perf cannot look into, where find_unused_parameters or static_graph needs its tensors.
+  {
+    DdpOpaque opaque;
+    for (const auto& options :
+         {perf::DDPOptions().find_unused_parameters(true), perf::DDPOptions().static_graph(true)}) {
+      perf::DistributedDataParallel ddp(opaque, pg, options);
+      PERF_EXPECT_THROW_MSG(ddp(torch::randn({4, 8})), "forward returned no tensor perf can find");
+    }
+    perf::DistributedDataParallel ddp(opaque, pg);  // neither: the Reducer needs no output
+    EXPECT_NO_THROW(ddp(torch::randn({4, 8})).logits.sum().backward());
+  }
   // World size 1: DDP trains exactly as the model alone.
-  run_case(pg, {"world size 1", perf::DDPOptions(), OptKind::adamw});
+  run_case<DdpNet>(pg, {"world size 1", perf::DDPOptions(), OptKind::adamw});
   perf::destroy_process_group(pg);
   PERF_EXPECT_THROW_MSG(perf::destroy_process_group(nullptr), "the process group is empty");
 #else

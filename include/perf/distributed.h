@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,6 +101,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
 /// collective, before the program exits (without it NCCL may report errors
 /// from its watchdog while the process tears down). The group is unusable after.
 void destroy_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group);
+
+namespace detail {
+struct DDPSinkState;
+}  // namespace detail
 
 /// perf::DistributedDataParallel's options, named and defaulted as Python's
 /// torch.nn.parallel.DistributedDataParallel.
@@ -186,8 +191,8 @@ class DistributedDataParallel {
   std::vector<at::Tensor> params_, buffers_;
   std::unique_ptr<c10d::Reducer> reducer_;
   bool sync_ = true;
-  bool sync_buffers_next_ = true;  // Python's require_forward_param_sync
-  int64_t iterations_ = 0;
+  bool sync_buffers_next_ = true;                  // Python's require_forward_param_sync
+  c10::intrusive_ptr<detail::DDPSinkState> sink_;  // what the outputs' DDPSink reaches in backward
 };
 
 template <typename ModuleImpl>
@@ -207,19 +212,47 @@ PERF_INLINE int dist_int(const std::optional<int>& given, const char* option, co
 // Python's DDP broadcasts module state in 250 MiB buckets.
 constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
 
-// The output tensors, for find_unused_parameters' walk of the autograd graph.
-PERF_INLINE void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out);
-PERF_INLINE void collect_tensors(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out);
-template <typename T>
-void collect_tensors(const T& /*no tensors*/, std::vector<at::Tensor>& /*out*/) {}
-template <typename A, typename B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<at::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
+// Visits every tensor of a forward's output: a Tensor, or std::vector,
+// std::pair, std::tuple and the values of std::map and std::unordered_map of
+// them, nested (Python's DDP flattens the output).
+template <typename F>
+void for_each_tensor(at::Tensor& t, F& f);
+template <typename T, typename F>
+void for_each_tensor(std::vector<T>& v, F& f);
+template <typename A, typename B, typename F>
+void for_each_tensor(std::pair<A, B>& p, F& f);
+template <typename... T, typename F>
+void for_each_tensor(std::tuple<T...>& t, F& f);
+template <typename K, typename V, typename F>
+void for_each_tensor(std::map<K, V>& m, F& f);
+template <typename K, typename V, typename F>
+void for_each_tensor(std::unordered_map<K, V>& m, F& f);
+template <typename T, typename F>
+void for_each_tensor(T& /*no tensors*/, F& /*f*/) {}
+template <typename F>
+void for_each_tensor(at::Tensor& t, F& f) {
+  if (t.defined()) f(t);
 }
-template <typename... T>
-void collect_tensors(const std::tuple<T...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... x) { (collect_tensors(x, out), ...); }, t);
+template <typename T, typename F>
+void for_each_tensor(std::vector<T>& v, F& f) {
+  for (auto& x : v) for_each_tensor(x, f);
+}
+template <typename A, typename B, typename F>
+void for_each_tensor(std::pair<A, B>& p, F& f) {
+  for_each_tensor(p.first, f);
+  for_each_tensor(p.second, f);
+}
+template <typename... T, typename F>
+void for_each_tensor(std::tuple<T...>& t, F& f) {
+  std::apply([&](auto&... x) { (for_each_tensor(x, f), ...); }, t);
+}
+template <typename K, typename V, typename F>
+void for_each_tensor(std::map<K, V>& m, F& f) {
+  for (auto& kv : m) for_each_tensor(kv.second, f);
+}
+template <typename K, typename V, typename F>
+void for_each_tensor(std::unordered_map<K, V>& m, F& f) {
+  for (auto& kv : m) for_each_tensor(kv.second, f);
 }
 
 // c10d's FP16_COMPRESS scheme in bfloat16: divide, compress, all-reduce, decompress.
@@ -241,19 +274,44 @@ class BF16CompressHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c1
   }
 };
 
-// Python's _DDPSink for static_graph: in the first iteration the Reducer only
-// records which parameters are used; a callback queued at the end of backward
-// then all-reduces everything at once.
+// What DDPSink's backward reaches: the Reducer (null once the DDP is gone),
+// and Python's _static_graph_delay_allreduce_enqueued. Shared with the autograd
+// graph, which may outlive the DDP.
+struct DDPSinkState : torch::CustomClassHolder {
+  c10d::Reducer* reducer = nullptr;
+  bool static_graph = false;
+  bool delay_all_reduce_enqueued = false;
+};
+
+// Python's _DDPSink, through which the forward's outputs pass (those with a
+// grad_fn). Its backward runs for every output once the loss's backward reaches
+// it, handing the outputs left out of the loss an undefined gradient: their
+// parameters' hooks then fire, so find_unused_parameters' Reducer (which found
+// them from the outputs) finishes the iteration. Under static_graph, in the
+// first iteration the Reducer only records which parameters are used; the
+// callback it queues all-reduces everything at the end of that backward.
 struct DDPSink : public torch::autograd::Function<DDPSink> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t reducer) {
-    ctx->saved_data["reducer"] = reducer;
-    return x.clone();
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList outputs,
+                                                const c10::intrusive_ptr<DDPSinkState>& state) {
+    ctx->set_materialize_grads(false);  // an output left out of the loss keeps an undefined gradient
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    torch::autograd::variable_list out;
+    for (const auto& t : outputs) out.push_back(t.clone());
+    return out;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* reducer = reinterpret_cast<c10d::Reducer*>(ctx->saved_data["reducer"].toInt());
-    torch::autograd::Engine::get_default_engine().queue_callback([reducer] { reducer->delay_all_reduce(); });
-    return {grads.at(0), at::Tensor()};
+    auto s = c10::static_intrusive_pointer_cast<DDPSinkState>(ctx->saved_data["state"].toCapsule());
+    TORCH_CHECK(s->reducer != nullptr,
+                "perf::DistributedDataParallel: backward ran after the DistributedDataParallel that made its forward "
+                "was destroyed; keep it alive until backward");
+    if (s->static_graph && !s->delay_all_reduce_enqueued) {
+      auto* reducer = s->reducer;
+      torch::autograd::Engine::get_default_engine().queue_callback([reducer] { reducer->delay_all_reduce(); });
+      s->delay_all_reduce_enqueued = true;
+    }
+    grads.emplace_back();  // for `state`
+    return grads;
   }
 };
 
@@ -344,11 +402,15 @@ DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<Mod
     reducer_->register_comm_hook(std::make_unique<detail::BF16CompressHook>(pg_));
   }
   if (options_.static_graph()) reducer_->set_static_graph();
+  sink_ = c10::make_intrusive<detail::DDPSinkState>();
+  sink_->reducer = reducer_.get();
+  sink_->static_graph = options_.static_graph();
   detail::ddp_register(params_, +1);
 }
 
 template <typename ModuleImpl>
 DistributedDataParallel<ModuleImpl>::~DistributedDataParallel() {
+  if (sink_) sink_->reducer = nullptr;
   detail::ddp_register(params_, -1);
 }
 
@@ -374,10 +436,12 @@ auto DistributedDataParallel<ModuleImpl>::operator()(Args&&... args) {
 template <typename ModuleImpl>
 void DistributedDataParallel<ModuleImpl>::pre_forward() {
   const bool grad = at::GradMode::is_enabled();
-  if (grad && sync_) {
-    ++iterations_;
-    reducer_->prepare_for_forward();
-  }
+  // The Reducer takes its first backward for the iteration that learns the graph.
+  TORCH_CHECK(!(grad && !sync_ && options_.static_graph() && !sink_->delay_all_reduce_enqueued),
+              "perf::DistributedDataParallel: static_graph(true) learns the graph in the first synchronised "
+              "iteration, so no_sync() cannot come before it (Python's DDP fails an internal assert there); run the "
+              "first iteration synchronised, then accumulate under no_sync()");
+  if (grad && sync_) reducer_->prepare_for_forward();
   // Before the forward's activations exist: rebuilding allocates new buckets.
   if (grad) reducer_->rebuild_buckets();
   if (sync_buffers_next_ && options_.broadcast_buffers() && !buffers_.empty() && pg_->getSize() > 1) {
@@ -394,20 +458,32 @@ Out DistributedDataParallel<ModuleImpl>::post_forward(Out out) {
     return out;
   }
   sync_buffers_next_ = true;
+  std::vector<at::Tensor*> found;
+  auto find = [&found](at::Tensor& t) { found.push_back(&t); };
+  detail::for_each_tensor(out, find);
+  const bool find_unused = options_.find_unused_parameters() && !options_.static_graph();
+  const bool sink = find_unused || (options_.static_graph() && !sink_->delay_all_reduce_enqueued);
+  TORCH_CHECK(!sink || !found.empty(), "perf::DistributedDataParallel: ",
+              find_unused ? "find_unused_parameters(true) walks the autograd graph from the forward's outputs"
+                          : "static_graph(true) all-reduces the first iteration's gradients from the forward's outputs",
+              ", but forward returned no tensor perf can find (supported: a Tensor, and std::vector, std::tuple, "
+              "std::pair, std::map and std::unordered_map of them, nested)");
   std::vector<at::Tensor> outputs;
-  if (options_.find_unused_parameters() && !options_.static_graph()) {
-    detail::collect_tensors(out, outputs);
-    TORCH_CHECK(!outputs.empty(),
-                "perf::DistributedDataParallel: find_unused_parameters(true) walks the autograd graph from the "
-                "forward's outputs, but forward returned no tensor (supported: a Tensor, a std::vector<Tensor>, a "
-                "std::tuple or std::pair of them)");
+  if (find_unused) {
+    for (auto* t : found) outputs.push_back(*t);
   }
   reducer_->prepare_for_backward(outputs);
-  if (options_.static_graph() && iterations_ == 1) {
-    if constexpr (std::is_same_v<std::decay_t<Out>, at::Tensor>) {
-      return detail::DDPSink::apply(out, reinterpret_cast<int64_t>(reducer_.get()));
-    } else {
-      TORCH_CHECK(false, "perf::DistributedDataParallel: static_graph(true) needs forward to return one Tensor");
+  if (sink) {
+    std::vector<at::Tensor> through;
+    std::vector<at::Tensor*> where;
+    for (auto* t : found) {
+      if (!t->grad_fn()) continue;  // as Python: a tensor without grad_fn is left alone
+      through.push_back(*t);
+      where.push_back(t);
+    }
+    if (!through.empty()) {
+      auto passed = detail::DDPSink::apply(at::TensorList(through), sink_);
+      for (size_t i = 0; i < where.size(); ++i) *where[i] = std::move(passed[i]);
     }
   }
   return out;

@@ -32,14 +32,6 @@ PERF_INLINE int dist_int(const std::optional<int>& given, const char* option, co
   return v;
 }
 
-PERF_INLINE void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
-  if (t.defined()) out.push_back(t);
-}
-
-PERF_INLINE void collect_tensors(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
-  for (const auto& t : v) collect_tensors(t, out);
-}
-
 PERF_INLINE std::string resolve_backend(const std::string& b) {
   TORCH_CHECK(b == "auto" || b == "gloo" || b == "nccl", "perf::ProcessGroupOptions::backend: invalid value \"", b,
               "\"; valid values: \"auto\", \"gloo\", \"nccl\"");
