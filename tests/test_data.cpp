@@ -264,6 +264,23 @@ TEST(Prefetch, CpuIsAPassThrough) {
   auto p = perf::prefetch(*loader, torch::kCPU);
   EXPECT_FALSE(p.asynchronous());
   for (auto& b : p) EXPECT_FALSE(b.data.is_pinned()) << "no pinning for a CPU target";
+  // pin(true) for a CPU target: a warning and no pinning (as Python's DataLoader without an accelerator), not an
+  // error from the pin at the first batch on a machine without CUDA.
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  } warnings;
+  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  auto pinned = perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().pin(true));
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("pin(true) has no effect for a cpu target"), std::string::npos)
+      << warnings.messages[0];
+  size_t batches = 0;
+  for (auto& b : pinned) {
+    EXPECT_FALSE(b.data.is_pinned());
+    ++batches;
+  }
+  EXPECT_EQ(batches, 3u);
 }
 
 TEST(Prefetch, OnGpuArrivesOnTheDeviceInOrder) {

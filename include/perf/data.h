@@ -80,7 +80,8 @@ std::string describe(const torch::data::DataLoaderOptions& options, const torch:
 // --------------------------------------------------------------------------- prefetch
 
 struct PrefetchOptions {
-  /// Copy from pinned host memory. Unset: on when the target is a CUDA device.
+  /// Copy from pinned host memory (a CUDA target). Unset: on. For a CPU
+  /// target batches are never pinned; pin(true) there warns.
   TORCH_ARG(std::optional<bool>, pin);
   /// Batches staged ahead of the one in use.
   TORCH_ARG(size_t, depth) = 2;
@@ -293,7 +294,13 @@ Prefetcher<Loader>::Prefetcher(Loader& loader, c10::Device device, PrefetchOptio
 #else
   TORCH_CHECK(!device_.is_cuda(), "perf::prefetch: ", device_, " requested but perf was built without CUDA");
 #endif
-  pin_ = options_.pin().value_or(async_);
+  // As Python's DataLoader without an accelerator: pin(true) for a CPU target
+  // is a warning and no pinning (pinning needs CUDA and only speeds up copies to it).
+  if (options_.pin().value_or(false) && !async_) {
+    TORCH_WARN("perf::PrefetchOptions::pin(true) has no effect for a ", device_,
+               " target (pinned memory speeds up copies to a CUDA device): batches are not pinned");
+  }
+  pin_ = async_ && options_.pin().value_or(true);
   if (!options_.mean().empty()) {
     const auto dt = options_.dtype().value_or(at::kFloat);
     mean_ = at::tensor(options_.mean(), at::kDouble).to(device_, dt);
