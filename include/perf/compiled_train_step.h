@@ -125,7 +125,7 @@ class CompiledTrainStep {
   void bind_state();
   void check_state() const;
   std::string layout_hint() const;
-  at::Tensor micro(const std::vector<at::Tensor>& batch, int64_t k);
+  at::Tensor micro(const std::vector<at::Tensor>& batch, double divisor);
 
   std::unique_ptr<detail::Package> package_;
   ModuleRef module_;

@@ -200,8 +200,12 @@ struct TrainStepOptions {
   /// Clip the total gradient norm before the update (perf::clip_grad_norm_;
   /// unscaled first when a scaler is set).
   TORCH_ARG(std::optional<double>, max_grad_norm);
-  /// Gradient accumulation: every batch tensor is split in k equal chunks
-  /// along dim 0, the gradients of loss/k accumulate, one update per step().
+  /// Gradient accumulation: every batch tensor is split in k chunks along dim
+  /// 0, the gradients of loss/k accumulate, one update per step(). A batch
+  /// that k does not divide (an epoch's last, run eagerly) is split in chunks
+  /// of at most one row's difference (fewer when it has fewer than k rows),
+  /// each loss weighted by its share of the rows, so a mean loss trains as
+  /// on the whole batch.
   TORCH_ARG(int64_t, accumulation_steps) = 1;
   TORCH_ARG(std::optional<c10::MempoolId_t>, pool);
   /// On a failed capture, or an optimizer that cannot be captured (torch::optim),
@@ -273,13 +277,14 @@ class TrainStep {
 
  private:
   friend class CompiledTrainStep;
-  // One micro-batch's share of a step: leaves the gradients of loss/k (scaled
-  // by the scaler, if any) accumulated in the parameters' .grad and returns
-  // loss/k, detached. Unset: backward_micro (loss_fn and backward()).
-  using MicroStep = std::function<at::Tensor(const std::vector<at::Tensor>& micro, int64_t k)>;
+  // One micro-batch's share of a step: leaves the gradients of loss/divisor
+  // (scaled by the scaler, if any) accumulated in the parameters' .grad and
+  // returns loss/divisor, detached; divisor = batch rows / micro-batch rows
+  // (k for equal chunks). Unset: backward_micro (loss_fn and backward()).
+  using MicroStep = std::function<at::Tensor(const std::vector<at::Tensor>& micro, double divisor)>;
   TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
             torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
-  at::Tensor backward_micro(const std::vector<at::Tensor>& micro, int64_t k);
+  at::Tensor backward_micro(const std::vector<at::Tensor>& micro, double divisor);
   void init(std::vector<at::Tensor> example);
   void capture_graph();
   bool is_partial_batch(const std::vector<at::Tensor>& batch) const;

@@ -123,7 +123,7 @@ PERF_INLINE void CompiledTrainStep::check_state() const {
   }
 }
 
-PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& batch, int64_t k) {
+PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& batch, double divisor) {
   at::NoGradGuard no_grad;
   const c10::Device device = package_->device();
   std::vector<at::Tensor> in;
@@ -133,7 +133,7 @@ PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& b
     in.push_back(s.live);
     inputs_storage.insert(s.live.storage().data());
   }
-  at::Tensor scale = at::full({}, 1.0 / static_cast<double>(k), at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor scale = at::full({}, 1.0 / divisor, at::TensorOptions().dtype(at::kFloat).device(device));
   if (auto* scaler = options_.scaler()) scale = scaler->scale(scale);
   in.push_back(scale);
   for (const auto& t : batch) {  // in the exported layout already (step())
@@ -166,7 +166,7 @@ PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& b
     }
   }
   const at::Tensor& loss = out[m];
-  return k > 1 ? loss / static_cast<double>(k) : loss;
+  return divisor != 1.0 ? loss / divisor : loss;
 }
 
 PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& batch) {
@@ -208,8 +208,8 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
         .check_syncs(options_.check_syncs());
     inner_.reset(new TrainStep(  // private to TrainStep: not make_unique
         "perf::CompiledTrainStep", "perf::CompiledTrainOptions", module_,
-        [this](const std::vector<at::Tensor>& micro_batch, int64_t steps) { return micro(micro_batch, steps); }, opt_,
-        prepared, o));
+        [this](const std::vector<at::Tensor>& micro_batch, double divisor) { return micro(micro_batch, divisor); },
+        opt_, prepared, o));
   }
   return inner_->step(prepared);
 }

@@ -401,10 +401,10 @@ PERF_INLINE void TrainStep::capture_graph() {
 #endif
 }
 
-PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, int64_t k) {
+PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, double divisor) {
   at::Tensor loss = loss_fn_(micro);
   TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
-  at::Tensor part = k > 1 ? loss / static_cast<double>(k) : loss;
+  at::Tensor part = divisor != 1.0 ? loss / divisor : loss;
   auto* scaler = options_.scaler();
   (scaler ? scaler->scale(part) : part).backward();
   return part.detach();
@@ -418,15 +418,24 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   } else {
     opt_.zero_grad();
   }
-  const int64_t k = options_.accumulation_steps();
+  // k micro-batches (tensor_split: equal where k divides the rows, else at
+  // most one row apart, and no empty one), each loss divided by its share.
+  int64_t parts = options_.accumulation_steps();
+  std::vector<std::vector<at::Tensor>> chunks;
+  if (parts > 1) {  // every batch tensor has dim 0 then (checked)
+    for (const auto& t : batch) parts = std::min(parts, t.size(0));
+    for (const auto& t : batch) chunks.push_back(t.tensor_split(parts, 0));
+  }
   auto* scaler = options_.scaler();
   at::Tensor total;
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < parts; ++i) {
     std::vector<at::Tensor> micro = batch;
-    if (k > 1) {
-      for (auto& t : micro) t = t.chunk(k, 0)[static_cast<size_t>(i)];
+    double divisor = 1.0;
+    if (parts > 1) {
+      for (size_t j = 0; j < micro.size(); ++j) micro[j] = chunks[j][static_cast<size_t>(i)];
+      divisor = static_cast<double>(batch.front().size(0)) / static_cast<double>(micro.front().size(0));
     }
-    at::Tensor part = micro_ ? micro_(micro, k) : backward_micro(micro, k);
+    at::Tensor part = micro_ ? micro_(micro, divisor) : backward_micro(micro, divisor);
     total = total.defined() ? total + part : part;
   }
   if (options_.max_grad_norm()) {
@@ -481,8 +490,8 @@ PERF_INLINE at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batc
   const int64_t k = options_.accumulation_steps();
   std::vector<at::Tensor> on_device;
   for (size_t i = 0; i < batch.size(); ++i) {
-    TORCH_CHECK(k == 1 || batch[i].size(0) % k == 0, who_, "::step_eager: accumulation_steps(", k,
-                ") needs dim 0 divisible by ", k, "; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
+    TORCH_CHECK(k == 1 || (batch[i].dim() >= 1 && batch[i].size(0) >= 1), who_, "::step_eager: accumulation_steps(", k,
+                ") splits dim 0; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
     on_device.push_back(batch[i].to(static_batch_[i].device(), /*non_blocking=*/true));
   }
   if (!graphed_) {
