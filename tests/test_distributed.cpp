@@ -599,6 +599,40 @@ TEST(DistributedDataParallel, WorkerThatDies) {
 
 // One GPU, NCCL, world size 1: DDP's bucketing, hooks and compression on CUDA
 // tensors train exactly as the model alone (fp32; bf16 compression within 2e-2).
+#if PERF_WITH_NCCL
+namespace {
+
+// At world size 1, 10 AdamW steps through a DDP on CUDA equal the model's alone.
+template <typename Net>
+void nccl_trains_like_the_model(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
+  SCOPED_TRACE(c.name);
+  torch::manual_seed(100);
+  Net model(true), ref(true);
+  model->to(torch::kCUDA);
+  ref->to(torch::kCUDA);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < ref->parameters().size(); ++i) ref->parameters()[i].copy_(model->parameters()[i]);
+  }
+  perf::DistributedDataParallel ddp(model, pg, c.options);
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+  perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 10; ++step) {
+    const auto x = torch::randn({16, 8}, torch::kCUDA);
+    const auto y = torch::randint(0, 4, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    case_loss(ddp(x), y, c).backward();
+    case_loss(ref(x), y, c).backward();
+    opt.step();
+    ref_opt.step();
+  }
+  EXPECT_LT(max_diff(*model, *ref), c.tol);
+}
+
+}  // namespace
+#endif
+
 TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
 #if PERF_WITH_NCCL
   if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
@@ -631,6 +665,16 @@ TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
     EXPECT_LT(max_diff(*model, *ref), comp == "none" ? 1e-5 : 2e-2);
     EXPECT_GE(ddp.buckets().size(), 2u);
   }
+  // The outputs' DDPSink on CUDA (its backward, and static_graph's queued all-reduce, run on the device thread).
+  Case two;
+  two.name = "two outputs, the second left out of the loss, find_unused_parameters";
+  two.options = perf::DDPOptions().find_unused_parameters(true);
+  two.heads = true;
+  nccl_trains_like_the_model<DdpHeads>(pg, two);
+  two.name = "two outputs in the loss, static_graph";
+  two.options = perf::DDPOptions().static_graph(true);
+  two.aux_loss = true;
+  nccl_trains_like_the_model<DdpHeads>(pg, two);
   perf::destroy_process_group(pg);
 #else
   GTEST_SKIP() << "skipped: perf was built without NCCL (needs CUDA and LibTorch's NCCL)";
