@@ -40,6 +40,7 @@
 #include <torch/data/example.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <ostream>

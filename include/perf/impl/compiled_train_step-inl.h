@@ -174,27 +174,42 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
   const auto& specs = package_->inputs();
   const int64_t k = options_.accumulation_steps();
   // In the exported layout once (channels-last images), then the package sees
-  // micro-batches: check their shapes, with the hint for a static package.
-  std::vector<at::Tensor> prepared, chunk;
+  // micro-batches (TrainStep's tensor_split: at most one row apart): check the
+  // largest and the smallest, with the hint for a static package.
+  std::vector<at::Tensor> prepared;
+  int64_t parts = k;
   for (size_t i = 0; i < batch.size(); ++i) {
     const at::Tensor& t = batch[i];
     TORCH_CHECK(t.defined(), package_->who(), ": batch tensor ", i, " is undefined");
-    TORCH_CHECK(k == 1 || (t.dim() >= 1 && t.size(0) % k == 0), package_->who(), ": accumulation_steps(", k,
-                ") needs every batch tensor's dim 0 divisible by ", k, ", got shape ", t.sizes());
+    TORCH_CHECK(k == 1 || (t.dim() >= 1 && t.size(0) >= 1), package_->who(), ": accumulation_steps(", k,
+                ") splits every batch tensor's dim 0, got shape ", t.sizes());
     const auto fmt = i < specs.size() && t.dim() == 4 ? specs[i].format : at::MemoryFormat::Contiguous;
     prepared.push_back(t.is_contiguous(fmt) ? t : t.contiguous(fmt));
-    chunk.push_back(k == 1 ? prepared.back() : prepared.back().narrow(0, 0, t.size(0) / k));
+    if (k > 1) parts = std::min(parts, t.size(0));
   }
-  for (size_t i = 0; i < chunk.size() && i < specs.size(); ++i) {
-    const auto& want = specs[i];
-    const bool static_batch = !want.sizes.empty() && want.sizes[0] >= 0;
-    TORCH_CHECK(!static_batch || chunk[i].dim() == 0 || chunk[i].size(0) == want.sizes[0], package_->who(),
-                ": batch tensor ", i, " has ", chunk[i].size(0), " rows", (k > 1 ? " per micro-batch" : ""),
-                ", the package was exported for a static batch of ", want.sizes[0],
-                ". Export it with --dynamic-batch MIN:MAX to train other batch sizes (an epoch's last batch), or "
-                "drop that batch (perf::LoaderTuning().drop_last(true)).");
+  auto micro_batch = [&](bool largest) {
+    std::vector<at::Tensor> chunk;
+    for (const auto& t : prepared) {
+      chunk.push_back(parts == 1 ? t : t.narrow(0, 0, largest ? (t.size(0) + parts - 1) / parts : t.size(0) / parts));
+    }
+    return chunk;
+  };
+  const bool uneven = std::any_of(prepared.begin(), prepared.end(),
+                                  [&](const at::Tensor& t) { return parts > 1 && t.size(0) % parts != 0; });
+  for (const bool largest : {true, false}) {
+    if (!largest && !uneven) break;
+    const auto chunk = micro_batch(largest);
+    for (size_t i = 0; i < chunk.size() && i < specs.size(); ++i) {
+      const auto& want = specs[i];
+      const bool static_batch = !want.sizes.empty() && want.sizes[0] >= 0;
+      TORCH_CHECK(!static_batch || chunk[i].dim() == 0 || chunk[i].size(0) == want.sizes[0], package_->who(),
+                  ": batch tensor ", i, " has ", chunk[i].size(0), " rows", (k > 1 ? " per micro-batch" : ""),
+                  ", the package was exported for a static batch of ", want.sizes[0],
+                  ". Export it with --dynamic-batch MIN:MAX to train other batch sizes (an epoch's last batch), or "
+                  "drop that batch (perf::LoaderTuning().drop_last(true)).");
+    }
+    detail::check_inputs(package_->who(), specs, package_->device(), chunk, specs.size());
   }
-  detail::check_inputs(package_->who(), specs, package_->device(), chunk, specs.size());
   if (!inner_) {
     TrainStepOptions o;
     o.graph(options_.graph())
