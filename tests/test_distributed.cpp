@@ -602,12 +602,13 @@ TEST(DistributedDataParallel, WorkerThatDies) {
 #if PERF_WITH_NCCL
 namespace {
 
-// At world size 1, 10 AdamW steps through a DDP on CUDA equal the model's alone.
+// At world size 1, 10 AdamW steps through a DDP on CUDA equal the model's
+// alone (within c.tol); returns the DDP's buckets after them.
 template <typename Net>
-void nccl_trains_like_the_model(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
+size_t nccl_trains_like_the_model(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   SCOPED_TRACE(c.name);
   torch::manual_seed(100);
-  Net model(true), ref(true);
+  Net model(c.spare), ref(c.spare);
   model->to(torch::kCUDA);
   ref->to(torch::kCUDA);
   {
@@ -628,6 +629,7 @@ void nccl_trains_like_the_model(const c10::intrusive_ptr<c10d::ProcessGroup>& pg
     ref_opt.step();
   }
   EXPECT_LT(max_diff(*model, *ref), c.tol);
+  return ddp.buckets().size();
 }
 
 }  // namespace
@@ -639,31 +641,11 @@ TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
   auto pg = perf::init_process_group(loopback(1, 0, free_port(), std::chrono::seconds(60)).backend("nccl"));
   EXPECT_EQ(pg->getBackendName(), "nccl");
   for (const std::string comp : {"none", "bf16"}) {
-    SCOPED_TRACE("compression " + comp);
-    torch::manual_seed(100);
-    DdpNet model, ref;
-    model->to(torch::kCUDA);
-    ref->to(torch::kCUDA);
-    {
-      torch::NoGradGuard ng;
-      for (size_t i = 0; i < ref->parameters().size(); ++i) ref->parameters()[i].copy_(model->parameters()[i]);
-    }
-    perf::DistributedDataParallel ddp(
-        model, pg, perf::DDPOptions().compression(comp).bucket_cap_mb(0.0005).gradient_as_bucket_view(true));
-    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
-    perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2));
-    for (int step = 0; step < 10; ++step) {
-      const auto x = torch::randn({16, 8}, torch::kCUDA);
-      const auto y = torch::randint(0, 4, {16}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
-      opt.zero_grad();
-      ref_opt.zero_grad();
-      torch::nn::functional::cross_entropy(ddp(x), y).backward();
-      torch::nn::functional::cross_entropy(ref(x), y).backward();
-      opt.step();
-      ref_opt.step();
-    }
-    EXPECT_LT(max_diff(*model, *ref), comp == "none" ? 1e-5 : 2e-2);
-    EXPECT_GE(ddp.buckets().size(), 2u);
+    Case c;
+    c.name = "compression " + comp;
+    c.options = perf::DDPOptions().compression(comp).bucket_cap_mb(0.0005).gradient_as_bucket_view(true);
+    c.tol = comp == "none" ? 1e-5 : 2e-2;
+    EXPECT_GE(nccl_trains_like_the_model<DdpNet>(pg, c), 2u) << c.name;
   }
   // The outputs' DDPSink on CUDA (its backward, and static_graph's queued all-reduce, run on the device thread).
   Case two;
