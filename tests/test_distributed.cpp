@@ -409,6 +409,8 @@ void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
        OptKind::adamw_flat},
       {"AdamW, unused parameter, find_unused_parameters",
        perf::DDPOptions().find_unused_parameters(true).bucket_cap_mb(0.001), OptKind::adamw, true},
+      {"AdamW, unused parameter, find_unused_parameters, no_sync over 2 micro-batches",
+       perf::DDPOptions().find_unused_parameters(true).bucket_cap_mb(0.001), OptKind::adamw, true, 2},
       {"SGD, static_graph with an unused parameter", perf::DDPOptions().static_graph(true), OptKind::sgd, true},
       {"SGD, GradScaler", perf::DDPOptions(), OptKind::sgd, false, 1, true},
       {"SGD, fp16 compression", perf::DDPOptions().compression("fp16"), OptKind::sgd, false, 1, false, 2e-3},
