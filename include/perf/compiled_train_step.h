@@ -40,7 +40,6 @@
 #include <torch/data/example.h>
 #include <torch/optim/optimizer.h>
 
-#include <algorithm>
 #include <memory>
 #include <optional>
 #include <ostream>

@@ -417,6 +417,13 @@ class ForwardSnapshot {
 // would enter its batch statistics.
 PERF_INLINE void check_padding_allowed(torch::nn::Module& module);
 
+// The micro-batches of accumulation_steps(k): every batch tensor split along
+// dim 0 by tensor_split, equal where k divides the rows, else at most one row
+// apart, the larger first; fewer than k (none empty) when a tensor has fewer
+// rows. k == 1: the batch itself. Shared by TrainStep and CompiledTrainStep,
+// which checks the package takes them.
+PERF_INLINE std::vector<std::vector<at::Tensor>> micro_batches(const std::vector<at::Tensor>& batch, int64_t k);
+
 // What a capture of a module's forward (perf::graph, perf::TrainStep) baked
 // in, besides its shapes: a CUDA graph replays the kernels, addresses and
 // control flow of its capture. So a

@@ -174,10 +174,9 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
   const auto& specs = package_->inputs();
   const int64_t k = options_.accumulation_steps();
   // In the exported layout once (channels-last images), then the package sees
-  // micro-batches (TrainStep's tensor_split: at most one row apart): check the
-  // largest and the smallest, with the hint for a static package.
+  // TrainStep's micro-batches: check the largest (first) and, where they
+  // differ, the smallest (last), with the hint for a static package.
   std::vector<at::Tensor> prepared;
-  int64_t parts = k;
   for (size_t i = 0; i < batch.size(); ++i) {
     const at::Tensor& t = batch[i];
     TORCH_CHECK(t.defined(), package_->who(), ": batch tensor ", i, " is undefined");
@@ -185,20 +184,9 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
                 ") splits every batch tensor's dim 0, got shape ", t.sizes());
     const auto fmt = i < specs.size() && t.dim() == 4 ? specs[i].format : at::MemoryFormat::Contiguous;
     prepared.push_back(t.is_contiguous(fmt) ? t : t.contiguous(fmt));
-    if (k > 1) parts = std::min(parts, t.size(0));
   }
-  auto micro_batch = [&](bool largest) {
-    std::vector<at::Tensor> chunk;
-    for (const auto& t : prepared) {
-      chunk.push_back(parts == 1 ? t : t.narrow(0, 0, largest ? (t.size(0) + parts - 1) / parts : t.size(0) / parts));
-    }
-    return chunk;
-  };
-  const bool uneven = std::any_of(prepared.begin(), prepared.end(),
-                                  [&](const at::Tensor& t) { return parts > 1 && t.size(0) % parts != 0; });
-  for (const bool largest : {true, false}) {
-    if (!largest && !uneven) break;
-    const auto chunk = micro_batch(largest);
+  const auto micros = detail::micro_batches(prepared, k);
+  auto check_micro_batch = [&](const std::vector<at::Tensor>& chunk) {
     for (size_t i = 0; i < chunk.size() && i < specs.size(); ++i) {
       const auto& want = specs[i];
       const bool static_batch = !want.sizes.empty() && want.sizes[0] >= 0;
@@ -209,6 +197,10 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
                   "drop that batch (perf::LoaderTuning().drop_last(true)).");
     }
     detail::check_inputs(package_->who(), specs, package_->device(), chunk, specs.size());
+  };
+  check_micro_batch(micros.front());
+  if (micros.size() > 1 && micros.back().front().size(0) != micros.front().front().size(0)) {
+    check_micro_batch(micros.back());
   }
   if (!inner_) {
     TrainStepOptions o;

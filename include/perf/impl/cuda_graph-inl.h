@@ -49,6 +49,17 @@ PERF_INLINE void check_padding_allowed(torch::nn::Module& module) {
   }
 }
 
+PERF_INLINE std::vector<std::vector<at::Tensor>> micro_batches(const std::vector<at::Tensor>& batch, int64_t k) {
+  if (k == 1) return {batch};
+  for (const auto& t : batch) k = std::min(k, t.size(0));
+  std::vector<std::vector<at::Tensor>> micro(static_cast<size_t>(k));
+  for (const auto& t : batch) {
+    auto pieces = t.tensor_split(k, 0);
+    for (size_t i = 0; i < micro.size(); ++i) micro[i].push_back(std::move(pieces[i]));
+  }
+  return micro;
+}
+
 PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
   const auto& o = s.options();
   return {o.growth_factor(), o.backoff_factor(), static_cast<double>(o.growth_interval())};
@@ -418,24 +429,14 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   } else {
     opt_.zero_grad();
   }
-  // k micro-batches (tensor_split: equal where k divides the rows, else at
-  // most one row apart, and no empty one), each loss divided by its share.
-  int64_t parts = options_.accumulation_steps();
-  std::vector<std::vector<at::Tensor>> chunks;
-  if (parts > 1) {  // every batch tensor has dim 0 then (checked)
-    for (const auto& t : batch) parts = std::min(parts, t.size(0));
-    for (const auto& t : batch) chunks.push_back(t.tensor_split(parts, 0));
-  }
+  // Each micro-batch's loss divided by its share of the rows (k for equal ones).
+  const auto micro = detail::micro_batches(batch, options_.accumulation_steps());
   auto* scaler = options_.scaler();
   at::Tensor total;
-  for (int64_t i = 0; i < parts; ++i) {
-    std::vector<at::Tensor> micro = batch;
-    double divisor = 1.0;
-    if (parts > 1) {
-      for (size_t j = 0; j < micro.size(); ++j) micro[j] = chunks[j][static_cast<size_t>(i)];
-      divisor = static_cast<double>(batch.front().size(0)) / static_cast<double>(micro.front().size(0));
-    }
-    at::Tensor part = micro_ ? micro_(micro, divisor) : backward_micro(micro, divisor);
+  for (const auto& m : micro) {
+    const double divisor =
+        micro.size() == 1 ? 1.0 : static_cast<double>(batch.front().size(0)) / static_cast<double>(m.front().size(0));
+    at::Tensor part = micro_ ? micro_(m, divisor) : backward_micro(m, divisor);
     total = total.defined() ? total + part : part;
   }
   if (options_.max_grad_norm()) {
