@@ -7,6 +7,7 @@
 #include <perf/cuda_graph.h>
 #include <perf/setup.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
 #include <unistd.h>
@@ -263,6 +264,7 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
       "seen = []\n"
       "torch._inductor.aoti_compile_and_package = lambda p, package_path, inductor_configs: "
       "seen.append(inductor_configs) or package_path\n"
+      "e.check_cxx_runtime = lambda path: None\n"  // nothing was compiled
       "m, x = torch.nn.Linear(4, 2), torch.randn(2, 4)\n"
       "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True)\n"
       "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True, inductor_configs={'coordinate_descent_tuning': "
@@ -289,6 +291,73 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   // max_autotune/coordinate_descent_tuning/triton.cudagraphs of three exports: --max-autotune, the same with
   // coordinate_descent_tuning=False given, without --max-autotune.
   EXPECT_EQ(out[5], "True/True/None True/False/None False/None/None");
+}
+
+// A g++ that finds no libstdc++.so development link links the static libstdc++ into a package (seen on a GPU
+// machine's Ubuntu g++ 13.3), and such a package crashed in std::regex when Python loaded it next to torch's
+// shared runtime, the exporter's own check of every training package included. Two stand-in compilers: one that
+// links the static runtime into shared libraries, and one that also finds no shared libstdc++.so.6 at all.
+TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
+#ifndef __linux__
+  GTEST_SKIP() << "skipped: the package's link to the C++ runtime is checked on Linux (ELF) only";
+#endif
+  TempDir dir;
+  const std::string static_cxx = dir / "g++-static", blind_cxx = dir / "g++-blind";
+  std::ofstream(static_cxx) << "#!/bin/sh\n"
+                               "case \" $* \" in *\" -shared \"*) exec g++ \"$@\" -static-libstdc++ ;; esac\n"
+                               "exec g++ \"$@\"\n";
+  std::ofstream(blind_cxx)
+      << "#!/bin/sh\n"
+         "for a in \"$@\"; do case $a in -print-file-name=*) echo \"${a#*=}\"; exit 0 ;; esac; done\n"
+         "exec "
+      << static_cxx << " \"$@\"\n";
+  ASSERT_EQ(::chmod(static_cxx.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(blind_cxx.c_str(), 0755), 0);
+  const auto out = test_util::lines(test_util::python(
+      "import os, sys, zipfile\n"
+      "sys.path.insert(0, '" +
+      test_util::source_dir() +
+      "/tools')\n"
+      "import torch, export_compiled as e\n"
+      "from torch._inductor import config\n"
+      "def needs_libstdcxx(p):\n"
+      "    with zipfile.ZipFile(p) as z:\n"
+      "        return any('libstdc++.so.6' in e._elf_needed(z.read(n)) for n in z.namelist() if n.endswith('.so'))\n"
+      "x = torch.ones(3, 16)\n"
+      "config.cpp.cxx = (None, '" +
+      static_cxx +
+      "')\n"
+      "torch.manual_seed(2)\n"
+      "m = torch.nn.Linear(16, 4)\n"
+      "fixed = e.export_compiled(m, (x,), '" +
+      (dir / "fixed.pt2") +
+      "')\n"
+      "print(needs_libstdcxx(fixed))\n"
+      "print(torch._inductor.aoti_load_package(fixed)(x).sum().item(), m(x).sum().item())\n"
+      "config.cpp.cxx = (None, '" +
+      blind_cxx +
+      "')\n"
+      "try:\n"
+      "    e.export_compiled(m, (x,), '" +
+      (dir / "blind.pt2") +
+      "')\n"
+      "    print('accepted')\n"
+      "except RuntimeError as err:\n"
+      "    print(str(err).replace(chr(10), ' '))\n"
+      "print('kept' if os.path.exists('" +
+      (dir / "blind.pt2") + "') else 'not kept')\n"));
+  ASSERT_EQ(out.size(), 4u);
+  // The exporter's package needs the shared runtime and loads; the refusal below, of the same stand-in's
+  // product where the shared runtime cannot be found, shows that the stand-in links a private copy otherwise.
+  EXPECT_EQ(out[0], "True");
+  const auto loaded = test_util::parse_numbers(out[1]);  // the package's sum, eager's
+  ASSERT_EQ(loaded.size(), 2u) << out[1];
+  EXPECT_NEAR(loaded[0], loaded[1], 1e-4) << out[1];
+  EXPECT_NE(out[2].find("carries its own copy of the C++ runtime"), std::string::npos) << out[2];
+  EXPECT_NE(out[2].find("the compiler " + blind_cxx + " found no shared libstdc++.so to link"), std::string::npos)
+      << out[2];
+  EXPECT_NE(out[2].find("libstdc++-<version>-dev"), std::string::npos) << out[2];
+  EXPECT_EQ(out[3], "not kept");
 }
 
 // The README's route for a model that exists only in C++: its Python twin

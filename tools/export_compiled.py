@@ -157,6 +157,100 @@ def _compile_configs(options: dict, max_autotune: bool, metadata: dict, **own) -
     return {**mode, **options, **own, "max_autotune": max_autotune, "aot_inductor.metadata": metadata}
 
 
+_SHARED_LIBSTDCXX = ":libstdc++.so.6"  # -l:libstdc++.so.6, the runtime every process with torch has loaded
+
+
+def shared_cxx_runtime(configs: dict | None = None) -> dict:
+    """Inductor options that link a package's shared library against the shared libstdc++.so.6 by name (Linux,
+    where the compiler finds it; {} elsewhere), on top of any aot_inductor.custom_op_libs in `configs`.
+
+    Inductor leaves the C++ runtime to the compiler's default. A g++ that finds no libstdc++.so development
+    link beside it links libstdc++.a into the package instead (seen on a GPU machine's Ubuntu g++ 13.3), and a
+    package carrying its own copy of the runtime crashes when loaded into a process that has the shared one,
+    which every Python with torch has: SIGSEGV in std::regex (AOTInductorModel's parse_device_str), in
+    aoti_load_package and so in this tool's check of every training package. Naming the shared runtime on the
+    link line, before the compiler's own -lstdc++, makes it the one the package uses; where the compiler links
+    it anyway, nothing changes."""
+    libs = list((configs or {}).get("aot_inductor.custom_op_libs") or [])
+    if _SHARED_LIBSTDCXX in libs or not _compiler_finds(_SHARED_LIBSTDCXX[1:]):
+        return {}
+    return {"aot_inductor.custom_op_libs": libs + [_SHARED_LIBSTDCXX]}
+
+
+def _compiler_finds(library: str) -> bool:
+    """Whether Inductor's C++ compiler (CXX, else g++) resolves `library` on its link path (-print-file-name
+    prints the bare name when it does not)."""
+    import subprocess
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        from torch._inductor import cpp_builder
+
+        found = subprocess.run([cpp_builder.get_cpp_compiler(), f"-print-file-name={library}"], capture_output=True,
+                               text=True, timeout=60, check=False).stdout.strip()
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return False
+    return os.path.isabs(found) and os.path.exists(found)
+
+
+def compile_and_package(program, path: str, configs: dict) -> str:
+    """aoti_compile_and_package with the shared C++ runtime linked (shared_cxx_runtime), and the product checked
+    for it (check_cxx_runtime): the package is written and usable, or refused and removed."""
+    path = torch._inductor.aoti_compile_and_package(program, package_path=path,
+                                                    inductor_configs={**configs, **shared_cxx_runtime(configs)})
+    check_cxx_runtime(path)
+    return path
+
+
+def check_cxx_runtime(path: str) -> None:
+    """Raises RuntimeError (and removes the package) where a package's Linux shared library does not load the
+    shared C++ runtime, i.e. carries a copy of its own (see shared_cxx_runtime)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        libs = [n for n in z.namelist() if n.endswith(".so")]
+        needed = {n: _elf_needed(z.read(n)) for n in libs}
+    for name, deps in needed.items():
+        if deps is None or any(d.startswith(("libstdc++.so", "libc++.so")) for d in deps):
+            continue
+        os.remove(path)
+        from torch._inductor import cpp_builder
+
+        raise RuntimeError(
+            f"{os.path.basename(name)} in {path} carries its own copy of the C++ runtime (it needs only "
+            f"{', '.join(deps) or 'nothing'}): the compiler {cpp_builder.get_cpp_compiler()} found no shared "
+            "libstdc++.so to link, and a package with a private libstdc++ crashes when loaded next to torch's "
+            "(SIGSEGV in std::regex). Install the libstdc++ development files of that compiler (Debian/Ubuntu: "
+            "libstdc++-<version>-dev) or point CXX at a compiler that links the shared libstdc++; the package was "
+            "removed")
+
+
+def _elf_needed(data: bytes):
+    """The DT_NEEDED entries of a 64-bit little-endian ELF file; None for any other file."""
+    import struct
+
+    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
+        return None
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _, kind, _, _, offset, size, link, *_ in sections:
+        if kind != 6:  # SHT_DYNAMIC; its sh_link is the string table its entries name
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, 16):
+            tag, value = struct.unpack_from("<qQ", data, at)
+            if tag == 0:  # DT_NULL
+                break
+            if tag == 1:  # DT_NEEDED
+                start = strings + value
+                needed.append(data[start:data.index(b"\0", start)].decode())
+    return needed
+
+
 def _options_entry(options: dict) -> str:
     return " ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
 
@@ -239,7 +333,7 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
         configs = _compile_configs(options, max_autotune, metadata, freezing=freezing)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+        return compile_and_package(program, path, configs)
 
 
 class _LossStep(torch.nn.Module):
@@ -623,7 +717,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
         metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
     configs = _compile_configs(options, max_autotune, metadata, fallback_random=fallback_random)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    path = torch._inductor.aoti_compile_and_package(flat_program, package_path=path, inductor_configs=configs)
+    path = compile_and_package(flat_program, path, configs)
     if verify and fallback_random:
         runner = torch._inductor.aoti_load_package(path)
         with torch.no_grad():

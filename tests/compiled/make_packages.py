@@ -32,7 +32,7 @@ TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(TOOL))
 import models  # noqa: E402
-from export_compiled import AMP, AttentionPrecision, export_compiled, export_train  # noqa: E402
+from export_compiled import AMP, AttentionPrecision, export_compiled, export_train, shared_cxx_runtime  # noqa: E402
 
 STEPS = 50
 LR, WEIGHT_DECAY, DROPOUT_SEED = 1e-2, 0.01, 7
@@ -164,7 +164,10 @@ def build(out: str) -> None:
     cnn = models.make_cnn().eval()
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(cnn, (torch.randn(4, 3, 32, 32),), dynamic_shapes=({0: batch},))
-    plain = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(out, "cnn_plain.pt2"))
+    # (Only the exporter's link option for the shared C++ runtime: without it, where the compiler links the static
+    # one, the package crashes when loaded next to torch. export_compiled.shared_cxx_runtime says why.)
+    plain = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(out, "cnn_plain.pt2"),
+                                                     inductor_configs=shared_cxx_runtime())
     with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(os.path.join(out, "cnn_plain_nosource.pt2"), "w") as zout:
         for item in zin.infolist():
             if not item.filename.endswith(".wrapper.cpp"):
