@@ -162,7 +162,15 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
       for f in "$pk"/*.log; do
         [ -f "$f" ] || continue
         cp "$f" "$logs/export-$(basename "$f")"
-        grep -q "FAILED.*$(basename "$f")" "$pk/stamp" && { echo "-- $(basename "$f"):"; tail -n 6 "$f"; }
+        grep -q "FAILED.*$(basename "$f")" "$pk/stamp" || continue
+        echo "-- $(basename "$f"):"
+        # A crash: the fatal error and the innermost Python frames (faulthandler); else the log's end.
+        if grep -q "^Fatal Python error" "$f"; then
+          grep -m1 "^Fatal Python error" "$f"
+          awk '/^Current thread/ { on = 1; n = 0; next } on && /^  File/ && n++ < 4 { print } on && !/^  File/ { on = 0 }' "$f"
+        else
+          tail -n 6 "$f"
+        fi
       done
     fi
   } >"$logs/summary.txt"

@@ -972,4 +972,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable()  # a crash in Inductor's compiler or AOTInductor's loader then names the Python line
     sys.exit(main())
