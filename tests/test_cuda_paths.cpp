@@ -312,6 +312,32 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
   EXPECT_EQ(perf::clip_grad_norm_({torch::ones({2})}, 1.0).item<float>(), 0.f) << "no gradients: norm 0";
 }
 
+TEST(CudaPaths, ClipGradNormWithErrorIfNonfiniteThrowsBeforeScalingAnyGradient) {
+  std::vector<torch::Tensor> ps = {torch::zeros({3}).requires_grad_(), torch::zeros({2}).requires_grad_()};
+  const auto finite = torch::tensor({3.f, 0.f, 4.f}), other = torch::tensor({1.f, 2.f});
+  const float bad[] = {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (float v : bad) {
+    ps[0].mutable_grad() = finite.clone();
+    ps[1].mutable_grad() = torch::tensor({v, 2.f});
+    PERF_EXPECT_THROW_MSG(perf::clip_grad_norm_(ps, 1.0, 2.0, /*error_if_nonfinite=*/true),
+                          "perf::clip_grad_norm_: The total norm of order 2 for gradients from `parameters` is "
+                          "non-finite, so it cannot be clipped. To disable this error and scale the gradients with "
+                          "the non-finite norm anyway, set `error_if_nonfinite=false`");
+    EXPECT_TRUE(ps[0].grad().equal(finite)) << "a gradient was scaled before the error";
+    // LibTorch's own says the same.
+    PERF_EXPECT_THROW_MSG(torch::nn::utils::clip_grad_norm_(std::vector<torch::Tensor>{ps[1]}, 1.0, 2.0, true),
+                          "is non-finite, so it cannot be clipped");
+    // Without the check, as before: every gradient scaled by the non-finite norm.
+    EXPECT_FALSE(std::isfinite(perf::clip_grad_norm_(ps, 1.0).item<double>()));
+  }
+  ps[0].mutable_grad() = finite.clone();
+  ps[1].mutable_grad() = other.clone();
+  const auto norm = perf::clip_grad_norm_(ps, 1.0, 2.0, true);
+  const double want = std::sqrt(9.0 + 16.0 + 1.0 + 4.0);
+  EXPECT_NEAR(norm.item<double>(), want, 1e-6);
+  EXPECT_LE((ps[1].grad() - other / (want + 1e-6)).abs().max().item<double>(), 1e-7);
+}
+
 TEST(CudaPaths, ClipGradNormAfterGradScalerUnscale) {
   torch::manual_seed(0);
   auto a = mlp(), b = mlp();
@@ -426,6 +452,15 @@ TEST(CudaPaths, OnGpuAFailedCaptureLeavesTheProcessHealthy) {
   PERF_EXPECT_THROW_MSG(perf::graph(bad, x), "host-device sync");
   // A real failed capture (the check off): the generator and allocator must be put back.
   PERF_EXPECT_THROW_MSG(perf::graph(bad, x, perf::GraphOptions().check_syncs(false)), "CUDA graph capture failed");
+  // clip_grad_norm_'s error_if_nonfinite reads the norm on the host: refused in the capture, before its sync.
+  auto w = torch::ones({4}, torch::kCUDA).requires_grad_();
+  w.mutable_grad() = torch::ones({4}, torch::kCUDA);
+  auto clipped = [&](const torch::Tensor& t) {
+    perf::clip_grad_norm_({w}, 1.0, 2.0, /*error_if_nonfinite=*/true);
+    return t + 1;
+  };
+  PERF_EXPECT_THROW_MSG(perf::graph(clipped, x, perf::GraphOptions().check_syncs(false)),
+                        "error_if_nonfinite=true reads the norm on the host, which a CUDA graph capture cannot do");
   auto fallback = perf::graph(bad, x, perf::GraphOptions().check_syncs(false).eager_fallback(true));
   EXPECT_FALSE(fallback.graphed());
   EXPECT_TRUE(torch::equal(fallback(x), x + 1));

@@ -753,7 +753,12 @@ namespace perf {
 /// GradScaler::unscale_. norm_type: p > 0 or infinity. Parameters without a
 /// gradient are ignored; none at all returns 0. The gradients of a flat
 /// optimizer (all of them) are one tensor: one norm kernel, one scale kernel.
-torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+/// error_if_nonfinite (as LibTorch's and Python's): a NaN or infinite norm
+/// throws before any gradient is scaled; it reads the norm on the host (one
+/// sync), so it is refused inside a CUDA graph capture, where GradScaler's
+/// on-device check of the step is the way.
+torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm, double norm_type = 2.0,
+                              bool error_if_nonfinite = false);
 
 }  // namespace perf
 

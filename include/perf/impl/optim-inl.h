@@ -799,9 +799,13 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
 namespace perf {
 
 PERF_INLINE torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm,
-                                          double norm_type) {
+                                          double norm_type, bool error_if_nonfinite) {
   TORCH_CHECK(max_norm >= 0, "perf::clip_grad_norm_: max_norm must be >= 0, got ", max_norm);
   TORCH_CHECK(norm_type > 0, "perf::clip_grad_norm_: norm_type must be > 0 (or infinity), got ", norm_type);
+  TORCH_CHECK(!error_if_nonfinite || !optim::detail::capturing_cuda_graph(),
+              "perf::clip_grad_norm_: error_if_nonfinite=true reads the norm on the host, which a CUDA graph capture "
+              "cannot do; capture with error_if_nonfinite=false (perf::GradScaler skips a step with non-finite "
+              "gradients on the GPU)");
   at::NoGradGuard no_grad;
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> groups;
   std::optional<c10::Device> first;
@@ -826,6 +830,11 @@ PERF_INLINE torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& para
   }
   const auto stacked = at::stack(norms);
   const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
+  // LibTorch's message, checked before any gradient is scaled.
+  TORCH_CHECK(!error_if_nonfinite || std::isfinite(total.item<double>()),
+              "perf::clip_grad_norm_: The total norm of order ", norm_type,
+              " for gradients from `parameters` is non-finite, so it cannot be clipped. To disable this error and "
+              "scale the gradients with the non-finite norm anyway, set `error_if_nonfinite=false`");
   const auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
   for (auto& [key, grads] : groups) {
     const auto c = coef.to(grads.front().device(), norm_dtype(key.second), /*non_blocking=*/true);
