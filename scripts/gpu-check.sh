@@ -149,7 +149,7 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   if ((!st)); then
     # Stopped by the budget, the next `--part build` on the same machine goes on where this one stopped.
     within_budget 15 cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
-      { grep -E "error|Error" "$logs/build.log" | head -30; st=1; }
+      { grep -E "error|Error|^FAILED: |^Fatal Python error|^  File \".* in " "$logs/build.log" | head -30; st=1; }
   fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"

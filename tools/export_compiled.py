@@ -217,13 +217,15 @@ def check_cxx_runtime(path: str) -> None:
         os.remove(path)
         from torch._inductor import cpp_builder
 
+        cxx = cpp_builder.get_cpp_compiler()
+        why = ("found no shared libstdc++.so to link" if not _compiler_finds(_SHARED_LIBSTDCXX[1:]) else
+               "linked the static libstdc++ although the shared one was named (-l:libstdc++.so.6)")
         raise RuntimeError(
             f"{os.path.basename(name)} in {path} carries its own copy of the C++ runtime (it needs only "
-            f"{', '.join(deps) or 'nothing'}): the compiler {cpp_builder.get_cpp_compiler()} found no shared "
-            "libstdc++.so to link, and a package with a private libstdc++ crashes when loaded next to torch's "
-            "(SIGSEGV in std::regex). Install the libstdc++ development files of that compiler (Debian/Ubuntu: "
-            "libstdc++-<version>-dev) or point CXX at a compiler that links the shared libstdc++; the package was "
-            "removed")
+            f"{', '.join(deps) or 'nothing'}): the compiler {cxx} {why}, and a package with a private libstdc++ "
+            "crashes when loaded next to torch's (SIGSEGV in std::regex). Install the libstdc++ development files "
+            "of that compiler (Debian/Ubuntu: libstdc++-<version>-dev) or point CXX at a compiler that links the "
+            "shared libstdc++; the package was removed")
 
 
 def _elf_needed(data: bytes):
