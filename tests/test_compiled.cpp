@@ -12,7 +12,6 @@
 #include <torch/serialize.h>
 #include <unistd.h>
 
-#include <array>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -302,15 +301,9 @@ TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
 #ifndef __linux__
   GTEST_SKIP() << "skipped: the package's link to the C++ runtime is checked on Linux (ELF) only";
 #endif
-  {  // the stand-in needs the static runtime to link (Fedora, say, ships it apart: libstdc++-static)
-    FILE* pipe = ::popen("g++ -print-file-name=libstdc++.a 2>/dev/null", "r");
-    ASSERT_NE(pipe, nullptr);
-    std::array<char, 4096> buf{};
-    const std::string found(buf.data(), std::fread(buf.data(), 1, buf.size() - 1, pipe));
-    ::pclose(pipe);
-    if (found.empty() || found[0] != '/')
-      GTEST_SKIP() << "skipped: g++ has no static libstdc++.a for the stand-in compiler to link";
-  }
+  // The stand-in needs the static runtime to link (Fedora, say, ships it apart: libstdc++-static).
+  if (test_util::output_of("g++ -print-file-name=libstdc++.a").rfind('/', 0) != 0)
+    GTEST_SKIP() << "skipped: g++ has no static libstdc++.a for the stand-in compiler to link";
   TempDir dir;
   const std::string static_cxx = dir / "g++-static", blind_cxx = dir / "g++-blind";
   std::ofstream(static_cxx) << "#!/bin/sh\n"

@@ -82,6 +82,19 @@ struct TempDir {
 // _FORTIFY_SOURCE, std::system's result must be used).
 inline bool run_command(const std::string& command) { return std::system(command.c_str()) == 0; }
 
+// A shell command's stdout, trailing newlines trimmed; throws if it fails.
+inline std::string output_of(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  const int rc = ::pclose(pipe);
+  if (rc != 0) throw std::runtime_error("command failed (" + std::to_string(rc) + "): " + command);
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+
 // Plays a CPU with (or without) native bf16 for one scope.
 class ScopedCpuBf16 {
  public:
@@ -140,17 +153,7 @@ inline std::string cuda_test_package(const std::string& name, const std::string&
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
 // overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  const std::string py = reference_python();
-  const std::string cmd = py + " -c \"" + code + "\" 2>/dev/null";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("cannot run " + cmd);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int rc = ::pclose(pipe);
-  if (rc != 0) throw std::runtime_error("python failed (" + std::to_string(rc) + "): " + cmd);
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out;
+  return output_of(reference_python() + " -c \"" + code + "\" 2>/dev/null");
 }
 
 // How often the C++ sources an AOTInductor package carries name Vectorized
