@@ -169,7 +169,7 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
           grep -m1 "^Fatal Python error" "$f"
           awk '/^Current thread/ { on = 1; n = 0; next } on && /^  File/ && n++ < 4 { print } on && !/^  File/ { on = 0 }' "$f"
         else
-          tail -n 6 "$f"
+          grep -v "\[__output_code\]" "$f" | tail -n 6  # without the generated code a diagnostic export logs
         fi
       done
     fi

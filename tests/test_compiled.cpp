@@ -426,7 +426,7 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
-  ASSERT_FALSE(pkg.empty());
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
   perf::CompiledModel model(pkg);
   EXPECT_TRUE(model.device().is_cuda());
   EXPECT_FALSE(model.metadata().at("AOTI_COMPUTE_CAPABILITY").empty());
@@ -475,7 +475,7 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
-  ASSERT_FALSE(pkg.empty());
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
   perf::CompiledModel model(pkg, perf::CompiledOptions().single_threaded(true));
   perf::CompiledModel plain(pkg);  // multi-threaded, uncaptured: the reference
   const auto example = at::zeros({8, 16}, at::kCUDA);

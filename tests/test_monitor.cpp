@@ -477,14 +477,17 @@ TEST(Advise, OnGpuFindsSyncsPageableCopiesPrecisionAndLaunchBoundSteps) {
     conv.y = full_y;
     at::globalContext().setBenchmarkCuDNN(saved);
   }
-  // A clean large step: pinned prefetch-style input, bf16 autocast, no syncs.
+  // A clean large step: pinned prefetch-style input, bf16 autocast, no syncs. Its GPU work (5 bf16 matmuls of
+  // 1.1 TFLOP each: about 8 ms on an H100 or H200) must outlast the host's launching by far, even on a host slowed by
+  // ctest -j16 beside it: with 8192x2048x4096 matmuls (1.2 ms on an H200) the observed host took 4.5 ms and
+  // the step was rightly found launch-bound.
   {
     const bool saved = at::globalContext().benchmarkCuDNN();
     at::globalContext().setBenchmarkCuDNN(true);
-    torch::nn::Sequential big(torch::nn::Linear(2048, 4096), torch::nn::ReLU(), torch::nn::Linear(4096, 2048));
+    torch::nn::Sequential big(torch::nn::Linear(4096, 8192), torch::nn::ReLU(), torch::nn::Linear(8192, 4096));
     big->to(cuda);
     torch::optim::SGD o(big->parameters(), 0.01);
-    const auto x = torch::randn({8192, 2048}, cuda);
+    const auto x = torch::randn({16384, 4096}, cuda);
     auto clean = [&] {
       o.zero_grad();
       torch::Tensor loss;

@@ -809,33 +809,52 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
     ref_loss, ref_grads = reference if reference is not None else (None, [None] * len(grads))
     checks = [("the loss", loss, want_loss, ref_loss)] + [
         (f"the gradient of {n}", g, w, r) for n, g, w, r in zip(names, grads, want_grads, ref_grads)]
-    for what, got, want, ref in checks:
-        why = differs(got, want, ref)
-        if why is not None:
-            raise ValueError(
-                f"the compiled training step is wrong: {what} differs from the eager step's on the example batch: "
-                f"{why}. The compiler produced a wrong program; the package was not kept. "
-                "--no-verify (verify=False) keeps such a package anyway.")
+    # Every tensor is checked, so that the error says how far the fault reaches (one convolution's gradient, or
+    # everything downstream of the loss): where to look in the generated code.
+    wrong = [(what, why) for what, got, want, ref in checks for why in [differs(got, want, ref)] if why is not None]
+    if wrong:
+        (what, why), others = wrong[0], [w[len("the gradient of "):] for w, _ in wrong[1:]]
+        also = (f" Also past their bounds: the gradient{'s' if len(others) > 1 else ''} of {', '.join(others)} "
+                f"({len(wrong)} of {len(checks)} tensors wrong; the loss and every gradient were checked).") if others \
+            else {1: "", 2: " The other tensor is within its bound."}.get(
+                len(checks), f" The other {len(checks) - 1} tensors are within their bounds.")
+        raise ValueError(
+            f"the compiled training step is wrong: {what} differs from the eager step's on the example batch: "
+            f"{why}.{also} The compiler produced a wrong program; the package was not kept. "
+            "--no-verify (verify=False) keeps such a package anyway.")
 
 
 def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads, names, amp: str = "off", *,
                            configs=None, reference=None) -> str:
     """Why a package failed check_compiled_step, in a sentence for its error: the same graph compiled once more by
-    Inductor's Python wrapper (torch.compile's), and run on the same inputs.
+    Inductor's Python wrapper (torch.compile's), and run on the same inputs; where that is right, once more by
+    torch.compile's C++ wrapper (cpp_wrapper=True), which generates the code AOTInductor builds, without
+    AOTInductor's packaging, loader and runtime.
 
-    That wrapper checks after every fallback kernel (an ATen or custom op that Inductor calls instead of
+    The Python wrapper checks after every fallback kernel (an ATen or custom op that Inductor calls instead of
     generating code for it) that the output has the sizes and strides the compiler planned from the op's fake
     (meta) kernel. AOTInductor's C++ wrapper does not (torch 2.11: ir.ExternKernel.codegen_size_asserts is skipped
     for cpp_wrapper), so where a fake kernel predicts other strides than the real kernel returns, the package's
     generated code reads that output in the wrong order: wrong numbers, no error."""
     options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
     options["size_asserts"] = True  # the point of this compilation, whatever the package was built with
-    try:
-        with torch._inductor.config.patch(**options):
+
+    def run(**patch):
+        with torch._inductor.config.patch(**options, **patch):
             compiled = torch._inductor.compile(program.module(), list(inputs))
             with torch.no_grad():
                 torch.manual_seed(0)  # the draws of the package's run
-                out = list(compiled(*inputs))
+                return list(compiled(*inputs))
+
+    def right(out) -> bool:
+        try:
+            check_compiled_step(out[mutated], out[mutated + 1:], want_loss, want_grads, names, amp, reference)
+            return True
+        except ValueError:
+            return False
+
+    try:
+        out = run()
     except Exception as e:  # noqa: BLE001  (the refusal stands; the diagnosis is a courtesy)
         text = str(e).strip()
         if not (isinstance(e, AssertionError) and text.startswith("expected size")):
@@ -847,14 +866,23 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
                 f"output strides (AOTInductor's C++ wrapper does not): {said} (actual==planned). That kernel's fake "
                 "(meta) kernel predicts other strides than its real one returns; give its inputs one memory format, "
                 "or export without --channels-last.")
-    try:
-        check_compiled_step(out[mutated], out[mutated + 1:], want_loss, want_grads, names, amp, reference)
-    except ValueError:
+    if not right(out):
         return ("The same graph compiled by Inductor's Python wrapper (which checks every fallback kernel's strides) "
                 "is wrong too, and no kernel's strides differ from the plan: the fault is in Inductor's generated code "
                 "for this graph.")
-    return ("The same graph compiled by Inductor's Python wrapper is right: the fault is in AOTInductor's C++ build of "
-            "it.")
+    said = "The same graph compiled by Inductor's Python wrapper is right"
+    try:
+        cpp = right(run(cpp_wrapper=True))
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return (f"{said}: the fault is in AOTInductor's C++ build of it (compiling it with torch.compile's C++ wrapper, "
+                f"to tell which part, failed: {type(e).__name__}: {first}).")
+    if cpp:
+        return (f"{said}, and so is it under torch.compile's C++ wrapper (cpp_wrapper=True), which generates the code "
+                "AOTInductor builds: the fault is in what AOTInductor adds (its packaging, loader or runtime).")
+    return (f"{said}; under torch.compile's C++ wrapper (cpp_wrapper=True) it is wrong: the fault is in the C++ "
+            "wrapper code Inductor generates for this graph, which AOTInductor builds, not in AOTInductor's packaging "
+            "or runtime.")
 
 
 def load_factory(spec: str, what: str = "FACTORY"):

@@ -15,6 +15,10 @@ exported here, beside the compilation, the tests find them in OUT:
                               optimization off (--inductor-config layout_optimization=False):
                               no test uses it; its line in the stamp says whether the open
                               CUDA CNN bug (README, "Compiled training") goes with that pass
+    OUT/cnn_train_cl_fp32_code_cuda.pt2  the channels-last fp32 step again, with TORCH_LOGS=output_code:
+                              no test uses it; its log holds the code each compilation generated
+                              (AOTInductor's C++ wrapper, and where the exporter refuses the package,
+                              the Python and C++ wrappers of its diagnosis), to read where the bug is
     OUT/example_net_train_cuda.pt2  examples/compiled_train.py's step, exported as its header
                               says (batch 64): for the test example_compiled_train_learns
     OUT/<name>.log            each export's output
@@ -53,11 +57,16 @@ EXPORTS = {
     "cnn_train_cl_nolayoutopt_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
                                           "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp",
                                           "bf16", "--channels-last", "--inductor-config", "layout_optimization=False"],
+    "cnn_train_cl_fp32_code_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
+                                        "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda",
+                                        "--channels-last"],
     "example_net_train_cuda.pt2": [f"{EXAMPLE}:make", "--train", "--loss", f"{EXAMPLE}:loss", "--input", "64,64",
                                    "--input", "64:int64", "--device", "cuda"],
 }
 
-DIAGNOSTIC = {"cnn_train_cl_nolayoutopt_cuda.pt2"}
+DIAGNOSTIC = {"cnn_train_cl_nolayoutopt_cuda.pt2", "cnn_train_cl_fp32_code_cuda.pt2"}
+# More environment for an export: Inductor's generated code into its log.
+ENV = {"cnn_train_cl_fp32_code_cuda.pt2": {"TORCH_LOGS": "output_code"}}
 
 
 def main() -> int:
@@ -84,7 +93,8 @@ def main() -> int:
     for name, args in EXPORTS.items():
         log = open(os.path.join(a.out, name[:-4] + ".log"), "w")
         cmd = [sys.executable, TOOL, *args, "-o", os.path.join(a.out, name[:-4] + ".tmp.pt2")]
-        runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+        env = {**os.environ, **ENV.get(name, {})}
+        runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     lines = []
     for name, (proc, log) in runs.items():
         try:
@@ -97,7 +107,8 @@ def main() -> int:
             os.replace(os.path.join(a.out, name[:-4] + ".tmp.pt2"), os.path.join(a.out, name))
             lines.append(f"{name}: exported")
         else:
-            then = "no test uses it" if name in DIAGNOSTIC else "its tests fail with this log"
+            then = "no test uses it" if name in DIAGNOSTIC else ("its tests fail with this log, or skip quoting it where "
+                                                                 "the exporter blames AOTInductor")
             lines.append(f"{name}: FAILED ({rc}; see {name[:-4]}.log); {then}")
             print(f"warning: exporting the CUDA test package {name} failed ({rc}); see {log.name}", file=sys.stderr)
     lines.append(f"{time.time() - started:.0f} s")
