@@ -791,6 +791,58 @@ TEST(Checkpoint, GradientsEqualWithDropoutAndParameters) {
   EXPECT_FALSE(torch::allclose(x.grad(), ref[1], 1e-6, 1e-6));
 }
 
+// The recomputation runs under the forward's autocast state, outside any
+// autocast region of the caller: the weights it casts must not stay in
+// autocast's cache (keyed on the weight, blind to in-place updates), or the next
+// step's forward would run on the casts of the weights before optimizer.step().
+// Python's checkpoint recomputes inside torch.autocast, whose exit clears the
+// cache; so must this. Two SGD steps, checkpointed and plain, under bf16 autocast.
+TEST(Checkpoint, UnderAutocastTheNextStepSeesTheUpdatedWeights) {
+  auto train = [](bool ckpt) {
+    torch::manual_seed(0);
+    torch::nn::Linear l1(16, 32), l2(32, 4);
+    torch::optim::SGD opt({l1->weight, l1->bias, l2->weight, l2->bias}, 0.5);
+    auto block = [&](const std::vector<torch::Tensor>& in) { return l2(torch::gelu(l1(in[0]))); };
+    const auto x = torch::randn({8, 16});
+    std::vector<torch::Tensor> outs;
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      torch::Tensor y;
+      {
+        perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+        y = ckpt ? perf::checkpoint(block, {x}) : block({x});
+      }
+      outs.push_back(y.detach().to(torch::kFloat));
+      y.to(torch::kFloat).pow(2).sum().backward();
+      opt.step();
+    }
+    return outs;
+  };
+  const auto plain = train(false), ckpt = train(true);
+  for (size_t i = 0; i < plain.size(); ++i)
+    EXPECT_TRUE(torch::equal(ckpt[i], plain[i]))
+        << "step " << i << ": max |difference| " << (ckpt[i] - plain[i]).abs().max().item<double>();
+  EXPECT_FALSE(torch::equal(plain[0], plain[2])) << "the weights must move";
+  // The recomputation runs with the forward's cache setting too (Python's checkpoint keeps cache_enabled),
+  // and leaves the caller's as it was.
+  torch::nn::Linear l(4, 4);
+  std::vector<bool> cache_seen;
+  auto block = [&](const std::vector<torch::Tensor>& in) {
+    cache_seen.push_back(at::autocast::is_autocast_cache_enabled());
+    return l(in[0]);
+  };
+  torch::Tensor y;
+  {
+    perf::Autocast ac(torch::kCPU, torch::kBFloat16, /*enabled=*/true, /*cache_enabled=*/false);
+    y = perf::checkpoint(block, {torch::randn({2, 4})});
+  }
+  ASSERT_TRUE(at::autocast::is_autocast_cache_enabled());
+  y.to(torch::kFloat).sum().backward();
+  EXPECT_EQ(cache_seen, (std::vector<bool>{false, false})) << "forward, then the recomputation";
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+  EXPECT_TRUE(l->weight.grad().defined());
+}
+
 // torch::autograd::grad() and backward(inputs) only return or fill what they
 // were asked for; the recomputation accumulates into .grad(): refused, as
 // Python's reentrant checkpoint refuses them.

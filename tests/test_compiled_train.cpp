@@ -868,6 +868,50 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
             "which AOTInductor builds, not in AOTInductor's packaging or runtime.");
 }
 
+// bench/e2e exports each job's training step once (cached by everything that
+// shapes it); a step the exporter refuses as a wrong program is remembered the
+// same way, so that the next run (another GPU session) does not spend minutes
+// compiling it again to the same refusal. The refusal is faked here.
+TEST(CompiledTrain, E2eBenchmarkRemembersAStepTheExporterRefused) {
+  test_util::TempDir dir;
+  const std::string src = test_util::source_dir();
+  const auto out = test_util::lines(test_util::python(
+      "import os, sys\n"
+      "os.environ['PERF_CACHE_DIR'] = '" +
+      dir.path +
+      "'\n"
+      "sys.path.insert(0, '" +
+      src + "/bench/e2e'); sys.path.insert(0, '" + src +
+      "/tools')\n"
+      "import run, models, export_compiled\n"
+      "calls = []\n"
+      "def refuse(*a, **k):\n"
+      "    calls.append(k['channels_last'])\n"
+      "    raise ValueError('the compiled training step is wrong: the gradient of stem.0.weight differs')\n"
+      "export_compiled.export_train = refuse\n"
+      "for options in ({}, {}, {'layout_optimization': False}):\n"
+      "    try:\n"
+      "        run.training_package('mlp', models.JOBS['mlp']['cpu'], 'cpu', 'off', '" +
+      dir.path +
+      "', options=options)\n"
+      "    except ValueError as e:\n"
+      "        print(str(e).replace('" +
+      dir.path +
+      "/e2e-packages/', 'CACHE/'))\n"
+      "print('exports', len(calls))\n"));
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_EQ(out[0], "the compiled training step is wrong: the gradient of stem.0.weight differs");
+  EXPECT_EQ(out[1].rfind("the compiled training step is wrong: the gradient of stem.0.weight differs (refused "
+                         "before; remove CACHE/mlp-",
+                         0),
+            0u)
+      << out[1];
+  EXPECT_NE(out[1].find(".refused to try again)"), std::string::npos) << out[1];
+  // Other Inductor options make another step: exported (and refused) afresh.
+  EXPECT_EQ(out[2], out[0]);
+  EXPECT_EQ(out[3], "exports 2");
+}
+
 #if PERF_WITH_CUDA
 namespace {
 // The test CNN trained on the GPU by a CUDA package of its step (`name`,

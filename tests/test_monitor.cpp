@@ -243,12 +243,8 @@ TEST(GpuMonitor, OnGpuReadingsMatchNvidiaSmi) {
 #if PERF_WITH_CUDA
   if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: NVML works but CUDA sees no device";
   // nvidia-smi's view of GPU 0: name and total memory (MiB).
-  FILE* pipe = ::popen("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits -i 0", "r");
-  ASSERT_NE(pipe, nullptr);
-  char buf[256] = {0};
-  ASSERT_NE(std::fgets(buf, sizeof(buf), pipe), nullptr);
-  ::pclose(pipe);
-  std::string smi(buf);
+  const std::string smi =
+      test_util::output_of("nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits -i 0");
   const auto comma = smi.find(',');
   ASSERT_NE(comma, std::string::npos) << smi;
   EXPECT_EQ(mon.names()[0], smi.substr(0, comma));

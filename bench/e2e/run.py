@@ -61,14 +61,24 @@ def training_package(job, size, device, amp, out, layout="channels-last", option
         h.update(open(f, "rb").read())
     cache = os.path.join(os.environ.get("PERF_CACHE_DIR", os.path.expanduser("~/.cache/perf")), "e2e-packages")
     cached = os.path.join(cache, f"{job}-{h.hexdigest()[:16]}.pt2")
-    seconds_file = cached + ".seconds"
+    seconds_file, refused_file = cached + ".seconds", cached[:-4] + ".refused"
+    if os.path.exists(refused_file):
+        # The exporter's check refused this very step before (same sources, torch and options): a wrong program
+        # stays wrong, and exporting it again costs minutes on a GPU.
+        raise ValueError(f"{open(refused_file).read().strip()} (refused before; remove {refused_file} to try again)")
     if not os.path.exists(cached):
         os.makedirs(cache, exist_ok=True)
         torch.manual_seed(0)
         x, y = models.make_data(job, size, size["batch"])
         started = time.time()
-        export_train(models.make(job, size), models.loss, (x, y), cached[:-4] + ".tmp.pt2", device=device,
-                     amp=amp, channels_last=channels_last, inductor_configs=options, max_autotune=max_autotune)
+        try:
+            export_train(models.make(job, size), models.loss, (x, y), cached[:-4] + ".tmp.pt2", device=device,
+                         amp=amp, channels_last=channels_last, inductor_configs=options, max_autotune=max_autotune)
+        except ValueError as e:
+            if "compiled training step is wrong" in str(e):
+                with open(refused_file, "w") as f:
+                    f.write(f"{e}\n")
+            raise
         os.replace(cached[:-4] + ".tmp.pt2", cached)
         with open(seconds_file, "w") as f:
             f.write(f"{time.time() - started:.1f}\n")

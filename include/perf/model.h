@@ -234,7 +234,8 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 /// Activation checkpointing: runs fn(inputs) without keeping its activations,
 /// then recomputes it during backward, with the forward's RNG state (dropout
-/// matches) and autocast state. Gradients equal the non-checkpointed ones,
+/// matches) and autocast state (enabled, dtype and cache, per device, in an
+/// autocast region of its own: its cached casts end with the recomputation). Gradients equal the non-checkpointed ones,
 /// the parameters' too when no input requires grad (a block fed the data).
 /// With grad mode on the output always requires grad, as fn's parameters are
 /// unknown until the recomputation. Reentrant: backward() fills .grad();
@@ -483,27 +484,39 @@ auto Optimized<M>::eager_forward(Args&&... args) {
 
 namespace detail {
 
-// The CPU and CUDA autocast settings of this thread.
+// The CPU and CUDA autocast settings of this thread, and its weight cache's.
 struct AutocastState {
   bool cpu = false, cuda = false;
   c10::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
+  bool cache = true;
   static AutocastState current() {
     return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
-            at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA)};
+            at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA),
+            at::autocast::is_autocast_cache_enabled()};
   }
   void apply() const {
     at::autocast::set_autocast_enabled(at::kCPU, cpu);
     at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
     at::autocast::set_autocast_enabled(at::kCUDA, cuda);
     at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+    at::autocast::set_autocast_cache_enabled(cache);
   }
 };
 
-// Applies an autocast state for a scope, then puts the previous one back.
+// An autocast region with a given state, as torch.autocast opens one: on
+// leaving the outermost region the weight cache is emptied. Its entries are
+// keyed on the fp32 weight and blind to in-place updates, so casts kept past
+// the region would feed the next forward the weights before optimizer.step().
 class AutocastStateGuard {
  public:
-  explicit AutocastStateGuard(const AutocastState& s) : prev_(AutocastState::current()) { s.apply(); }
-  ~AutocastStateGuard() { prev_.apply(); }
+  explicit AutocastStateGuard(const AutocastState& s) : prev_(AutocastState::current()) {
+    s.apply();
+    at::autocast::increment_nesting();
+  }
+  ~AutocastStateGuard() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    prev_.apply();
+  }
   AutocastStateGuard(const AutocastStateGuard&) = delete;
   AutocastStateGuard& operator=(const AutocastStateGuard&) = delete;
 
