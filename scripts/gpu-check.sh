@@ -173,6 +173,16 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
         fi
       done
     fi
+    # The slowest compilations (ninja's log: start and end ms of each output), to see what bounds the build.
+    if [ -f "$build/.ninja_log" ]; then
+      cp "$build/.ninja_log" "$logs/ninja_log.txt"
+      echo "slowest build steps (s):"
+      # The log is appended to by every build: the last entry per output, one line per step (a step with
+      # several outputs has one entry for each).
+      awk -F'\t' 'NR > 1 { last[$4] = $1 "\t" $2 } END { for (o in last) { split(last[o], t, "\t");
+        if (!seen[last[o]]++) printf "  %6.1f %s\n", (t[2] - t[1]) / 1000, o } }' "$build/.ninja_log" |
+        sort -rn | head -n 5
+    fi
   } >"$logs/summary.txt"
   finish build $st "$t0"
   status=$((status | st))
