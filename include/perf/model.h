@@ -234,9 +234,10 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 /// Activation checkpointing: runs fn(inputs) without keeping its activations,
 /// then recomputes it during backward, with the forward's RNG state (dropout
-/// matches) and autocast state (enabled, dtype and cache, per device, in an
-/// autocast region of its own: its cached casts end with the recomputation). Gradients equal the non-checkpointed ones,
-/// the parameters' too when no input requires grad (a block fed the data).
+/// matches) and autocast state (enabled, dtype, weight cache), in an autocast
+/// region of its own: its cached casts end with the recomputation. Gradients
+/// equal the non-checkpointed ones, the parameters' too when no input requires
+/// grad (a block fed the data).
 /// With grad mode on the output always requires grad, as fn's parameters are
 /// unknown until the recomputation. Reentrant: backward() fills .grad();
 /// torch::autograd::grad() and backward(inputs) are refused, as in Python.
