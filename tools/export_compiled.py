@@ -875,8 +875,8 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
         cpp = right(run(cpp_wrapper=True))
     except Exception as e:  # noqa: BLE001
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        return (f"{said}: the fault is in AOTInductor's C++ build of it (compiling it with torch.compile's C++ wrapper, "
-                f"to tell which part, failed: {type(e).__name__}: {first}).")
+        return (f"{said}: the fault is in AOTInductor's C++ build of it (compiling it with torch.compile's C++ "
+                f"wrapper, to tell which part, failed: {type(e).__name__}: {first}).")
     if cpp:
         return (f"{said}, and so is it under torch.compile's C++ wrapper (cpp_wrapper=True), which generates the code "
                 "AOTInductor builds: the fault is in what AOTInductor adds (its packaging, loader or runtime).")

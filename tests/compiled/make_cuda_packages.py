@@ -115,8 +115,8 @@ def main() -> int:
             os.replace(os.path.join(a.out, name[:-4] + ".tmp.pt2"), os.path.join(a.out, name))
             lines.append(f"{name}: exported")
         else:
-            then = "no test uses it" if name in DIAGNOSTIC else ("its tests fail with this log, or skip quoting it where "
-                                                                 "the exporter blames AOTInductor")
+            then = "no test uses it" if name in DIAGNOSTIC else (
+                "its tests fail with this log, or skip quoting it where the exporter blames AOTInductor")
             lines.append(f"{name}: FAILED ({rc}; see {name[:-4]}.log); {then}")
             print(f"warning: exporting the CUDA test package {name} failed ({rc}); see {log.name}", file=sys.stderr)
     lines.append(f"{time.time() - started:.0f} s")
