@@ -796,7 +796,7 @@ TEST(Checkpoint, GradientsEqualWithDropoutAndParameters) {
 // autocast's cache (keyed on the weight, blind to in-place updates), or the next
 // step's forward would run on the casts of the weights before optimizer.step().
 // Python's checkpoint recomputes inside torch.autocast, whose exit clears the
-// cache; so must this. Two SGD steps, checkpointed and plain, under bf16 autocast.
+// cache; so must this. Three SGD steps, checkpointed and plain, under bf16 autocast.
 TEST(Checkpoint, UnderAutocastTheNextStepSeesTheUpdatedWeights) {
   auto train = [](bool ckpt) {
     torch::manual_seed(0);
