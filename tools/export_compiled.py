@@ -165,7 +165,8 @@ def shared_cxx_runtime(configs: dict | None = None) -> dict:
     where the compiler finds it; {} elsewhere), on top of any aot_inductor.custom_op_libs in `configs`.
 
     Inductor leaves the C++ runtime to the compiler's default. A g++ that finds no libstdc++.so development
-    link beside it links libstdc++.a into the package instead (seen on a GPU machine's Ubuntu g++ 13.3), and a
+    link beside it links libstdc++.a into the package instead (seen on a GPU machine where Inductor's compiler is
+    /opt/gcc/bin/g++, a GCC of its own beside the system's), and a
     package carrying its own copy of the runtime crashes when loaded into a process that has the shared one,
     which every Python with torch has: SIGSEGV in std::regex (AOTInductorModel's parse_device_str), in
     aoti_load_package and so in this tool's check of every training package. Naming the shared runtime on the
