@@ -51,6 +51,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <ostream>
 #include <set>
@@ -271,9 +272,21 @@ class Package {
       stream = static_cast<void*>(at::cuda::getCurrentCUDAStream(device_.index()).stream());
     }
 #endif
-    auto outputs = loader_->run(inputs, stream);
-    if (!capturing) ran_ = true;
-    return outputs;
+    if (!ran_.load()) {
+      // LibTorch's container (aoti_runtime/model_container.h, run) folds the
+      // constants on its first run under an exclusive lock it takes after
+      // giving up its shared one, while a caller that finds no free model
+      // instance waits for one holding its shared lock: more first callers
+      // than runners can deadlock (pytorch/pytorch#181941, not in torch 2.11).
+      // The first call goes alone; capture is refused above until it has run.
+      std::lock_guard<std::mutex> alone(first_run_);
+      if (!ran_.load()) {
+        auto outputs = loader_->run(inputs, stream);
+        ran_ = true;
+        return outputs;
+      }
+    }
+    return loader_->run(inputs, stream);
   }
 
   const std::string& path() const noexcept { return path_; }
@@ -304,6 +317,7 @@ class Package {
   c10::Device device_ = c10::kCPU;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   std::atomic<bool> ran_{false};  // a call outside capture has run (constants folded)
+  std::mutex first_run_;          // held by the first call until it has run
 };
 
 }  // namespace detail
