@@ -790,7 +790,8 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
 // refuses the package, and its error names the kernel and the strides, found by
 // compiling the same graph with Inductor's Python wrapper (which checks them).
 // The diagnosis's other verdicts on a graph without a fallback: right there
-// (the fault is AOTInductor's), or wrong there too.
+// (the fault is AOTInductor's), or wrong there too; where the C++ wrapper is
+// wrong, how its plan differs from the Python wrapper's.
 TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   test_util::TempDir dir;
   const std::string pkg = dir / "lying.pt2";
@@ -843,8 +844,20 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
                         "        return f\n"
                         "    return lambda *a: [t * 2 for t in f(*a)]\n"
                         "torch._inductor.compile = cpp_wrong\n"
+                        "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"
+                        // ... and one that plans another layout: the C++ wrapper compiles for the strides the
+                        // graph's inputs carry (here made column-major), the Python one for the tensors'.
+                        "def cpp_other_plan(gm, inputs):\n"
+                        "    if torch._inductor.config.cpp_wrapper:\n"
+                        "        for n in gm.graph.nodes:\n"
+                        "            if n.op == 'placeholder':\n"
+                        "                v = n.meta['val']\n"
+                        "                with torch._guards.detect_fake_mode([v]):\n"
+                        "                    n.meta['val'] = torch.empty_strided(v.shape, (1, v.shape[0]))\n"
+                        "    return cpp_wrong(gm, inputs)\n"
+                        "torch._inductor.compile = cpp_other_plan\n"
                         "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"));
-  ASSERT_EQ(out.size(), 5u);
+  ASSERT_EQ(out.size(), 6u);
   EXPECT_NE(out[0].find("the compiled training step is wrong: the loss differs from the eager step's"),
             std::string::npos)
       << out[0];
@@ -862,10 +875,19 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
             "wrapper (cpp_wrapper=True), which generates the code AOTInductor builds: the fault is in what "
             "AOTInductor adds (its packaging, loader or runtime).");
   EXPECT_NE(out[3].find("is wrong too, and no kernel's strides differ from the plan"), std::string::npos) << out[3];
-  EXPECT_EQ(out[4],
-            "The same graph compiled by Inductor's Python wrapper is right; under torch.compile's C++ wrapper "
-            "(cpp_wrapper=True) it is wrong: the fault is in the C++ wrapper code Inductor generates for this graph, "
-            "which AOTInductor builds, not in AOTInductor's packaging or runtime.");
+  const std::string cpp_verdict =
+      "The same graph compiled by Inductor's Python wrapper is right; under torch.compile's C++ wrapper "
+      "(cpp_wrapper=True) it is wrong: the fault is in the C++ wrapper code Inductor generates for this graph, "
+      "which AOTInductor builds, not in AOTInductor's packaging or runtime. ";
+  // Each wrapper's plan, read as code generation starts (input strides, layout optimization, fallback outputs).
+  EXPECT_EQ(out[4], cpp_verdict +
+                        "Inductor planned the same layouts under both wrappers (layout optimization, inputs' strides "
+                        "and every fallback kernel's output strides): the difference is in the code generated from "
+                        "that plan.");
+  EXPECT_EQ(out[5], cpp_verdict +
+                        "Inductor planned this graph differently under the C++ wrapper: input arg0_1 compiled for "
+                        "strides (1, 3) (the Python wrapper's: (5, 1)). The Python wrapper's plan is the one that "
+                        "computes the right step.");
 }
 
 // bench/e2e exports each job's training step once (cached by everything that

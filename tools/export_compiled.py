@@ -839,9 +839,10 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
     generated code reads that output in the wrong order: wrong numbers, no error."""
     options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
     options["size_asserts"] = True  # the point of this compilation, whatever the package was built with
+    options["fx_graph_cache"] = False  # a cached graph is not lowered again, and its plan is what this reads
 
-    def run(**patch):
-        with torch._inductor.config.patch(**options, **patch):
+    def run(plans=None, **patch):
+        with torch._inductor.config.patch(**options, **patch), _recorded_plans(plans if plans is not None else []):
             compiled = torch._inductor.compile(program.module(), list(inputs))
             with torch.no_grad():
                 torch.manual_seed(0)  # the draws of the package's run
@@ -854,8 +855,9 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
         except ValueError:
             return False
 
+    python_plans = []
     try:
-        out = run()
+        out = run(python_plans)
     except Exception as e:  # noqa: BLE001  (the refusal stands; the diagnosis is a courtesy)
         text = str(e).strip()
         if not (isinstance(e, AssertionError) and text.startswith("expected size")):
@@ -872,8 +874,9 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
                 "is wrong too, and no kernel's strides differ from the plan: the fault is in Inductor's generated code "
                 "for this graph.")
     said = "The same graph compiled by Inductor's Python wrapper is right"
+    cpp_plans = []
     try:
-        cpp = right(run(cpp_wrapper=True))
+        cpp = right(run(cpp_plans, cpp_wrapper=True))
     except Exception as e:  # noqa: BLE001
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return (f"{said}: the fault is in AOTInductor's C++ build of it (compiling it with torch.compile's C++ "
@@ -883,7 +886,112 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
                 "AOTInductor builds: the fault is in what AOTInductor adds (its packaging, loader or runtime).")
     return (f"{said}; under torch.compile's C++ wrapper (cpp_wrapper=True) it is wrong: the fault is in the C++ "
             "wrapper code Inductor generates for this graph, which AOTInductor builds, not in AOTInductor's packaging "
-            "or runtime.")
+            f"or runtime. {_compare_plans(python_plans, cpp_plans)}{_placeholder_strides(program, inputs)}")
+
+
+def _placeholder_strides(program, inputs) -> str:
+    """Where the exported graph's inputs carry other strides than the tensors it is run on: AOTInductor and
+    torch.compile's C++ wrapper compile for the graph's (compile_fx._extract_inputs_from_exported_gm), the
+    Python wrapper for the tensors'."""
+    placeholders = [n for n in program.module().graph.nodes if n.op == "placeholder"]
+    found = []
+    for node, t in zip(placeholders, inputs):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(t, torch.Tensor) and val.dim() == t.dim():
+            if tuple(val.stride()) != tuple(t.stride()):
+                found.append(f"{node.name} {tuple(val.stride())} (the tensor's: {tuple(t.stride())})")
+    if not found:
+        return ""
+    return (" The exported graph's inputs carry other strides than the tensors it runs on, and the C++ wrapper "
+            "compiles for the graph's: " + "; ".join(found[:4]) + ".")
+
+
+class _recorded_plans:
+    """Context manager: appends to `plans`, for each graph Inductor lowers inside it, the layouts it planned
+    (_plan_of), once per graph, when code generation starts."""
+
+    def __init__(self, plans: list):
+        self.plans = plans
+
+    def __enter__(self):
+        from torch._inductor.graph import GraphLowering
+
+        self.saved = GraphLowering.codegen, GraphLowering.codegen_with_cpp_wrapper
+        seen, plans = set(), self.plans
+
+        def recording(method):
+            def wrapped(graph, *args, **kwargs):
+                if id(graph) not in seen:
+                    seen.add(id(graph))
+                    try:
+                        plans.append(_plan_of(graph))
+                    except Exception as e:  # noqa: BLE001  (a diagnosis must not break the compile)
+                        plans.append({"error": f"{type(e).__name__}: {e}"})
+                return method(graph, *args, **kwargs)
+            return wrapped
+
+        GraphLowering.codegen = recording(self.saved[0])
+        GraphLowering.codegen_with_cpp_wrapper = recording(self.saved[1])
+        return self
+
+    def __exit__(self, *exc):
+        from torch._inductor.graph import GraphLowering
+
+        GraphLowering.codegen, GraphLowering.codegen_with_cpp_wrapper = self.saved
+        return False
+
+
+def _plan_of(graph) -> dict:
+    """What Inductor decided for one graph before generating code: whether it lays convolutions out
+    channels-last (layout_opt), the strides it compiles each input for, and the strides it planned for each
+    kernel it calls rather than generates (a fallback or extern kernel: convolutions, matmuls), keyed by the
+    graph nodes it computes."""
+    from torch._inductor import ir
+
+    def strides(layout):
+        return tuple(int(s) if getattr(s, "is_number", True) else str(s) for s in layout.stride)
+
+    inputs = {name: strides(box.get_layout()) for name, box in graph.graph_inputs.items()
+              if isinstance(box, ir.IRNode) and hasattr(box.get_layout(), "stride")}
+    extern = {}
+    for buf in graph.buffers:
+        layout = getattr(buf, "layout", None)
+        if isinstance(buf, ir.ExternKernel) and isinstance(layout, ir.Layout) and hasattr(layout, "stride"):
+            nodes = sorted(o.name for o in getattr(buf, "origins", ()) if o.op == "call_function")
+            if nodes:
+                extern[" ".join(nodes)] = strides(layout)
+    return {"layout_opt": bool(graph.layout_opt), "inputs": inputs, "extern": extern}
+
+
+def _compare_plans(python_plans: list, cpp_plans: list, most: int = 4) -> str:
+    """A sentence on how Inductor planned the same graph under its Python and its C++ wrapper (_plan_of)."""
+    if not python_plans or not cpp_plans or len(python_plans) != len(cpp_plans):
+        return (f"(Inductor's plans were not comparable: {len(python_plans)} graph(s) lowered under the Python "
+                f"wrapper, {len(cpp_plans)} under the C++ one.)")
+    found = []
+    for py, cpp in zip(python_plans, cpp_plans):
+        if "error" in py or "error" in cpp:
+            return f"(Reading Inductor's plans failed: {py.get('error') or cpp.get('error')}.)"
+        if py["layout_opt"] != cpp["layout_opt"]:
+            on = lambda v: "on" if v else "off"  # noqa: E731
+            found.append(f"channels-last layout optimization {on(cpp['layout_opt'])} (the Python wrapper's: "
+                         f"{on(py['layout_opt'])})")
+        for name, st in cpp["inputs"].items():
+            if name in py["inputs"] and py["inputs"][name] != st:
+                found.append(f"input {name} compiled for strides {st} (the Python wrapper's: {py['inputs'][name]})")
+        for nodes, st in cpp["extern"].items():
+            if nodes in py["extern"] and py["extern"][nodes] != st:
+                found.append(f"the output of {nodes} planned with strides {st} (the Python wrapper's: "
+                             f"{py['extern'][nodes]})")
+        only = sorted(set(cpp["extern"]) ^ set(py["extern"]))
+        if only and not found:
+            found.append(f"{len(only)} kernel call(s) that only one of them makes (e.g. {only[0]})")
+    if not found:
+        return ("Inductor planned the same layouts under both wrappers (layout optimization, inputs' strides and "
+                "every fallback kernel's output strides): the difference is in the code generated from that plan.")
+    more = f"; and {len(found) - most} more" if len(found) > most else ""
+    return ("Inductor planned this graph differently under the C++ wrapper: " + "; ".join(found[:most]) + more +
+            ". The Python wrapper's plan is the one that computes the right step.")
 
 
 def load_factory(spec: str, what: str = "FACTORY"):
