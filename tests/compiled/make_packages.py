@@ -16,13 +16,19 @@ Python eager training's loss, state (before the step) and gradients per step
 (torch.optim.AdamW), the final state and an eval() forward of the trained model
 (tests/test_compiled_train.cpp); OUT/mlp_train_scalar.pt2, the MLP's step for
 batch 8 exported with cpp.simdlen=1 (no reference of its own: mlp_train's).
+
+The exports run in processes of their own, half as many at once as there are cores
+(PERF_EXPORT_JOBS sets how many).
 """
 import argparse
+import concurrent.futures
 import hashlib
 import io
+import multiprocessing
 import os
 import shutil
 import sys
+import time
 import zipfile
 
 import torch
@@ -113,13 +119,13 @@ def train_reference(factory, make_batch, batch, amp, channels_last, attention):
             "eval_out": eval_out}
 
 
-def build_train(out: str) -> None:
-    for name, (factory, make_batch, batch, dynamic, amp, channels_last, attention) in train_specs().items():
-        torch.save(train_reference(factory, make_batch, batch, amp, channels_last, attention),
-                   os.path.join(out, f"{name}.ref.pt"))
-        torch.manual_seed(0)
-        export_train(factory(), models.classify_loss, make_batch(batch), os.path.join(out, f"{name}.pt2"),
-                     dynamic_batch=dynamic, amp=amp, channels_last=channels_last, attention=attention)
+def export_train_package(out: str, name: str) -> None:
+    factory, make_batch, batch, dynamic, amp, channels_last, attention = train_specs()[name]
+    torch.save(train_reference(factory, make_batch, batch, amp, channels_last, attention),
+               os.path.join(out, f"{name}.ref.pt"))
+    torch.manual_seed(0)
+    export_train(factory(), models.classify_loss, make_batch(batch), os.path.join(out, f"{name}.pt2"),
+                 dynamic_batch=dynamic, amp=amp, channels_last=channels_last, attention=attention)
 
 
 def cache_key() -> str:
@@ -130,34 +136,45 @@ def cache_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build(out: str) -> None:
-    build_train(out)
-    for name, (factory, make_inputs) in specs().items():
-        torch.manual_seed(0)
-        model = factory().eval()
-        torch.manual_seed(1)
-        ref = {}
-        with torch.no_grad():
-            for b in (1, 5):
-                xs = make_inputs(b)
-                ys = model(*xs)
-                ys = list(ys) if isinstance(ys, tuple) else [ys]
-                ref[f"b{b}_in"] = list(xs)
-                ref[f"b{b}_out"] = ys
-        torch.save(ref, os.path.join(out, f"{name}.ref.pt"))
-        export_compiled(model, make_inputs(4), os.path.join(out, f"{name}.pt2"), dynamic_batch=(1, 64))
+def export_inference_package(out: str, name: str) -> None:
+    factory, make_inputs = specs()[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    torch.manual_seed(1)
+    ref = {}
+    with torch.no_grad():
+        for b in (1, 5):
+            xs = make_inputs(b)
+            ys = model(*xs)
+            ys = list(ys) if isinstance(ys, tuple) else [ys]
+            ref[f"b{b}_in"] = list(xs)
+            ref[f"b{b}_out"] = ys
+    torch.save(ref, os.path.join(out, f"{name}.ref.pt"))
+    export_compiled(model, make_inputs(4), os.path.join(out, f"{name}.pt2"), dynamic_batch=(1, 64))
+
+
+def export_mlp_autotuned(out: str) -> None:
     # The MLP autotuned (Inductor benchmarks its GEMM templates against ATen's), static shapes for batch 5.
     torch.manual_seed(0)
     export_compiled(models.make_mlp().eval(), (torch.randn(5, 16),), os.path.join(out, "mlp_autotuned.pt2"),
                     dynamic_batch=None, max_autotune=True)
+
+
+def export_mlp_scalar(out: str) -> None:
     # The MLP with an Inductor option passed through (inductor_configs): scalar kernels, for batch 5.
     torch.manual_seed(0)
     export_compiled(models.make_mlp().eval(), (torch.randn(5, 16),), os.path.join(out, "mlp_scalar.pt2"),
                     dynamic_batch=None, inductor_configs={"cpp.simdlen": 1})
+
+
+def export_mlp_train_scalar(out: str) -> None:
     # ...and its training step exported with the same option, for batch 8.
     torch.manual_seed(0)
     export_train(models.make_mlp(), models.classify_loss, (torch.randn(8, 16), torch.zeros(8, dtype=torch.int64)),
                  os.path.join(out, "mlp_train_scalar.pt2"), inductor_configs={"cpp.simdlen": 1})
+
+
+def export_cnn_plain(out: str) -> None:
     # The CNN exported the way PyTorch's docs show, without perf's tool (so without perf's metadata), and
     # the same package with its generated source removed (nothing left to read input specs from).
     torch.manual_seed(0)
@@ -172,6 +189,41 @@ def build(out: str) -> None:
         for item in zin.infolist():
             if not item.filename.endswith(".wrapper.cpp"):
                 zout.writestr(item, zin.read(item.filename))
+
+
+def tasks() -> list:
+    """(function, arguments after `out`) for every export, the training steps (the slowest) first."""
+    return ([(export_train_package, (name,)) for name in train_specs()] +
+            [(export_inference_package, (name,)) for name in specs()] +
+            [(export_mlp_autotuned, ()), (export_mlp_scalar, ()), (export_mlp_train_scalar, ()),
+             (export_cnn_plain, ())])
+
+
+def run_task(out: str, threads: int, index: int) -> float:
+    torch.set_num_threads(threads)
+    started = time.time()
+    fn, args = tasks()[index]
+    fn(out, *args)
+    return time.time() - started
+
+
+def build(out: str) -> None:
+    # Each export is one process's work (tracing, then mostly one compiler process), independent of the
+    # others (each seeds its own draws): half the cores run them at once, each with its share of threads
+    # for the eager references. A 16-core machine exported them one by one in 272 s.
+    todo = tasks()
+    jobs = os.environ.get("PERF_EXPORT_JOBS", "")
+    if jobs and not (jobs.isdigit() and int(jobs) > 0):
+        raise SystemExit(f"PERF_EXPORT_JOBS must be a whole number of exports at once > 0, got {jobs!r}")
+    workers = int(jobs) if jobs else max(1, (os.cpu_count() or 2) // 2)
+    workers = min(workers, len(todo))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    started = time.time()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = [pool.submit(run_task, out, threads, i) for i in range(len(todo))]
+        for (fn, args), run in zip(todo, runs):
+            print(f"  {fn.__name__}{'(' + ', '.join(args) + ')' if args else ''}: {run.result():.0f} s", flush=True)
+    print(f"exported {len(todo)} packages in {time.time() - started:.0f} s ({workers} at once)", flush=True)
     # CUDA packages without compiling one: the MLPs with their device key changed.
     for name in ("mlp", "mlp_train"):
         src, dst = os.path.join(out, f"{name}.pt2"), os.path.join(out, f"{name}_cuda_marked.pt2")
