@@ -8,8 +8,9 @@
 #   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune)
 #
 #   bash scripts/gpu-check.sh                          # build,tests,bench (+ e2e with --e2e)
-#   bash scripts/gpu-check.sh --part build,tests       # one call
-#   bash scripts/gpu-check.sh --part bench --quick     # the next (the build is reused)
+#   bash scripts/gpu-check.sh --part build             # one call
+#   bash scripts/gpu-check.sh --part tests             # the next (the build is reused)
+#   bash scripts/gpu-check.sh --part bench --quick     # and the next
 #   bash scripts/gpu-check.sh --part bench --quick --bench optim,compiled   # some benchmarks only
 #   bash scripts/gpu-check.sh --part e2e --quick [--jobs cnn,transformer]
 #   PERF_E2E_ARGS="--compiled-layout contiguous" bash scripts/gpu-check.sh --part e2e --quick --jobs cnn

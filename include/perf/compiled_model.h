@@ -248,12 +248,11 @@ class Package {
   // Runs the generated code on the current stream (inputs already checked).
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) {
     void* stream = nullptr;
-    bool capturing = false;
 #if PERF_WITH_CUDA
     std::optional<c10::cuda::CUDAGuard> guard;
     if (device_.is_cuda()) {
       guard.emplace(device_);
-      capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+      const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
       TORCH_CHECK(!capturing || single_threaded_, who_,
                   ": this package was opened multi-threaded, and LibTorch's multi-threaded AOTInductor container "
                   "queries and records a completion event each run, which CUDA graph capture forbids (and which "
