@@ -197,11 +197,36 @@ def _compiler_finds(library: str) -> bool:
 
 def compile_and_package(program, path: str, configs: dict) -> str:
     """aoti_compile_and_package with the shared C++ runtime linked (shared_cxx_runtime), and the product checked
-    for it (check_cxx_runtime): the package is written and usable, or refused and removed."""
+    for it (check_cxx_runtime): the package is written and usable, or refused and removed. The fake-tensor
+    results torch.export cached are dropped first (forget_export_fake_results)."""
+    forget_export_fake_results(program)
     path = torch._inductor.aoti_compile_and_package(program, package_path=path,
                                                     inductor_configs={**configs, **shared_cxx_runtime(configs)})
     check_cxx_runtime(path)
     return path
+
+
+def forget_export_fake_results(program) -> None:
+    """Empties FakeTensorMode's dispatch caches before Inductor compiles `program`.
+
+    torch.export traces with cuDNN (and mkldnn, nnpack) turned off (torch/export/_trace.py,
+    _ignore_backend_decomps), and the fake convolution takes its output's memory format from the backend
+    ATen would pick (fake_impls.conv: _select_conv_backend): without cuDNN, contiguous. FakeTensorMode caches
+    each op's fake result by the op and its arguments' metadata, not by those flags, and AOTInductor (like
+    torch.compile's C++ wrapper) compiles in the export's fake mode (compile_fx._extract_inputs_from_exported_gm):
+    its plan for a CUDA convolution on channels-last tensors came from that cache, contiguous, while cuDNN
+    returns channels-last, and the package read it in the wrong order (the channels-last CNN's wrong first
+    weight gradient, README "Channels-last on CUDA"). Inductor's Python wrapper traces in a fake mode of its
+    own, whose shape environment's settings key the cache apart, and was right. Emptied, the caches make the
+    compile ask again, with cuDNN on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.cache_clear()
+    for node in program.graph.nodes:
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
+        cache = getattr(getattr(mode, "shape_env", None), "fake_tensor_cache", None)
+        if cache is not None:
+            cache.clear()
 
 
 def check_cxx_runtime(path: str) -> None:
@@ -842,6 +867,7 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
     options["fx_graph_cache"] = False  # a cached graph is not lowered again, and its plan is what this reads
 
     def run(plans=None, **patch):
+        forget_export_fake_results(program)
         with torch._inductor.config.patch(**options, **patch), _recorded_plans(plans if plans is not None else []):
             compiled = torch._inductor.compile(program.module(), list(inputs))
             with torch.no_grad():

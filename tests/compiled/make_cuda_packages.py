@@ -11,14 +11,6 @@ exported here, beside the compilation, the tests find them in OUT:
     OUT/cnn_train_cl_cuda.pt2 the CNN's training step, bf16 autocast and channels-last, batch 8
     OUT/cnn_train_bf16_cuda.pt2     the same without channels-last
     OUT/cnn_train_cl_fp32_cuda.pt2  the same with channels-last, without autocast
-    OUT/cnn_train_cl_nolayoutopt_cuda.pt2  bf16 and channels-last with Inductor's layout
-                              optimization off (--inductor-config layout_optimization=False):
-                              no test uses it; its line in the stamp says whether the open
-                              CUDA CNN bug (README, "Compiled training") goes with that pass
-    OUT/cnn_train_clinside_fp32_cuda.pt2  the CNN with channels-last weights and a contiguous input that its
-                              first op lays out channels-last (models.make_cnn_channels_last_inside),
-                              fp32, without --channels-last: no test uses it; its line in the stamp
-                              says whether the bug goes with the package's input being channels-last
     OUT/cnn_train_cl_fp32_code_cuda.pt2  the channels-last fp32 step again, with TORCH_LOGS=output_code:
                               no test uses it; its log holds the code each compilation generated
                               (AOTInductor's C++ wrapper, and where the exporter refuses the package,
@@ -58,12 +50,6 @@ EXPORTS = {
                                 "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp", "bf16"],
     "cnn_train_cl_fp32_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
                                    "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--channels-last"],
-    "cnn_train_cl_nolayoutopt_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
-                                          "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp",
-                                          "bf16", "--channels-last", "--inductor-config", "layout_optimization=False"],
-    "cnn_train_clinside_fp32_cuda.pt2": [f"{MODELS}:make_cnn_channels_last_inside", "--train", "--loss",
-                                         f"{MODELS}:classify_loss", "--input", "8,3,32,32", "--input", "8:int64",
-                                         "--device", "cuda"],
     "cnn_train_cl_fp32_code_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
                                         "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda",
                                         "--channels-last"],
@@ -71,8 +57,7 @@ EXPORTS = {
                                    "--input", "64:int64", "--device", "cuda"],
 }
 
-DIAGNOSTIC = {"cnn_train_cl_nolayoutopt_cuda.pt2", "cnn_train_clinside_fp32_cuda.pt2",
-              "cnn_train_cl_fp32_code_cuda.pt2"}
+DIAGNOSTIC = {"cnn_train_cl_fp32_code_cuda.pt2"}
 # More environment for an export: Inductor's generated code into its log.
 ENV = {"cnn_train_cl_fp32_code_cuda.pt2": {"TORCH_LOGS": "output_code"}}
 

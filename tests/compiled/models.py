@@ -52,24 +52,6 @@ def make_cnn():
     return m
 
 
-class ChannelsLastInside(torch.nn.Module):
-    """The test CNN with channels-last weights that takes a contiguous batch and lays it out channels-last as
-    its first op. Exported without --channels-last (a diagnostic of tests/compiled/make_cuda_packages.py), it
-    tells whether the CUDA channels-last bug (README, "Channels-last on CUDA") goes with the package's input
-    being channels-last."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = make_cnn().to(memory_format=torch.channels_last)
-
-    def forward(self, x):
-        return self.net(x.contiguous(memory_format=torch.channels_last))
-
-
-def make_cnn_channels_last_inside():
-    return ChannelsLastInside()
-
-
 def make_two_in_two_out():
     return TwoInTwoOut()
 
