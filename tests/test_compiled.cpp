@@ -281,12 +281,7 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   const auto ref = reference("mlp", 5);
   EXPECT_LE(max_diff(scalar(ref.in[0]), ref.out[0]), 1e-5);
 
-  const auto out = test_util::lines(test_util::python(
-      "import sys\n"
-      "sys.path.insert(0, '" +
-      test_util::source_dir() +
-      "/tools')\n"
-      "import export_compiled as e\n"
+  const auto out = test_util::lines(test_util::exporter_python(
       "for option in ('layout_optimisation=False', 'max_autotune=True', 'cpp.threads=2.5', 'cpp.threads'):\n"
       "    try:\n"
       "        e.main(['models.py:make_mlp', '-o', 'x.pt2', '--input', '4,16', '--inductor-config', option])\n"
@@ -353,12 +348,8 @@ TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
       << static_cxx << " \"$@\"\n";
   ASSERT_EQ(::chmod(static_cxx.c_str(), 0755), 0);
   ASSERT_EQ(::chmod(blind_cxx.c_str(), 0755), 0);
-  const auto out = test_util::lines(test_util::python(
-      "import os, sys, zipfile\n"
-      "sys.path.insert(0, '" +
-      test_util::source_dir() +
-      "/tools')\n"
-      "import torch, export_compiled as e\n"
+  const auto out = test_util::lines(test_util::exporter_python(
+      "import zipfile\n"
       "from torch._inductor import config\n"
       "def needs_libstdcxx(p):\n"
       "    with zipfile.ZipFile(p) as z:\n"

@@ -569,12 +569,7 @@ TEST(CompiledTrain, AttentionUnderAutocastComputesInTheExportedPrecision) {
 // policy, and a bad mode is refused by name.
 TEST(CompiledTrain, ExporterPicksTheFasterAttentionPrecisionPerShape) {
   test_util::TempDir dir;
-  const auto out = test_util::lines(test_util::python(
-      "import sys\n"
-      "sys.path.insert(0, '" +
-      test_util::source_dir() +
-      "/tools')\n"
-      "import torch, export_compiled as e\n"
+  const auto out = test_util::lines(test_util::exporter_python(
       "F = torch.nn.functional\n"
       "torch.manual_seed(0)\n"
       "q, k, v = (torch.randn(16, 4, 64, 32, requires_grad=True) for _ in range(3))\n"
@@ -727,13 +722,7 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 // the same step in float64 decides: a compiled gradient as far from it as the
 // eager one passes, a misplaced one is still refused.
 TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
-  const std::string src = test_util::source_dir();
-  const auto out = test_util::lines(test_util::python(
-      "import sys\n"
-      "sys.path.insert(0, '" +
-      src +
-      "/tools')\n"
-      "import torch, export_compiled as e\n"
+  const auto out = test_util::lines(test_util::exporter_python(
       "torch.manual_seed(0)\n"
       "w = torch.randn(16, 3, 3, 3)\n"
       "misplaced = w.contiguous(memory_format=torch.channels_last).as_strided(w.shape, w.stride()).clone()\n"
@@ -789,12 +778,7 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
 // it in the wrong order (README, "Channels-last on CUDA"). The exporter empties
 // the cache before compiling. Fake CUDA tensors need no GPU.
 TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
-  const auto out = test_util::lines(test_util::python(
-      "import sys\n"
-      "sys.path.insert(0, '" +
-      test_util::source_dir() +
-      "/tools')\n"
-      "import torch, export_compiled as e\n"
+  const auto out = test_util::lines(test_util::exporter_python(
       "from torch._subclasses.fake_tensor import FakeTensorMode\n"
       "from torch.fx.experimental.symbolic_shapes import ShapeEnv\n"
       "if not torch.backends.cudnn.is_available():\n"
@@ -833,68 +817,63 @@ TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
 TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   test_util::TempDir dir;
   const std::string pkg = dir / "lying.pt2";
-  const auto out = test_util::lines(
-      test_util::python("import os, sys\n"
-                        "sys.path.insert(0, '" +
-                        test_util::source_dir() +
-                        "/tools')\n"
-                        "import torch, export_compiled as e\n"
-                        "@torch.library.custom_op('perf_test::relayout', mutates_args=())\n"
-                        "def relayout(x: torch.Tensor) -> torch.Tensor:\n"
-                        "    return torch.empty_like(x, memory_format=torch.channels_last).copy_(x)\n"
-                        "@relayout.register_fake\n"
-                        "def _(x):\n"
-                        "    return torch.empty_like(x, memory_format=torch.contiguous_format)\n"
-                        "class M(torch.nn.Module):\n"
-                        "    def __init__(self):\n"
-                        "        super().__init__()\n"
-                        "        self.w = torch.nn.Parameter(torch.randn(4, 1, 1))\n"
-                        "        self.fc = torch.nn.Linear(20, 3)\n"
-                        "    def forward(self, x):\n"
-                        "        h = relayout(x) * self.w\n"
-                        "        return self.fc(h[:, :, 0, :].reshape(x.shape[0], -1))\n"
-                        "def loss(model, x, y):\n"
-                        "    return torch.nn.functional.cross_entropy(model(x), y)\n"
-                        "torch.manual_seed(0)\n"
-                        "try:\n"
-                        "    e.export_train(M(), loss, [torch.randn(2, 4, 3, 5), torch.zeros(2, dtype=torch.long)], '" +
-                        pkg +
-                        "')\n"
-                        "    print('accepted')\n"
-                        "except ValueError as err:\n"
-                        "    print(str(err).replace(chr(10), ' '))\n"
-                        "print('kept' if os.path.exists('" +
-                        pkg +
-                        "') else 'not kept')\n"
-                        "class Twice(torch.nn.Module):\n"
-                        "    def forward(self, x):\n"
-                        "        return x.sum(), x * 2\n"
-                        "x = torch.randn(3, 5)\n"
-                        "program = torch.export.export(Twice(), (x,))\n"
-                        "for g in (x * 2, x * 3):\n"
-                        "    print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [g], ['x']))\n"
-                        // A C++ wrapper that computes other numbers than the Python one: a stand-in for
-                        // torch._inductor.compile that doubles every output where cpp_wrapper is on.
-                        "real = torch._inductor.compile\n"
-                        "def cpp_wrong(gm, inputs):\n"
-                        "    f = real(gm, inputs)\n"
-                        "    if not torch._inductor.config.cpp_wrapper:\n"
-                        "        return f\n"
-                        "    return lambda *a: [t * 2 for t in f(*a)]\n"
-                        "torch._inductor.compile = cpp_wrong\n"
-                        "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"
-                        // ... and one that plans another layout: the C++ wrapper compiles for the strides the
-                        // graph's inputs carry (here made column-major), the Python one for the tensors'.
-                        "def cpp_other_plan(gm, inputs):\n"
-                        "    if torch._inductor.config.cpp_wrapper:\n"
-                        "        for n in gm.graph.nodes:\n"
-                        "            if n.op == 'placeholder':\n"
-                        "                v = n.meta['val']\n"
-                        "                with torch._guards.detect_fake_mode([v]):\n"
-                        "                    n.meta['val'] = torch.empty_strided(v.shape, (1, v.shape[0]))\n"
-                        "    return cpp_wrong(gm, inputs)\n"
-                        "torch._inductor.compile = cpp_other_plan\n"
-                        "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"));
+  const auto out = test_util::lines(test_util::exporter_python(
+      "@torch.library.custom_op('perf_test::relayout', mutates_args=())\n"
+      "def relayout(x: torch.Tensor) -> torch.Tensor:\n"
+      "    return torch.empty_like(x, memory_format=torch.channels_last).copy_(x)\n"
+      "@relayout.register_fake\n"
+      "def _(x):\n"
+      "    return torch.empty_like(x, memory_format=torch.contiguous_format)\n"
+      "class M(torch.nn.Module):\n"
+      "    def __init__(self):\n"
+      "        super().__init__()\n"
+      "        self.w = torch.nn.Parameter(torch.randn(4, 1, 1))\n"
+      "        self.fc = torch.nn.Linear(20, 3)\n"
+      "    def forward(self, x):\n"
+      "        h = relayout(x) * self.w\n"
+      "        return self.fc(h[:, :, 0, :].reshape(x.shape[0], -1))\n"
+      "def loss(model, x, y):\n"
+      "    return torch.nn.functional.cross_entropy(model(x), y)\n"
+      "torch.manual_seed(0)\n"
+      "try:\n"
+      "    e.export_train(M(), loss, [torch.randn(2, 4, 3, 5), torch.zeros(2, dtype=torch.long)], '" +
+      pkg +
+      "')\n"
+      "    print('accepted')\n"
+      "except ValueError as err:\n"
+      "    print(str(err).replace(chr(10), ' '))\n"
+      "print('kept' if os.path.exists('" +
+      pkg +
+      "') else 'not kept')\n"
+      "class Twice(torch.nn.Module):\n"
+      "    def forward(self, x):\n"
+      "        return x.sum(), x * 2\n"
+      "x = torch.randn(3, 5)\n"
+      "program = torch.export.export(Twice(), (x,))\n"
+      "for g in (x * 2, x * 3):\n"
+      "    print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [g], ['x']))\n"
+      // A C++ wrapper that computes other numbers than the Python one: a stand-in for
+      // torch._inductor.compile that doubles every output where cpp_wrapper is on.
+      "real = torch._inductor.compile\n"
+      "def cpp_wrong(gm, inputs):\n"
+      "    f = real(gm, inputs)\n"
+      "    if not torch._inductor.config.cpp_wrapper:\n"
+      "        return f\n"
+      "    return lambda *a: [t * 2 for t in f(*a)]\n"
+      "torch._inductor.compile = cpp_wrong\n"
+      "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"
+      // ... and one that plans another layout: the C++ wrapper compiles for the strides the
+      // graph's inputs carry (here made column-major), the Python one for the tensors'.
+      "def cpp_other_plan(gm, inputs):\n"
+      "    if torch._inductor.config.cpp_wrapper:\n"
+      "        for n in gm.graph.nodes:\n"
+      "            if n.op == 'placeholder':\n"
+      "                v = n.meta['val']\n"
+      "                with torch._guards.detect_fake_mode([v]):\n"
+      "                    n.meta['val'] = torch.empty_strided(v.shape, (1, v.shape[0]))\n"
+      "    return cpp_wrong(gm, inputs)\n"
+      "torch._inductor.compile = cpp_other_plan\n"
+      "print(e.diagnose_compiled_step(program, [x], 0, x.sum(), [x * 2], ['x']))\n"));
   ASSERT_EQ(out.size(), 6u);
   EXPECT_NE(out[0].find("the compiled training step is wrong: the loss differs from the eager step's"),
             std::string::npos)

@@ -180,6 +180,13 @@ inline std::string python(const std::string& code) {
   return output_of(reference_python() + " -c \"" + code + "\" 2>/dev/null");
 }
 
+// python() with tools/ on the path and `import os, sys, torch, export_compiled as e`
+// done: the exporter's tests call its functions directly.
+inline std::string exporter_python(const std::string& code) {
+  return python("import os, sys\nsys.path.insert(0, '" + source_dir() +
+                "/tools')\nimport torch, export_compiled as e\n" + code);
+}
+
 // How often the C++ sources an AOTInductor package carries name Vectorized
 // (at::vec, its SIMD kernels): none for one exported with cpp.simdlen=1.
 inline int64_t vectorized_mentions(const std::string& package) {
