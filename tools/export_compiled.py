@@ -912,24 +912,7 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
                 "AOTInductor builds: the fault is in what AOTInductor adds (its packaging, loader or runtime).")
     return (f"{said}; under torch.compile's C++ wrapper (cpp_wrapper=True) it is wrong: the fault is in the C++ "
             "wrapper code Inductor generates for this graph, which AOTInductor builds, not in AOTInductor's packaging "
-            f"or runtime. {_compare_plans(python_plans, cpp_plans)}{_placeholder_strides(program, inputs)}")
-
-
-def _placeholder_strides(program, inputs) -> str:
-    """Where the exported graph's inputs carry other strides than the tensors it is run on: AOTInductor and
-    torch.compile's C++ wrapper compile for the graph's (compile_fx._extract_inputs_from_exported_gm), the
-    Python wrapper for the tensors'."""
-    placeholders = [n for n in program.module().graph.nodes if n.op == "placeholder"]
-    found = []
-    for node, t in zip(placeholders, inputs):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and isinstance(t, torch.Tensor) and val.dim() == t.dim():
-            if tuple(val.stride()) != tuple(t.stride()):
-                found.append(f"{node.name} {tuple(val.stride())} (the tensor's: {tuple(t.stride())})")
-    if not found:
-        return ""
-    return (" The exported graph's inputs carry other strides than the tensors it runs on, and the C++ wrapper "
-            "compiles for the graph's: " + "; ".join(found[:4]) + ".")
+            f"or runtime. {_compare_plans(python_plans, cpp_plans)}")
 
 
 class _recorded_plans:
