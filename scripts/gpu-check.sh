@@ -357,18 +357,19 @@ if has bench; then
     PYTHONUNBUFFERED=1 within_budget 30 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
   done
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
-  # fp32_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
+  # *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
   # Python rows at batch 1); fp32_b1_autotune the same with --max-autotune, the like of Python's
-  # max-autotune row (left out with --quick, as that row is); the others take batches 1 to 64.
-  variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc); ((quick)) && variants=(fp32 fp32_b1)
+  # max-autotune row (left out with --quick, as that row is); bf16_nhwc*: perf's recipe (bf16,
+  # channels-last) compiled in, the candidate for 3x eager at batch 1; the others take batches 1 to 64.
+  variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc bf16_nhwc_b1); ((quick)) && variants=(fp32 fp32_b1)
   wanted compiled || variants=()
   # All at once: each export is mostly one compiler process, and the machine has cores to spare.
   packages=() exports=()
   for variant in "${variants[@]}"; do
     shape=(--input "8,3,64,64" --dynamic-batch "1:64")
-    extra=(); [[ $variant == bf16_nhwc ]] && extra=(--dtype bfloat16 --channels-last)
-    [[ $variant == fp32_b1* ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
-    [[ $variant == *_autotune ]] && extra=(--max-autotune)
+    extra=(); [[ $variant == bf16_nhwc* ]] && extra=(--dtype bfloat16 --channels-last)
+    [[ $variant == *_b1* ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
+    [[ $variant == *_autotune ]] && extra+=(--max-autotune)
     within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$work/resnet_cuda_$variant.pt2" \
       "${shape[@]}" --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 &
     exports+=($!)

@@ -298,10 +298,10 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
       "seen.append(inductor_configs) or package_path\n"
       "e.check_cxx_runtime = lambda path: None\n"  // nothing was compiled
       "m, x = torch.nn.Linear(4, 2), torch.randn(2, 4)\n"
-      "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True)\n"
+      "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True, verify=False)\n"
       "e.export_compiled(m, (x,), 'y.pt2', max_autotune=True, inductor_configs={'coordinate_descent_tuning': "
-      "False})\n"
-      "e.export_compiled(m, (x,), 'y.pt2')\n"
+      "False}, verify=False)\n"
+      "e.export_compiled(m, (x,), 'y.pt2', verify=False)\n"
       "keys = ('max_autotune', 'coordinate_descent_tuning', 'triton.cudagraphs')\n"
       "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"));
   EXPECT_EQ(test_util::vectorized_mentions(package("mlp_scalar.pt2")), 0) << "cpp.simdlen=1 left SIMD code";
@@ -323,6 +323,111 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   // max_autotune/coordinate_descent_tuning/triton.cudagraphs of three exports: --max-autotune, the same with
   // coordinate_descent_tuning=False given, without --max-autotune.
   EXPECT_EQ(out[5], "True/True/None True/False/None False/None/None");
+}
+
+// Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program
+// (here a custom op whose fake kernel says contiguous where the real one returns channels-last, which
+// AOTInductor's generated code does not check) is refused, with the kernel named, and the file removed.
+TEST(Compiled, ExporterRefusesAWrongInferencePackageAndNamesTheKernel) {
+  TempDir dir;
+  const std::string pkg = dir / "lying.pt2";
+  const auto out = test_util::lines(test_util::exporter_python(
+      std::string(test_util::kMispredictedRelayoutOp) +
+      "class M(torch.nn.Module):\n"
+      "    def __init__(self):\n"
+      "        super().__init__()\n"
+      "        self.fc = torch.nn.Linear(20, 3)\n"
+      "    def forward(self, x):\n"
+      "        h = relayout(x) * 2\n"
+      "        return self.fc(h[:, :, 0, :].reshape(x.shape[0], -1)), x.argmax(1)\n"
+      "torch.manual_seed(0)\n"
+      "x = torch.randn(2, 4, 3, 5)\n"
+      "for verify in (True, False):\n"
+      "    try:\n"
+      "        e.export_compiled(M(), (x,), '" +
+      pkg +
+      "', dynamic_batch=None, verify=verify)\n"
+      "        print('accepted')\n"
+      "    except ValueError as err:\n"
+      "        print(str(err).replace(chr(10), ' '))\n"
+      "    print('kept' if os.path.exists('" +
+      pkg +
+      "') else 'not kept')\n"
+      // The check's rule on its own: rounding passes, a misplaced value does not; an integer output (a tie
+      // broken the other way) is checked for its shape only.
+      "a, b = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.1])\n"
+      "for got, want, dtype in (([a], [a + 0.005], torch.float32), ([b], [a], torch.bfloat16), ([b, b], [a, a], "
+      "torch.float32), ([a, torch.tensor([1])], [a, torch.tensor([0])], torch.float32), ([a], [a, a], "
+      "torch.float32)):\n"
+      "    try:\n"
+      "        e.check_compiled_outputs(got, want, dtype)\n"
+      "        print('right')\n"
+      "    except ValueError as err:\n"
+      "        print(str(err).split(' The compiler')[0])\n"));
+  ASSERT_EQ(out.size(), 9u);
+  EXPECT_NE(out[0].find("the compiled model is wrong: output 0 differs from the eager model's on the example inputs: "
+                        "max |difference|"),
+            std::string::npos)
+      << out[0];
+  EXPECT_NE(out[0].find("against the model in float64, the compiled one is"), std::string::npos) << out[0];
+  EXPECT_NE(out[0].find("Error in op: torch.ops.perf_test.relayout.default"), std::string::npos) << out[0];
+  EXPECT_EQ(out[0].find("output 1"), std::string::npos) << "the argmax output is right: " << out[0];
+  EXPECT_EQ(out[1], "not kept");
+  EXPECT_EQ(out[2], "accepted");  // verify=False (--no-verify)
+  EXPECT_EQ(out[3], "kept");
+  EXPECT_EQ(out[4], "right");
+  EXPECT_EQ(out[5], "right");  // 0.1 off in bf16: within a bf16 model's bound (0.1 of 2.1)
+  EXPECT_EQ(out[6],
+            "the compiled model is wrong: output 0 differs from the eager model's on the example inputs: max "
+            "|difference| 0.1, max |value| 2 (allowed 0.01 of it). Also past their bounds: output 1.");
+  EXPECT_EQ(out[7], "right");
+  EXPECT_EQ(out[8], "the compiled model returned 1 outputs, the eager model 2");
+}
+
+// CUDA convolutions of a channels-last CNN, planned by AOTInductor as cuDNN lays them out: torch.export traces
+// with cuDNN off, FakeTensorMode cached those contiguous layouts, and AOTInductor planned from the cache (the
+// wrong channels-last CUDA training steps; README "Channels-last on CUDA"). The exporter empties the cache
+// before compiling (forget_export_fake_results). Shown without a GPU on fake CUDA tensors, lowered up to code
+// generation for a simulated H100 (tests/compiled/simulated_cuda.py), through the exporter's own
+// compile_and_package; and before that with the cache left alone, to show the plan this test would catch.
+// The parameters do not require grad, as in a training package (state passed in) or a model frozen with
+// requires_grad_(false): grad-requiring ones key the cache apart.
+TEST(Compiled, ExporterPlansCudaConvolutionsAsCudnnLaysThemOut) {
+  TempDir dir;
+  const auto out = test_util::lines(test_util::exporter_python(
+      "sys.path.insert(0, '" + test_util::source_dir() +
+      "/tests/compiled')\n"
+      "import models, simulated_cuda as sim\n"
+      "if not torch.backends.cudnn.is_available():\n"
+      "    print('skipped: this torch has no cuDNN, so no fake convolution takes its layout')\n"
+      "    sys.exit(0)\n"
+      "sim.simulate()\n"
+      // Without the fix first: in a fresh process, so that no lowering with cuDNN on has cached
+      // its own (right) answer yet under the same key.
+      "forget_export_fake_results = e.forget_export_fake_results\n"
+      "for forget in (False, True):\n"
+      "    program = sim.export_on_fake_cuda(models.make_cnn, (8, 3, 32, 32), channels_last=True)\n"
+      "    e.forget_export_fake_results = forget_export_fake_results if forget else (lambda program: None)\n"
+      "    plans = []\n"
+      "    with sim.planned_only(e, plans):\n"
+      "        e.compile_and_package(program, '" +
+      (dir / "never.pt2") +
+      "', {'freezing': True})\n"
+      "    print(len(plans), plans[0]['layout_opt'], plans[0]['extern'].get('convolution'))\n"
+      "mode = torch._subclasses.fake_tensor.FakeTensorMode()\n"
+      "with mode:\n"
+      "    x = torch.empty(8, 3, 32, 32, device='cuda').contiguous(memory_format=torch.channels_last)\n"
+      "    w = torch.empty(16, 3, 3, 3, device='cuda').contiguous(memory_format=torch.channels_last)\n"
+      "    print(torch.ops.aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1).stride())\n"));
+  ASSERT_FALSE(out.empty());
+  if (out[0].rfind("skipped:", 0) == 0) GTEST_SKIP() << out[0];
+  ASSERT_EQ(out.size(), 3u);
+  // What cuDNN returns for conv1 on channels-last inputs (its fake kernel, cuDNN on): channels-last.
+  EXPECT_EQ(out[2], "(16384, 1, 512, 16)");
+  // With the export's cached fake results: contiguous, the stale plan.
+  EXPECT_EQ(out[0], "1 True (16384, 1024, 32, 1)");
+  // Emptied first: one graph lowered, layout optimization on, conv1's output planned as cuDNN returns it.
+  EXPECT_EQ(out[1], "1 True " + out[2]);
 }
 
 // A g++ that finds no libstdc++.so development link links the static libstdc++ into a package (seen on a GPU
@@ -488,6 +593,39 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
   EXPECT_FALSE(fallback.graphed());
   EXPECT_LE(max_diff(fallback(x2).cpu(), before), 0.0);
   EXPECT_LE(max_diff(model(x).cpu(), want), 1e-5);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
+// A channels-last CNN whose parameters do not require grad, exported for CUDA: the model AOTInductor planned
+// from torch.export's stale fake convolutions (Compiled.ExporterPlansCudaConvolutionsAsCudnnLaysThemOut shows
+// the plan without a GPU). Its output equals Python eager's on the same GPU; the exporter checked the same
+// before keeping it. A misplaced first convolution is off by about the output's own size.
+TEST(Compiled, OnGpuChannelsLastCnnWithFrozenWeightsMatchesEager) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  TempDir dir;
+  const auto pkg = test_util::cuda_test_package(
+      "cnn_cl_frozen_cuda.pt2",
+      test_util::compiled_models() + ":make_cnn_frozen --input 8,3,32,32 --dynamic-batch static --channels-last", dir);
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
+  perf::CompiledModel model(pkg);
+  const auto out = test_util::lines(test_util::python(
+      "import sys,torch; sys.path.insert(0,'" + test_util::source_dir() +
+      "/tests/compiled'); import models; torch.backends.cuda.matmul.allow_tf32=False; "
+      "torch.backends.cudnn.allow_tf32=False; torch.manual_seed(0); "
+      "m=models.make_cnn_frozen().eval().cuda().to(memory_format=torch.channels_last); "
+      "x=torch.linspace(-2,2,8*3*32*32).reshape(8,3,32,32).cuda().contiguous(memory_format=torch.channels_last); "
+      "print(*m(x).flatten().tolist())"));
+  ASSERT_FALSE(out.empty());
+  const auto want = at::tensor(test_util::parse_numbers(out.at(0))).reshape({8, 10}).to(at::kFloat);
+  const auto x =
+      at::linspace(-2, 2, 8 * 3 * 32 * 32).reshape({8, 3, 32, 32}).cuda().contiguous(at::MemoryFormat::ChannelsLast);
+  const auto got = model(x).cpu();
+  EXPECT_LE(max_diff(got, want), 1e-3 * want.abs().max().item<double>() + 1e-5)
+      << "max |value| " << want.abs().max().item<double>();
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif

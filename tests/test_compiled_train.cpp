@@ -818,12 +818,7 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   test_util::TempDir dir;
   const std::string pkg = dir / "lying.pt2";
   const auto out = test_util::lines(test_util::exporter_python(
-      "@torch.library.custom_op('perf_test::relayout', mutates_args=())\n"
-      "def relayout(x: torch.Tensor) -> torch.Tensor:\n"
-      "    return torch.empty_like(x, memory_format=torch.channels_last).copy_(x)\n"
-      "@relayout.register_fake\n"
-      "def _(x):\n"
-      "    return torch.empty_like(x, memory_format=torch.contiguous_format)\n"
+      std::string(test_util::kMispredictedRelayoutOp) +
       "class M(torch.nn.Module):\n"
       "    def __init__(self):\n"
       "        super().__init__()\n"
@@ -904,7 +899,7 @@ TEST(CompiledTrain, ExporterNamesAKernelWhoseStridesTheCompilerMispredicted) {
   EXPECT_EQ(out[5], cpp_verdict +
                         "Inductor planned this graph differently under the C++ wrapper: input arg0_1 compiled for "
                         "strides (1, 3) (the Python wrapper's: (5, 1)). The Python wrapper's plan is the one that "
-                        "computes the right step.");
+                        "computes the right result.");
 }
 
 // bench/e2e exports each job's training step once (cached by everything that

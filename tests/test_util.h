@@ -180,6 +180,17 @@ inline std::string python(const std::string& code) {
   return output_of(reference_python() + " -c \"" + code + "\" 2>/dev/null");
 }
 
+// Python defining perf_test::relayout, a custom op whose real kernel returns its input channels-last and
+// whose fake (meta) kernel says contiguous: a kernel whose strides the compiler mispredicts, and which
+// AOTInductor's generated code reads in the wrong order (the exporter's refusal tests).
+inline constexpr const char* kMispredictedRelayoutOp =
+    "@torch.library.custom_op('perf_test::relayout', mutates_args=())\n"
+    "def relayout(x: torch.Tensor) -> torch.Tensor:\n"
+    "    return torch.empty_like(x, memory_format=torch.channels_last).copy_(x)\n"
+    "@relayout.register_fake\n"
+    "def _(x):\n"
+    "    return torch.empty_like(x, memory_format=torch.contiguous_format)\n";
+
 // python() with tools/ on the path and `import os, sys, torch, export_compiled as e`
 // done: the exporter's tests call its functions directly.
 inline std::string exporter_python(const std::string& code) {

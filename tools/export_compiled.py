@@ -13,6 +13,9 @@ graph (--no-freezing keeps them as constants you can swap), max-autotune on
 request, any other Inductor option with --inductor-config KEY=VALUE (as
 torch.compile's options=; repeatable). perf::CompiledModel reads what this tool
 records in the package's metadata (`perf.input.N`) to check every call's inputs.
+The package is run once on the example inputs and refused if an output differs
+from the eager model's by more than rounding (check_compiled_outputs;
+--no-verify keeps it anyway), with the cause where diagnose_compiled finds it.
 
 Training (--train): the forward pass, the loss and the backward pass of one
 step compiled together, for perf::CompiledTrainStep:
@@ -319,14 +322,18 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
                     dynamic_batch: tuple[int, int] | None = (1, 1024),
                     device: str = "cpu", dtype: torch.dtype = torch.float32,
                     channels_last: bool = False, freezing: bool = True,
-                    max_autotune: bool = False, model_name: str = "model", inductor_configs=None) -> str:
+                    max_autotune: bool = False, model_name: str = "model", inductor_configs=None,
+                    verify: bool = True) -> str:
     """Compile `model` for `example_inputs` (a tuple of tensors) into the package `path`.
 
     dynamic_batch: (min, max) of dimension 0 of every input, or None for static shapes.
     Floating inputs and parameters are cast to `dtype`; 4-d float inputs become
     channels-last when `channels_last` (the model too). inductor_configs: more Inductor
     options ({"coordinate_descent_tuning": True}), checked by inductor_options and recorded
-    in the metadata (perf.inductor_configs)."""
+    in the metadata (perf.inductor_configs). verify: run the package once on the example
+    inputs and refuse it (ValueError, the package removed) if an output differs from the
+    eager model's by more than rounding (check_compiled_outputs), with the cause where
+    diagnose_compiled finds it."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise ValueError(f"dtype must be a floating type (float32, float16, bfloat16, float64), got {dtype}")
     if device not in ("cpu", "cuda"):
@@ -361,7 +368,82 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
             metadata[f"perf.input.{i}"] = _input_entry(t, dynamic_batch)
         configs = _compile_configs(options, max_autotune, metadata, freezing=freezing)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return compile_and_package(program, path, configs)
+        path = compile_and_package(program, path, configs)
+    if verify:
+        _verify_inference(path, program, model, inputs, outputs, dtype, configs)
+    return path
+
+
+def _verify_inference(path: str, program, model, inputs, outputs, dtype, configs) -> None:
+    """The package at `path` run once on `inputs` against the eager `outputs`; refused and removed if wrong."""
+    flat = torch.utils._pytree.tree_leaves
+    want = flat(outputs)
+    with torch.no_grad():
+        got = flat(torch._inductor.aoti_load_package(path)(*inputs))
+    try:
+        check_compiled_outputs(got, want, dtype)
+    except ValueError:
+        # Past the plain bound: rounding (a deep model in bf16) or a wrong program; float64 tells them apart.
+        reference = precise_outputs(model, inputs)
+        try:
+            check_compiled_outputs(got, want, dtype, reference)
+        except ValueError as err:
+            os.remove(path)
+
+            def right(out) -> bool:
+                try:
+                    check_compiled_outputs(out, want, dtype, reference)
+                    return True
+                except ValueError:
+                    return False
+
+            cause = diagnose_compiled(program, inputs, right, configs=configs, inference=True)
+            raise ValueError(f"{err} {cause}") from None
+
+
+def precise_outputs(model, inputs):
+    """The outputs (a flat list) of `model` on `inputs` in float64, on a copy of the model: the reference
+    check_compiled_outputs measures rounding against. None where the model cannot run in float64."""
+    import copy
+
+    try:
+        twin = copy.deepcopy(model).to(torch.float64)
+        with torch.no_grad(), torch.autocast(inputs[0].device.type, enabled=False):
+            out = twin(*[t.to(torch.float64) if t.is_floating_point() else t for t in inputs])
+        return torch.utils._pytree.tree_leaves(out)
+    except Exception:  # noqa: BLE001  (the check then keeps its plain bound)
+        return None
+
+
+def check_compiled_outputs(got, want, dtype: torch.dtype = torch.float32, reference=None) -> None:
+    """Raises ValueError naming the first output of a compiled model (a flat list of tensors) that differs from
+    the eager model's on the same inputs by more than rounding: a wrong program. The rule of check_compiled_step:
+    relative to each output's largest |value|, 1e-2 for a float32 or float64 model and 0.1 for bfloat16 or
+    float16; past that, against `reference` (precise_outputs: the model in float64), the compiled output may be
+    no farther than three times eager's distance, or 2e-2 / 5e-2. Outputs that are not floating point (an
+    argmax) are checked for shape only: a tie broken the other way is rounding, not a wrong program."""
+    if len(got) != len(want):
+        raise ValueError(f"the compiled model returned {len(got)} outputs, the eager model {len(want)}")
+    low = dtype in (torch.bfloat16, torch.float16)
+    rtol, floor = (0.1, 5e-2) if low else (1e-2, 2e-2)
+    refs = reference if reference is not None and len(reference) == len(want) else [None] * len(want)
+    wrong = []
+    for i, (g, w, r) in enumerate(zip(got, want, refs)):
+        if not (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)):
+            continue
+        if not w.is_floating_point():
+            why = None if g.shape == w.shape else f"shape {tuple(g.shape)} where eager's is {tuple(w.shape)}"
+        else:
+            why = _differs(g, w, r, rtol, floor, "the model")
+        if why is not None:
+            wrong.append((i, why))
+    if wrong:
+        (i, why), others = wrong[0], [str(j) for j, _ in wrong[1:]]
+        also = f" Also past their bounds: output{'s' if len(others) > 1 else ''} {', '.join(others)}." if others else ""
+        raise ValueError(
+            f"the compiled model is wrong: output {i} differs from the eager model's on the example inputs: {why}."
+            f"{also} The compiler produced a wrong program; the package was not kept. --no-verify (verify=False) "
+            "keeps such a package anyway.")
 
 
 class _LossStep(torch.nn.Module):
@@ -789,6 +871,34 @@ def precise_step(model, loss, batch, names):
         return None
 
 
+def _differs(got, want, ref, rtol: float, floor: float, what: str):
+    """Why `got` (a compiled program's tensor) is farther from `want` (eager's) than rounding, or None: the rule
+    check_compiled_step documents, with the plain bound `rtol` of the largest |value| and, against `ref` (the
+    same computation in float64, or None), the floor `floor`. `what` names the computation in the message."""
+
+    def distance(a, r):  # relative L2; nan for a nan
+        n = r.norm().item()
+        return (a - r).norm().item() / n if n > 0 else (a - r).norm().item()
+
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} where eager's is {tuple(want.shape)}"
+    scale = want.abs().max().item() if want.numel() else 0.0
+    d = (got - want).abs().max().item() if want.numel() else 0.0
+    if d <= rtol * scale + 1e-6:  # false for nan
+        return None
+    why = f"max |difference| {d:.3g}, max |value| {scale:.3g} (allowed {rtol:g} of it)"
+    if ref is None:
+        return why
+    ref = ref.detach().double().cpu()
+    compiled, eager = distance(got, ref), distance(want, ref)
+    allowed = max(floor, 3 * eager)
+    if compiled <= allowed:
+        return None
+    return (f"{why}; against {what} in float64, the compiled one is {compiled:.3g} away and the eager one "
+            f"{eager:.3g} (relative L2; allowed {allowed:.3g})")
+
+
 def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "off", reference=None) -> None:
     """Raises ValueError naming the first gradient (or the loss) of a compiled training step that differs from
     the eager step's on the same inputs by more than rounding: a wrong program, which would train silently
@@ -806,30 +916,6 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
     misplaced gradient is about 1.4 away, which a tensor whose eager distance is under 0.45 shows."""
     rtol = 1e-2 if amp == "off" else 0.1
     floor = 2e-2 if amp == "off" else 5e-2
-
-    def distance(a, ref):  # relative L2; nan for a nan
-        n = ref.norm().item()
-        return (a - ref).norm().item() / n if n > 0 else (a - ref).norm().item()
-
-    def differs(got, want, ref):
-        got, want = got.detach().double().cpu(), want.detach().double().cpu()
-        if got.shape != want.shape:
-            return f"shape {tuple(got.shape)} where eager's is {tuple(want.shape)}"
-        scale = want.abs().max().item() if want.numel() else 0.0
-        d = (got - want).abs().max().item() if want.numel() else 0.0
-        if d <= rtol * scale + 1e-6:  # false for nan
-            return None
-        why = f"max |difference| {d:.3g}, max |value| {scale:.3g} (allowed {rtol:g} of it)"
-        if ref is None:
-            return why
-        ref = ref.detach().double().cpu()
-        compiled, eager = distance(got, ref), distance(want, ref)
-        allowed = max(floor, 3 * eager)
-        if compiled <= allowed:
-            return None
-        return (f"{why}; against the step in float64, the compiled one is {compiled:.3g} away and the eager one "
-                f"{eager:.3g} (relative L2; allowed {allowed:.3g})")
-
     if len(grads) != len(want_grads):
         raise ValueError(f"the compiled step returned {len(grads)} gradients, the eager step {len(want_grads)}")
     ref_loss, ref_grads = reference if reference is not None else (None, [None] * len(grads))
@@ -837,7 +923,8 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
         (f"the gradient of {n}", g, w, r) for n, g, w, r in zip(names, grads, want_grads, ref_grads)]
     # Every tensor is checked, so that the error says how far the fault reaches (one convolution's gradient, or
     # everything downstream of the loss): where to look in the generated code.
-    wrong = [(what, why) for what, got, want, ref in checks for why in [differs(got, want, ref)] if why is not None]
+    wrong = [(what, why) for what, got, want, ref in checks
+             for why in [_differs(got, want, ref, rtol, floor, "the step")] if why is not None]
     if wrong:
         (what, why), others = wrong[0], [w[len("the gradient of "):] for w, _ in wrong[1:]]
         also = (f" Also past their bounds: the gradient{'s' if len(others) > 1 else ''} of {', '.join(others)} "
@@ -852,27 +939,8 @@ def check_compiled_step(loss, grads, want_loss, want_grads, names, amp: str = "o
 
 def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads, names, amp: str = "off", *,
                            configs=None, reference=None) -> str:
-    """Why a package failed check_compiled_step, in a sentence for its error: the same graph compiled once more by
-    Inductor's Python wrapper (torch.compile's), and run on the same inputs; where that is right, once more by
-    torch.compile's C++ wrapper (cpp_wrapper=True), which generates the code AOTInductor builds, without
-    AOTInductor's packaging, loader and runtime.
-
-    The Python wrapper checks after every fallback kernel (an ATen or custom op that Inductor calls instead of
-    generating code for it) that the output has the sizes and strides the compiler planned from the op's fake
-    (meta) kernel. AOTInductor's C++ wrapper does not (torch 2.11: ir.ExternKernel.codegen_size_asserts is skipped
-    for cpp_wrapper), so where a fake kernel predicts other strides than the real kernel returns, the package's
-    generated code reads that output in the wrong order: wrong numbers, no error."""
-    options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
-    options["size_asserts"] = True  # the point of this compilation, whatever the package was built with
-    options["fx_graph_cache"] = False  # a cached graph is not lowered again, and its plan is what this reads
-
-    def run(plans=None, **patch):
-        forget_export_fake_results(program)
-        with torch._inductor.config.patch(**options, **patch), _recorded_plans(plans if plans is not None else []):
-            compiled = torch._inductor.compile(program.module(), list(inputs))
-            with torch.no_grad():
-                torch.manual_seed(0)  # the draws of the package's run
-                return list(compiled(*inputs))
+    """Why a training package failed check_compiled_step, in a sentence for its error (diagnose_compiled, with
+    the step's outputs as `right` reads them: the mutated buffers, then the loss and the gradients)."""
 
     def right(out) -> bool:
         try:
@@ -880,6 +948,36 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
             return True
         except ValueError:
             return False
+
+    return diagnose_compiled(program, inputs, right, configs=configs)
+
+
+def diagnose_compiled(program, inputs, right, *, configs=None, inference: bool = False) -> str:
+    """Why a package of `program` computed a wrong result on `inputs`, in a sentence for its error: the same graph
+    compiled once more by Inductor's Python wrapper (torch.compile's), and run on the same inputs; where that is
+    right (`right(outputs)`, the outputs as a flat list), once more by torch.compile's C++ wrapper
+    (cpp_wrapper=True), which generates the code AOTInductor builds, without AOTInductor's packaging, loader and
+    runtime. inference: compile under no_grad, as the inference export does (freezing applies only there).
+
+    The Python wrapper checks after every fallback kernel (an ATen or custom op that Inductor calls instead of
+    generating code for it) that the output has the sizes and strides the compiler planned from the op's fake
+    (meta) kernel. AOTInductor's C++ wrapper does not (torch 2.11: ir.ExternKernel.codegen_size_asserts is skipped
+    for cpp_wrapper), so where a fake kernel predicts other strides than the real kernel returns, the package's
+    generated code reads that output in the wrong order: wrong numbers, no error."""
+    import contextlib
+
+    options = {k: v for k, v in (configs or {}).items() if not k.startswith("aot_inductor.")}
+    options["size_asserts"] = True  # the point of this compilation, whatever the package was built with
+    options["fx_graph_cache"] = False  # a cached graph is not lowered again, and its plan is what this reads
+
+    def run(plans=None, **patch):
+        forget_export_fake_results(program)
+        with torch._inductor.config.patch(**options, **patch), _recorded_plans(plans if plans is not None else []), \
+                (torch.no_grad() if inference else contextlib.nullcontext()):
+            compiled = torch._inductor.compile(program.module(), list(inputs))
+        with torch.no_grad():
+            torch.manual_seed(0)  # the draws of the package's run
+            return torch.utils._pytree.tree_leaves(compiled(*inputs))
 
     python_plans = []
     try:
@@ -1000,7 +1098,7 @@ def _compare_plans(python_plans: list, cpp_plans: list, most: int = 4) -> str:
                 "every fallback kernel's output strides): the difference is in the code generated from that plan.")
     more = f"; and {len(found) - most} more" if len(found) > most else ""
     return ("Inductor planned this graph differently under the C++ wrapper: " + "; ".join(found[:most]) + more +
-            ". The Python wrapper's plan is the one that computes the right step.")
+            ". The Python wrapper's plan is the one that computes the right result.")
 
 
 def load_factory(spec: str, what: str = "FACTORY"):
@@ -1058,6 +1156,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-autotune", action="store_true",
                    help="autotune GEMMs/convolutions and Triton kernels' launch configurations, as "
                         "torch.compile(mode='max-autotune') does without its CUDA graphs (slow to compile)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="keep the package without running it once against the eager model (or step) on the example "
+                        "inputs")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory runs")
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="one more Inductor option (torch._inductor.config), as torch.compile's options=, e.g. "
@@ -1074,8 +1175,6 @@ def main(argv=None) -> int:
                             "autocast dtype (autocast)")
     train.add_argument("--inductor-random", action="store_true",
                        help="random ops (dropout) from inductor's own generator: faster, but other draws than eager")
-    train.add_argument("--no-verify", action="store_true",
-                       help="keep the package without running it once against the eager step on the example batch")
     a = p.parse_args(argv)
     if a.train and not a.loss:
         p.error("--train needs --loss file.py:function (loss(model, *batch) -> scalar)")
@@ -1112,9 +1211,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"export_compiled.py: {e}")
         print(f"wrote {out} (training step, {time.time() - started:.0f} s)")
         return 0
-    out = export_compiled(model, inputs, a.output, dynamic_batch=dynamic, device=a.device, dtype=dtype,
-                          channels_last=a.channels_last, freezing=not a.no_freezing,
-                          max_autotune=a.max_autotune, inductor_configs=options)
+    try:
+        out = export_compiled(model, inputs, a.output, dynamic_batch=dynamic, device=a.device, dtype=dtype,
+                              channels_last=a.channels_last, freezing=not a.no_freezing,
+                              max_autotune=a.max_autotune, inductor_configs=options, verify=not a.no_verify)
+    except ValueError as e:
+        raise SystemExit(f"export_compiled.py: {e}")
     print(f"wrote {out}")
     return 0
 

@@ -7,6 +7,7 @@ would count against the test's time, and again in gpu-check's one-process run;
 exported here, beside the compilation, the tests find them in OUT:
 
     OUT/mlp_cuda.pt2          the MLP for inference, batch 1..64
+    OUT/cnn_cl_frozen_cuda.pt2  the CNN for inference, channels-last, parameters frozen, batch 8
     OUT/mlp_train_cuda.pt2    the MLP's training step, batch 8
     OUT/cnn_train_cl_cuda.pt2 the CNN's training step, bf16 autocast and channels-last, batch 8
     OUT/cnn_train_bf16_cuda.pt2     the same without channels-last
@@ -41,6 +42,8 @@ EXAMPLE = os.path.join(HERE, "..", "..", "examples", "compiled_train.py")
 # and example_compiled_train_learns in tests/CMakeLists.txt).
 EXPORTS = {
     "mlp_cuda.pt2": [f"{MODELS}:make_mlp", "--input", "4,16", "--dynamic-batch", "1:64", "--device", "cuda"],
+    "cnn_cl_frozen_cuda.pt2": [f"{MODELS}:make_cnn_frozen", "--input", "8,3,32,32", "--dynamic-batch", "static",
+                               "--device", "cuda", "--channels-last"],
     "mlp_train_cuda.pt2": [f"{MODELS}:make_mlp", "--train", "--loss", f"{MODELS}:classify_loss", "--input", "8,16",
                            "--input", "8:int64", "--device", "cuda"],
     "cnn_train_cl_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",

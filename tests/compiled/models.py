@@ -52,6 +52,12 @@ def make_cnn():
     return m
 
 
+def make_cnn_frozen():
+    """make_cnn with its parameters frozen (requires_grad_(False)), as an inference model often is: such
+    parameters met AOTInductor's stale plan for CUDA channels-last convolutions (tests/test_compiled.cpp)."""
+    return make_cnn().requires_grad_(False)
+
+
 def make_two_in_two_out():
     return TwoInTwoOut()
 

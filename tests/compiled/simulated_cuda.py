@@ -1,0 +1,85 @@
+"""Inductor's plan for a CUDA device, on a machine without one: what the exporter's tests need to show that
+AOTInductor lays out CUDA convolutions as cuDNN does (tools/export_compiled.py, forget_export_fake_results)
+where no GPU can run the package.
+
+Fake CUDA tensors (FakeTensorMode) need no device. torch.export traces them when its fake mode is theirs (a
+TracingContext), and Inductor lowers the exported graph for CUDA once it can read the device's properties: an
+H100's, given here. Code generation is where a device would be needed (Triton), so lowering stops there, after
+export_compiled._recorded_plans has read the plan. Where a GPU is present, its own properties are used."""
+import types
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+_H100 = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3 (simulated)", major=9, minor=0, multi_processor_count=132,
+    regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32,
+    total_memory=80 * 2**30, L2_cache_size=50 * 2**20, gcnArchName="", uuid="simulated")
+
+
+class StopAtCodegen(Exception):
+    """Raised where Inductor would start generating code: the plan is made, and nothing runs on a device."""
+
+
+def simulate() -> None:
+    """Without a GPU: CUDA's device queries answer as an H100's, and CUDA counts as initialised (only fake
+    tensors are made on it). With one: nothing changes."""
+    if torch.cuda.is_available():
+        return
+    from torch._dynamo import device_interface
+
+    torch.cuda.get_device_properties = lambda *a, **k: _H100
+    torch.cuda.get_device_capability = lambda *a, **k: (_H100.major, _H100.minor)
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: 0
+    torch.cuda._initialized = True  # Tensor.to(device="cuda") of a fake tensor would otherwise start the driver
+    cuda = device_interface.CudaInterface
+    cuda.get_compute_capability = staticmethod(lambda device=None: _H100.major * 10 + _H100.minor)
+    cuda.get_device_properties = staticmethod(lambda device=None: _H100)
+    cuda.Worker.get_device_properties = staticmethod(lambda device=None: _H100)
+
+
+def export_on_fake_cuda(make_model, *shapes, channels_last: bool = False):
+    """torch.export of make_model() in eval mode, its parameters and random inputs of `shapes` fake CUDA tensors
+    (4-d ones channels-last when `channels_last`), traced as the exporter traces real ones (cuDNN off)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    with mode, torch.device("cuda"):
+        model = make_model().eval()
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.dim() == 4:
+                    module._parameters[name] = torch.nn.Parameter(p.detach().contiguous(memory_format=fmt),
+                                                                  requires_grad=False)
+        inputs = tuple(torch.randn(s).contiguous(memory_format=fmt) if len(s) == 4 else torch.randn(s)
+                       for s in shapes)
+    with torch._guards.tracing(torch._guards.TracingContext(mode)), torch.no_grad():
+        return torch.export.export(model, inputs)
+
+
+class planned_only:
+    """Context manager: Inductor lowers graphs up to code generation and stops there (StopAtCodegen, which it
+    swallows on the way out); `plans` gets each graph's plan (export_compiled._plan_of)."""
+
+    def __init__(self, exporter, plans: list):
+        from torch._inductor.graph import GraphLowering
+
+        self.graph, self.recorded = GraphLowering, exporter._recorded_plans(plans)
+
+    def __enter__(self):
+        def stop(*args, **kwargs):
+            raise StopAtCodegen()
+
+        self.saved = self.graph.codegen, self.graph.codegen_with_cpp_wrapper
+        self.graph.codegen = self.graph.codegen_with_cpp_wrapper = stop
+        self.recorded.__enter__()  # records, then calls stop
+        return self
+
+    def __exit__(self, kind, error, tb):
+        self.recorded.__exit__(kind, error, tb)
+        self.graph.codegen, self.graph.codegen_with_cpp_wrapper = self.saved
+        # Inductor wraps what a lowering raises (InductorError), with the original as its cause.
+        while error is not None and not isinstance(error, StopAtCodegen):
+            error = error.__cause__ or error.__context__
+        return error is not None
