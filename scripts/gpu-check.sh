@@ -2,7 +2,8 @@
 # perf on a machine with an NVIDIA GPU, in parts that each fit a short session
 # (under 8 minutes on an H100 with 16 cores):
 #
-#   build   configure and build everything with all cores (works without a GPU)
+#   build   configure and build everything with all cores (works without a GPU); on a GPU, then
+#           bench/e2e's training packages with what is left of the call
 #   tests   every ctest in its own process, then every GPU test in ONE process
 #   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
 #   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune)
@@ -152,6 +153,16 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
     within_budget 15 cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
       { grep -E "error|Error|^FAILED: |^Fatal Python error|^  File \".* in " "$logs/build.log" | head -30; st=1; }
   fi
+  # bench/e2e's training packages (the CNN's took 100 s on an H200), exported with what is left of this call
+  # on a GPU, so that --part e2e measures rather than compiles: cached in $PERF_CACHE_DIR/e2e-packages by
+  # everything that shapes them (PERF_E2E_ARGS and --jobs as --part e2e takes them). One this call has no
+  # time for is exported by the next --part build, or by --part e2e.
+  if ((!st)) && [ -x "$build/bench/e2e" ] && (($(left) > 120)) &&
+     "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    read -ra more <<<"${PERF_E2E_ARGS:-}"
+    PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --export-only \
+      --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${more[@]}" >"$logs/e2e-export.txt" 2>&1
+  fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
@@ -174,6 +185,8 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
         fi
       done
     fi
+    [ -f "$logs/e2e-export.txt" ] && grep -E "^(cnn|transformer|mlp): |^FAILED" "$logs/e2e-export.txt" |
+      sed 's/^/e2e training package: /'
     # The slowest compilations (ninja's log: start and end ms of each output), to see what bounds the build.
     if [ -f "$build/.ninja_log" ]; then
       cp "$build/.ninja_log" "$logs/ninja_log.txt"

@@ -201,7 +201,8 @@ struct DdpNetImpl : torch::nn::Module {
     l3 = register_module("l3", torch::nn::Linear(16, 4));
     if (spare) l4 = register_module("spare", torch::nn::Linear(16, 16));
   }
-  at::Tensor forward(const at::Tensor& x) { return l3(torch::relu(l2(torch::relu(l1(x))))); }
+  at::Tensor forward(const at::Tensor& x) { return l3(hidden(x)); }
+  at::Tensor hidden(const at::Tensor& x) { return torch::relu(l2(torch::relu(l1(x)))); }
   torch::nn::Linear l1{nullptr}, l2{nullptr}, l3{nullptr}, l4{nullptr};
 };
 TORCH_MODULE(DdpNet);
@@ -210,7 +211,7 @@ TORCH_MODULE(DdpNet);
 struct DdpHeadsImpl : DdpNetImpl {
   explicit DdpHeadsImpl(bool /*spare: always*/ = true) : DdpNetImpl(true) {}
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
-    const auto h = torch::relu(l2(torch::relu(l1(x))));
+    const auto h = hidden(x);
     return {l3(h), l4(h)};
   }
 };
@@ -220,7 +221,7 @@ TORCH_MODULE(DdpHeads);
 struct DdpNamedImpl : DdpNetImpl {
   DdpNamedImpl() : DdpNetImpl(true) {}
   std::map<std::string, at::Tensor> forward(const at::Tensor& x) {
-    const auto h = torch::relu(l2(torch::relu(l1(x))));
+    const auto h = hidden(x);
     return {{"logits", l3(h)}, {"features", l4(h)}};
   }
 };

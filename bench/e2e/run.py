@@ -2,6 +2,7 @@
 
     python bench/e2e/run.py --e2e build/bench/e2e [--device cpu|cuda] [--quick] [--jobs cnn,transformer,mlp]
     python bench/e2e/run.py --e2e build/bench/e2e --check     # the twins agree (CI)
+    python bench/e2e/run.py --e2e build/bench/e2e --export-only [--device cuda]   # the training packages only
 
 For each job: one initial state dict and one synthetic data set, saved once and
 loaded by both languages; then every configuration, alternating Python and C++
@@ -89,6 +90,28 @@ def training_package(job, size, device, amp, out, layout="channels-last", option
     return local, seconds
 
 
+def job_package(job, size, a, amp, options):
+    """The job's training package as the perf_compiled configurations run it (training_package with run.py's
+    arguments `a`): (path, export seconds), or False where it could not be made (reported on stderr)."""
+    layouts = [a.compiled_layout]
+    if job == "cnn" and a.compiled_layout == "channels-last":
+        # A channels-last package the exporter refuses as a wrong program (the CUDA bug of README "Compiled
+        # training"): the best C++ can run is the contiguous one, labelled so.
+        layouts.append("contiguous")
+    while layouts:
+        layout = layouts.pop(0)
+        try:
+            return training_package(job, size, a.device, amp, a.out, layout, options, a.compiled_max_autotune)
+        except Exception as e:  # noqa: BLE001  (reported; the job's other runs go on)
+            wrong = isinstance(e, ValueError) and "compiled training step is wrong" in str(e)
+            then = "; exporting it contiguous instead" if wrong and layouts else ""
+            print(f"FAILED exporting the {job} training step ({layout}): {type(e).__name__}: {e}{then}",
+                  file=sys.stderr, flush=True)
+            if not then:
+                return False
+    return False
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--e2e", required=True, help="the C++ runner (build/bench/e2e)")
@@ -107,6 +130,9 @@ def main():
     p.add_argument("--compiled-max-autotune", action="store_true",
                    help="export the training packages with --max-autotune (slow to compile: the peer of Python's "
                         "max-autotune row)")
+    p.add_argument("--export-only", action="store_true",
+                   help="only export (or find cached) each job's training package, as the perf_compiled rows would: "
+                        "a later run with the same arguments finds them in $PERF_CACHE_DIR/e2e-packages")
     p.add_argument("--out", default="bench-results/e2e")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--malloc-ab", action="store_true",
@@ -128,11 +154,16 @@ def main():
 
     dev_kind = "cuda" if a.device.startswith("cuda") else "cpu"
     os.makedirs(a.out, exist_ok=True)
+    info = subprocess.run([a.e2e, "--info", "--device", a.device], capture_output=True, text=True, check=True).stdout
+    amp = info.strip().split("amp=")[-1]
+    if a.export_only:
+        made = [job_package(job, models.JOBS[job][dev_kind], a, amp, options) for job in a.jobs.split(",")]
+        for job, package in zip(a.jobs.split(","), made):
+            print(f"{job}: " + (f"{package[0]} (exported in {package[1]:.0f} s)" if package else "FAILED"), flush=True)
+        return 0 if all(made) else 1
     results = os.path.join(a.out, "results.jsonl")
     if os.path.exists(results):
         os.remove(results)
-    info = subprocess.run([a.e2e, "--info", "--device", a.device], capture_output=True, text=True, check=True).stdout
-    amp = info.strip().split("amp=")[-1]
     if a.check:
         warmup, steps, window = 1, 4, 2
     elif a.quick:
@@ -165,23 +196,8 @@ def main():
             else:
                 cmd = [a.e2e, "--config", config, "--size", ",".join(f"{k}={v}" for k, v in size.items())] + common
                 if config.startswith("perf_compiled"):
-                    layouts = [a.compiled_layout]
-                    if job == "cnn" and a.compiled_layout == "channels-last":
-                        # A channels-last package the exporter refuses as a wrong program (the open CUDA bug,
-                        # README "Compiled training"): the best C++ can run is the contiguous one, labelled so.
-                        layouts.append("contiguous")
-                    while package is None and layouts:
-                        layout = layouts.pop(0)
-                        try:
-                            package = training_package(job, size, a.device, amp, a.out, layout, options,
-                                                       a.compiled_max_autotune)
-                        except Exception as e:  # noqa: BLE001  (reported; the job's other runs go on)
-                            wrong = isinstance(e, ValueError) and "compiled training step is wrong" in str(e)
-                            then = "; exporting it contiguous instead" if wrong and layouts else ""
-                            print(f"FAILED exporting the {job} training step ({layout}): {type(e).__name__}: {e}{then}",
-                                  file=sys.stderr, flush=True)
-                            if not then:
-                                package = False
+                    if package is None:
+                        package = job_package(job, size, a, amp, options)
                     if package is False:
                         failed.append(f"{lang} {job} {config} (no package)")
                         continue
