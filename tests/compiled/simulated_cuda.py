@@ -34,6 +34,8 @@ def simulate() -> None:
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: 0
     torch.cuda._initialized = True  # Tensor.to(device="cuda") of a fake tensor would otherwise start the driver
+    # Inductor's constant folding of a joint graph computes with real tensors, which need a device.
+    torch._inductor.config.joint_graph_constant_folding = False
     cuda = device_interface.CudaInterface
     cuda.get_compute_capability = staticmethod(lambda device=None: _H100.major * 10 + _H100.minor)
     cuda.get_device_properties = staticmethod(lambda device=None: _H100)
@@ -56,6 +58,64 @@ def export_on_fake_cuda(make_model, *shapes, channels_last: bool = False):
                        for s in shapes)
     with torch._guards.tracing(torch._guards.TracingContext(mode)), torch.no_grad():
         return torch.export.export(model, inputs)
+
+
+def exported_graph(exporter, export):
+    """(program, configs) that `export()` (a call of exporter.export_compiled or export_train) hands to
+    exporter.compile_and_package: the graph it would compile, and the Inductor options; nothing is compiled."""
+
+    class Got(Exception):
+        pass
+
+    got, compile_and_package = {}, exporter.compile_and_package
+
+    def grab(program, path, configs):
+        got.update(program=program, configs=configs)
+        raise Got()
+
+    exporter.compile_and_package = grab
+    try:
+        export()
+    except Got:
+        pass
+    finally:
+        exporter.compile_and_package = compile_and_package
+    return got["program"], got["configs"]
+
+
+def on_fake_cuda(program):
+    """`program` (exported on the CPU: a training step's graph, whose backward is spelled out in it, can be
+    traced on fake CUDA tensors without the autograd engine, which needs a device) exported again on fake CUDA
+    tensors of the same sizes, strides and dtypes, the graph's own CPU tensors moved to CUDA."""
+    module = program.module()
+    for node in module.graph.nodes:
+        device = node.kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cpu":
+            node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
+    module.recompile()
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+    with mode:
+        inputs = tuple(fake_cuda_like(n.meta["val"]) for n in program.graph.nodes if n.op == "placeholder")
+    with torch._guards.tracing(torch._guards.TracingContext(mode)):
+        return torch.export.export(module, inputs)
+
+
+def fake_cuda_like(t):
+    """A CUDA tensor with t's sizes, strides and dtype, made in the fake mode active around the call."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+
+def python_wrapper_plans(exporter, program, configs) -> list:
+    """Inductor's plans for `program` under its Python wrapper (torch.compile's, which traces in a fake mode of
+    its own), with the Inductor options of `configs` (AOTInductor's own left out)."""
+    options = {k: v for k, v in configs.items() if not k.startswith("aot_inductor.")}
+    with FakeTensorMode():
+        inputs = [fake_cuda_like(n.meta["val"]) for n in program.graph.nodes if n.op == "placeholder"]
+    plans = []
+    with planned_only(exporter, plans), torch._inductor.config.patch({**options, "fx_graph_cache": False}), \
+            torch.no_grad():
+        torch._inductor.compile(program.module(), inputs)
+    return plans
 
 
 class planned_only:
