@@ -394,14 +394,7 @@ TEST(Compiled, ExporterRefusesAWrongInferencePackageAndNamesTheKernel) {
 // requires_grad_(false): grad-requiring ones key the cache apart.
 TEST(Compiled, ExporterPlansCudaConvolutionsAsCudnnLaysThemOut) {
   TempDir dir;
-  const auto out = test_util::lines(test_util::exporter_python(
-      "sys.path.insert(0, '" + test_util::source_dir() +
-      "/tests/compiled')\n"
-      "import models, simulated_cuda as sim\n"
-      "if not torch.backends.cudnn.is_available():\n"
-      "    print('skipped: this torch has no cuDNN, so no fake convolution takes its layout')\n"
-      "    sys.exit(0)\n"
-      "sim.simulate()\n"
+  const auto out = test_util::lines(test_util::simulated_cuda_python(
       // Without the fix first: in a fresh process, so that no lowering with cuDNN on has cached
       // its own (right) answer yet under the same key.
       "forget_export_fake_results = e.forget_export_fake_results\n"

@@ -814,14 +814,7 @@ TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
 // convolution, so neither plan is cuDNN's.)
 TEST(CompiledTrain, ExporterPlansTheChannelsLastCudaStepAsThePythonWrapperDoes) {
   TempDir dir;
-  const auto out = test_util::lines(test_util::exporter_python(
-      "sys.path.insert(0, '" + test_util::source_dir() +
-      "/tests/compiled')\n"
-      "import models, simulated_cuda as sim\n"
-      "if not torch.backends.cudnn.is_available():\n"
-      "    print('skipped: this torch has no cuDNN, so no fake convolution takes its layout')\n"
-      "    sys.exit(0)\n"
-      "sim.simulate()\n"
+  const auto out = test_util::lines(test_util::simulated_cuda_python(
       "torch.manual_seed(0)\n"
       "batch = [torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)]\n"
       "program, configs = sim.exported_graph(e, lambda: e.export_train(models.make_cnn(), models.classify_loss, "

@@ -198,6 +198,20 @@ inline std::string exporter_python(const std::string& code) {
                 "/tools')\nimport torch, export_compiled as e\n" + code);
 }
 
+// exporter_python() on a simulated CUDA device (tests/compiled/simulated_cuda.py): `models` and `sim`
+// imported and sim.simulate() done. Where torch has no cuDNN, no fake convolution takes cuDNN's layout:
+// it prints "skipped: ..." and runs nothing else.
+inline std::string simulated_cuda_python(const std::string& code) {
+  return exporter_python("sys.path.insert(0, '" + source_dir() +
+                         "/tests/compiled')\n"
+                         "import models, simulated_cuda as sim\n"
+                         "if not torch.backends.cudnn.is_available():\n"
+                         "    print('skipped: this torch has no cuDNN, so no fake convolution takes its layout')\n"
+                         "    sys.exit(0)\n"
+                         "sim.simulate()\n" +
+                         code);
+}
+
 // How often the C++ sources an AOTInductor package carries name Vectorized
 // (at::vec, its SIMD kernels): none for one exported with cpp.simdlen=1.
 inline int64_t vectorized_mentions(const std::string& package) {
