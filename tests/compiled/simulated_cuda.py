@@ -44,11 +44,13 @@ def simulate() -> None:
 
 def export_on_fake_cuda(make_model, *shapes, channels_last: bool = False):
     """torch.export of make_model() in eval mode, its parameters and random inputs of `shapes` fake CUDA tensors
-    (4-d ones channels-last when `channels_last`), traced as the exporter traces real ones (cuDNN off)."""
+    (4-d ones channels-last when `channels_last`), traced as the exporter traces real ones (cuDNN off). The
+    parameters do not require grad, as a training package's state (plain inputs) or a frozen model's: those
+    that do key FakeTensorMode's cache apart from what the compiler later asks."""
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with mode, torch.device("cuda"):
-        model = make_model().eval()
+        model = make_model().eval().requires_grad_(False)
         for module in model.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and p.dim() == 4:
