@@ -65,6 +65,9 @@ done
 # A benchmark --bench asks for (with its Python peer, if it has one).
 wanted() { [[ $benches == all || ",$benches," == *",$1,"* ]]; }
 py=${PERF_PYTHON:-python3}
+# PERF_E2E_ARGS: more bench/e2e/run.py arguments, e.g. "--compiled-layout contiguous" or
+# "--compiled-inductor-config layout_optimization=False" or "--compiled-max-autotune".
+read -ra e2e_more <<<"${PERF_E2E_ARGS:-}"
 out=${PERF_GPU_RESULTS:-gpu-results}
 build=${PERF_GPU_BUILD:-/tmp/perf-build-gpu}
 fail() { echo "gpu-check: $*" >&2; exit 2; }
@@ -159,9 +162,8 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   # time for is exported by the next --part build, or by --part e2e.
   if ((!st)) && [ -x "$build/bench/e2e" ] && (($(left) > 120)) &&
      "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    read -ra more <<<"${PERF_E2E_ARGS:-}"
     PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --export-only \
-      --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${more[@]}" >"$logs/e2e-export.txt" 2>&1
+      --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${e2e_more[@]}" >"$logs/e2e-export.txt" 2>&1
   fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
@@ -437,10 +439,7 @@ if has e2e; then
   st=0
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
-  # PERF_E2E_ARGS: more run.py arguments, e.g. "--compiled-layout contiguous" or
-  # "--compiled-inductor-config layout_optimization=False" or "--compiled-max-autotune".
-  read -ra more <<<"${PERF_E2E_ARGS:-}"
-  e2e_args+=("${more[@]}")
+  e2e_args+=("${e2e_more[@]}")
   # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).
   PYTHONUNBUFFERED=1 within_budget 20 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }

@@ -389,15 +389,9 @@ def _verify_inference(path: str, program, model, inputs, outputs, dtype, configs
             check_compiled_outputs(got, want, dtype, reference)
         except ValueError as err:
             os.remove(path)
-
-            def right(out) -> bool:
-                try:
-                    check_compiled_outputs(out, want, dtype, reference)
-                    return True
-                except ValueError:
-                    return False
-
-            cause = diagnose_compiled(program, inputs, right, configs=configs, inference=True)
+            cause = diagnose_compiled(program, inputs,
+                                      lambda out: _passes(check_compiled_outputs, out, want, dtype, reference),
+                                      configs=configs, inference=True)
             raise ValueError(f"{err} {cause}") from None
 
 
@@ -942,14 +936,18 @@ def diagnose_compiled_step(program, inputs, mutated: int, want_loss, want_grads,
     """Why a training package failed check_compiled_step, in a sentence for its error (diagnose_compiled, with
     the step's outputs as `right` reads them: the mutated buffers, then the loss and the gradients)."""
 
-    def right(out) -> bool:
-        try:
-            check_compiled_step(out[mutated], out[mutated + 1:], want_loss, want_grads, names, amp, reference)
-            return True
-        except ValueError:
-            return False
+    return diagnose_compiled(program, inputs, lambda out: _passes(check_compiled_step, out[mutated], out[mutated + 1:],
+                                                                  want_loss, want_grads, names, amp, reference),
+                             configs=configs)
 
-    return diagnose_compiled(program, inputs, right, configs=configs)
+
+def _passes(check, *args) -> bool:
+    """Whether check(*args) (check_compiled_step or check_compiled_outputs) finds the result right."""
+    try:
+        check(*args)
+        return True
+    except ValueError:
+        return False
 
 
 def diagnose_compiled(program, inputs, right, *, configs=None, inference: bool = False) -> str:

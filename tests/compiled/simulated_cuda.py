@@ -47,19 +47,30 @@ def export_on_fake_cuda(make_model, *shapes, channels_last: bool = False):
     (4-d ones channels-last when `channels_last`), traced as the exporter traces real ones (cuDNN off). The
     parameters do not require grad, as a training package's state (plain inputs) or a frozen model's: those
     that do key FakeTensorMode's cache apart from what the compiler later asks."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    with mode, torch.device("cuda"):
-        model = make_model().eval().requires_grad_(False)
-        for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and p.dim() == 4:
-                    module._parameters[name] = torch.nn.Parameter(p.detach().contiguous(memory_format=fmt),
-                                                                  requires_grad=False)
-        inputs = tuple(torch.randn(s).contiguous(memory_format=fmt) if len(s) == 4 else torch.randn(s)
-                       for s in shapes)
+
+    def build():
+        with torch.device("cuda"):
+            model = make_model().eval().requires_grad_(False)
+            for module in model.modules():
+                for name, p in list(module._parameters.items()):
+                    if p is not None and p.dim() == 4:
+                        module._parameters[name] = torch.nn.Parameter(p.detach().contiguous(memory_format=fmt),
+                                                                      requires_grad=False)
+            return model, tuple(torch.randn(s).contiguous(memory_format=fmt) if len(s) == 4 else torch.randn(s)
+                                for s in shapes)
+
+    return _export_fake(build)
+
+
+def _export_fake(build):
+    """torch.export of the (module, inputs) that build() makes in a fake mode of its own, traced in that mode
+    (a TracingContext: torch.export would otherwise fakify them again in a mode of its own, and refuse the mix)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+    with mode:
+        module, inputs = build()
     with torch._guards.tracing(torch._guards.TracingContext(mode)), torch.no_grad():
-        return torch.export.export(model, inputs)
+        return torch.export.export(module, inputs)
 
 
 def exported_graph(exporter, export):
@@ -95,11 +106,8 @@ def on_fake_cuda(program):
         if isinstance(device, torch.device) and device.type == "cpu":
             node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
     module.recompile()
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
-    with mode:
-        inputs = tuple(fake_cuda_like(n.meta["val"]) for n in program.graph.nodes if n.op == "placeholder")
-    with torch._guards.tracing(torch._guards.TracingContext(mode)):
-        return torch.export.export(module, inputs)
+    return _export_fake(lambda: (module, tuple(fake_cuda_like(n.meta["val"]) for n in program.graph.nodes
+                                               if n.op == "placeholder")))
 
 
 def fake_cuda_like(t):
