@@ -804,53 +804,60 @@ TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
   EXPECT_EQ(out[2], "(16384, 1, 512, 16)");   // cuDNN on, cache emptied: channels-last, as cuDNN returns
 }
 
-// The wrong channels-last CUDA step itself, without a GPU: the test CNN's fp32 channels-last training step
-// (cnn_train_cl_fp32_cuda's), its graph exported on the CPU and again on fake CUDA tensors
-// (tests/compiled/simulated_cuda.py), lowered for a simulated H100 up to code generation. With the export's
-// cached fake results, AOTInductor plans the first convolution's output and its weight gradient contiguous
-// where Inductor's Python wrapper, whose step an H200 computed right, plans them channels-last: the two
-// tensors the GPU found wrong. With the exporter's compile_and_package, which empties that cache first, the
-// plans are the same. (bf16 cannot be shown this way: without a device, ATen picks no cuDNN for a bf16
-// convolution, so neither plan is cuDNN's.)
+// The wrong channels-last CUDA step itself, without a GPU: the test CNN's channels-last training step, fp32
+// (cnn_train_cl_fp32_cuda's) and bf16 autocast (cnn_train_cl_cuda's, perf's recipe), its graph exported on the
+// CPU and again on fake CUDA tensors (tests/compiled/simulated_cuda.py), lowered for a simulated H100 up to code
+// generation. With the export's cached fake results, AOTInductor plans the first convolution's output and its
+// weight gradient contiguous where Inductor's Python wrapper, whose step an H200 computed right, plans them
+// channels-last: the two tensors the GPU found wrong. With the exporter's compile_and_package, which empties
+// that cache first, the plans are the same.
 TEST(CompiledTrain, ExporterPlansTheChannelsLastCudaStepAsThePythonWrapperDoes) {
   TempDir dir;
   const auto out = test_util::lines(test_util::simulated_cuda_python(
-      "torch.manual_seed(0)\n"
-      "batch = [torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)]\n"
-      "program, configs = sim.exported_graph(e, lambda: e.export_train(models.make_cnn(), models.classify_loss, "
-      "batch, 'never.pt2', channels_last=True))\n"
-      "configs = {**configs, 'fx_graph_cache': False}\n"
-      "cuda = sim.on_fake_cuda(program)\n"
       "forget = e.forget_export_fake_results\n"
-      "e.forget_export_fake_results = lambda program: None\n"
-      "stale, fixed = [], []\n"
-      "with sim.planned_only(e, stale):\n"
-      "    e.compile_and_package(cuda, '" +
+      "for amp in ('off', 'bf16'):\n"
+      "    torch.manual_seed(0)\n"
+      "    batch = [torch.randn(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)]\n"
+      "    program, configs = sim.exported_graph(e, lambda: e.export_train(models.make_cnn(), models.classify_loss, "
+      "batch, 'never.pt2', channels_last=True, amp=amp))\n"
+      "    configs = {**configs, 'fx_graph_cache': False}\n"
+      "    cuda = sim.on_fake_cuda(program)\n"
+      "    e.forget_export_fake_results = lambda program: None\n"
+      "    stale, fixed = [], []\n"
+      "    with sim.planned_only(e, stale):\n"
+      "        e.compile_and_package(cuda, '" +
       (dir / "never.pt2") +
       "', configs)\n"
-      "python = sim.python_wrapper_plans(e, cuda, configs)\n"
-      "e.forget_export_fake_results = forget\n"
-      "with sim.planned_only(e, fixed):\n"
-      "    e.compile_and_package(cuda, '" +
+      "    python = sim.python_wrapper_plans(e, cuda, configs)\n"
+      "    e.forget_export_fake_results = forget\n"
+      "    with sim.planned_only(e, fixed):\n"
+      "        e.compile_and_package(cuda, '" +
       (dir / "never.pt2") +
       "', configs)\n"
-      "print(len(python), len(stale), len(fixed))\n"
-      "print(e._compare_plans(python, stale))\n"
-      "print(e._compare_plans(python, fixed))\n"));
+      "    bf16 = sum(str(n.meta['val'].dtype) == 'torch.bfloat16' for n in cuda.graph.nodes\n"
+      "               if n.target == torch.ops.aten.convolution.default)\n"
+      "    print(amp, bf16, len(python), len(stale), len(fixed))\n"
+      "    print(e._compare_plans(python, stale))\n"
+      "    print(e._compare_plans(python, fixed))\n"));
   ASSERT_FALSE(out.empty());
   if (out[0].rfind("skipped:", 0) == 0) GTEST_SKIP() << out[0];
-  ASSERT_EQ(out.size(), 3u);
-  EXPECT_EQ(out[0], "1 1 1");  // one graph each: forward and backward in one step
-  EXPECT_NE(out[1].find("the output of convolution planned with strides (16384, 1024, 32, 1) (the Python wrapper's: "
-                        "(16384, 1, 512, 16))"),
-            std::string::npos)
-      << out[1];
-  EXPECT_NE(out[1].find("convolution_backward_1"), std::string::npos) << out[1];
-  EXPECT_NE(out[1].find("planned with strides (27, 9, 3, 1) (the Python wrapper's: (27, 1, 9, 3))"), std::string::npos)
-      << out[1];
-  EXPECT_EQ(out[2],
-            "Inductor planned the same layouts under both wrappers (layout optimization, inputs' strides and every "
-            "fallback kernel's output strides): the difference is in the code generated from that plan.");
+  ASSERT_EQ(out.size(), 6u);
+  // fp32, then bf16 with every forward convolution in bf16; one graph each: forward and backward in one step.
+  for (const auto& [first, head] : {std::pair{0, "off 0 1 1 1"}, std::pair{3, "bf16 2 1 1 1"}}) {
+    SCOPED_TRACE(head);
+    EXPECT_EQ(out[first], head);
+    const auto& stale = out[first + 1];
+    EXPECT_NE(stale.find("the output of convolution planned with strides (16384, 1024, 32, 1) (the Python wrapper's: "
+                         "(16384, 1, 512, 16))"),
+              std::string::npos)
+        << stale;
+    EXPECT_NE(stale.find("convolution_backward_1"), std::string::npos) << stale;
+    EXPECT_NE(stale.find("planned with strides (27, 9, 3, 1) (the Python wrapper's: (27, 1, 9, 3))"), std::string::npos)
+        << stale;
+    EXPECT_EQ(out[first + 2],
+              "Inductor planned the same layouts under both wrappers (layout optimization, inputs' strides and every "
+              "fallback kernel's output strides): the difference is in the code generated from that plan.");
+  }
 }
 
 // A kernel that Inductor calls rather than generates (a fallback: ATen's

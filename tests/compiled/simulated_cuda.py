@@ -4,8 +4,9 @@ where no GPU can run the package.
 
 Fake CUDA tensors (FakeTensorMode) need no device. torch.export traces them when its fake mode is theirs (a
 TracingContext), and Inductor lowers the exported graph for CUDA once it can read the device's properties: an
-H100's, given here. Code generation is where a device would be needed (Triton), so lowering stops there, after
-export_compiled._recorded_plans has read the plan. Where a GPU is present, its own properties are used."""
+H100's, given here, with the backend an H100 gives bf16 convolutions. Code generation is where a device would
+be needed (Triton), so lowering stops there, after export_compiled._recorded_plans has read the plan. Where a
+GPU is present, its own properties are used."""
 import types
 
 import torch
@@ -40,6 +41,24 @@ def simulate() -> None:
     cuda.get_compute_capability = staticmethod(lambda device=None: _H100.major * 10 + _H100.minor)
     cuda.get_device_properties = staticmethod(lambda device=None: _H100)
     cuda.Worker.get_device_properties = staticmethod(lambda device=None: _H100)
+    torch._C._select_conv_backend = _bf16_as_on_an_h100(torch._C._select_conv_backend)
+
+
+def _bf16_as_on_an_h100(select):
+    """ATen's choice of convolution backend (what the fake convolution takes its layout from), with bf16 answered
+    as on an H100. ATen's use_cudnn takes a bf16 convolution only where the device says cuDNN v8 can
+    (CUDAHooks::supportsBFloat16ConvolutionWithCuDNNv8: compute capability 8 or more), and without a device that
+    is no. Its other criteria do not depend on bf16 (fp16's depthwise rule is fp16's only), so on an H100 a
+    bf16 convolution gets the backend its fp32 twin gets."""
+
+    def as_fp32(t):
+        bf16_cuda = isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype == torch.bfloat16
+        return t.float() if bf16_cuda else t
+
+    def select_conv_backend(*args, **kwargs):
+        return select(*map(as_fp32, args), **{k: as_fp32(v) for k, v in kwargs.items()})
+
+    return select_conv_backend
 
 
 def export_on_fake_cuda(make_model, *shapes, channels_last: bool = False):
