@@ -6,7 +6,8 @@
 #           bench/e2e's training packages with what is left of the call
 #   tests   every ctest in its own process, then every GPU test in ONE process
 #   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
-#   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune)
+#   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune), and
+#           where each configuration's step time goes (2 profiled steps: profile-<job>.md)
 #
 #   bash scripts/gpu-check.sh                          # build,tests,bench (+ e2e with --e2e)
 #   bash scripts/gpu-check.sh --part build             # one call
@@ -438,12 +439,12 @@ if has e2e; then
   work=$build/gpu-work/e2e
   st=0
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
-  e2e_args=("${jobs_arg[@]}"); ((quick)) && e2e_args+=(--quick)
-  e2e_args+=("${e2e_more[@]}")
+  e2e_args=("${jobs_arg[@]}" --profile-steps 2); ((quick)) && e2e_args+=(--quick)
+  e2e_args+=("${e2e_more[@]}")  # after ours: PERF_E2E_ARGS="--profile-steps 0" turns the profile off
   # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).
   PYTHONUNBUFFERED=1 within_budget 20 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
-  cp "$work/results.jsonl" "$logs/" 2>/dev/null || true
+  cp "$work/results.jsonl" "$work"/profile-*.md "$logs/" 2>/dev/null || true
   # The table needs only Python; the charts are drawn where matplotlib is installed
   # (else: report.py on results.jsonl elsewhere).
   if [ -s "$logs/results.jsonl" ]; then
@@ -455,6 +456,8 @@ if has e2e; then
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     grep -E "^(python|cpp) |^exported|FAILED" "$logs/e2e.txt" || true
     grep -hE "^(## |\| )" "$logs/e2e-cuda.md" 2>/dev/null || true
+    echo "-- where a step's time goes (profile-<job>.md in e2e.tar.gz has each configuration's top kernels)"
+    grep -E "^profile |no profile" "$logs/e2e.txt" || true
   } >"$logs/summary.txt"
   finish e2e $st "$t0"
   status=$((status | st))

@@ -275,6 +275,41 @@ TEST(FindMaxBatchSize, ErrorsAndOtherExceptions) {
                         "index out of range");
 }
 
+// On a GPU the profile has the device's work too: each kernel and copy is a
+// "cuda" row of the summary and a "kernel" / "gpu_memcpy" event of the trace
+// (what bench/e2e/trace_table.py reads for run.py --profile-steps).
+TEST(Profile, OnGpuSummarizesKernelsAndCopies) {
+#if PERF_WITH_CUDA
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto path = std::filesystem::temp_directory_path() / ("perf_gpu_trace_" + std::to_string(::getpid()) + ".json");
+  std::filesystem::remove(path);
+  auto a = at::randn({256, 256}, at::kCUDA) / 16;
+  c10::cuda::device_synchronize();
+  perf::ProfileSummary summary;
+  {
+    perf::Profile p(path.string(), perf::ProfileOptions().out(nullptr));
+    for (int i = 0; i < 5; ++i) a = at::mm(a, a).tanh();
+    EXPECT_TRUE(a.cpu().isfinite().all().item<bool>());  // one copy to the host, after the kernels
+    summary = p.stop();
+  }
+  int64_t kernels = 0, copies = 0;
+  for (const auto& o : summary.ops) {
+    if (o.device != "cuda") continue;
+    EXPECT_GT(o.total_us, 0.0) << o.name;
+    (o.name.rfind("Memcpy DtoH", 0) == 0 ? copies : kernels) += o.calls;
+  }
+  EXPECT_GE(kernels, 10) << "5 matrix products and 5 tanh:\n" << summary.table(20);
+  EXPECT_EQ(copies, 1) << summary.table(20);
+  const std::string py = test_util::python("import json; d=json.load(open('" + path.string() +
+                                           "')); c=[e.get('cat') for e in d['traceEvents']]; "
+                                           "print(c.count('kernel') >= 10, c.count('gpu_memcpy'))");
+  EXPECT_EQ(py, "True 1");
+  std::filesystem::remove(path);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
 TEST(Profile, WritesAChromeTraceWithRangesAndOperators) {
   const auto path = (std::filesystem::temp_directory_path() / ("perf_trace_" + std::to_string(::getpid()) + ".json"));
   std::filesystem::remove(path);

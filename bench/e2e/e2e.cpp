@@ -20,6 +20,7 @@
 #include <perf/data.h>
 #include <perf/model.h>
 #include <perf/optim.h>
+#include <perf/profile.h>
 #include <perf/setup.h>
 #include <torch/torch.h>
 
@@ -31,6 +32,7 @@
 #include <iostream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "models.h"
@@ -76,6 +78,8 @@ struct Args {
   double export_s = 0;
   std::map<std::string, int64_t> size;
   int warmup = 3, steps = 20, window = 5, threads = 0;
+  int profile_steps = 0;  // more steps after the timed ones, traced by LibTorch's profiler into `profile`
+  std::string profile;
   bool cpu_malloc_cache = true;  // perf configurations: perf::Settings::cpu_malloc_cache (run.py --malloc-ab)
 };
 
@@ -102,31 +106,57 @@ at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
 }
 
 // The training loop shared by every configuration: `step(x, y)` returns the loss.
+// After the timed steps, --profile-steps more run under LibTorch's (Kineto)
+// profiler, in one "e2e_profiled_steps" range that ends after a sync; their
+// trace goes to --profile (bench/e2e/trace_table.py reads it). They are not
+// timed and their losses are not kept; a profiler that fails says so on
+// stderr ("no profile") and costs the run nothing else.
 template <typename Loader, typename Step>
 Result train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::Device& device) {
   Result r;
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
-  const int total = a.warmup + a.steps;
+  const int total = a.warmup + a.steps, all = total + a.profile_steps;
   std::vector<at::Tensor> losses;
   std::vector<std::chrono::steady_clock::time_point> marks;
+  std::optional<perf::Profile> profile;
+  std::optional<perf::Range> profiled;
   const auto start = std::chrono::steady_clock::now();
   int done = 0;
-  while (done < total) {
+  while (done < all) {
     batches_of_epoch([&](const at::Tensor& x, const at::Tensor& y) {
-      if (done >= total) return false;
-      losses.push_back(step(x, y).detach());
+      if (done >= all) return false;
+      if (done == total) {
+        sync();
+        try {
+          profile.emplace(a.profile, perf::ProfileOptions().top(0).out(nullptr));
+          profiled.emplace("e2e_profiled_steps");
+        } catch (const std::exception& e) {
+          std::cerr << "e2e: no profile: " << e.what() << "\n";
+        }
+      }
+      auto loss = step(x, y).detach();
+      if (done < total) losses.push_back(loss);
       ++done;
       if (done == 1) {
         sync();
         r.first_step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       }
-      if (done >= a.warmup && (done - a.warmup) % a.window == 0) {
+      if (done <= total && done >= a.warmup && (done - a.warmup) % a.window == 0) {
         sync();
         marks.push_back(std::chrono::steady_clock::now());
       }
-      return done < total;
+      if (done == all && profile) {
+        sync();
+        profiled.reset();
+        try {
+          profile->stop();
+        } catch (const std::exception& e) {
+          std::cerr << "e2e: no profile: " << e.what() << "\n";
+        }
+      }
+      return done < all;
     });
   }
   const double batch = static_cast<double>(a.size.at("batch"));
@@ -260,8 +290,13 @@ int main(int argc, char** argv) {
   app.add_option("--window", a.window);
   app.add_option("--threads", a.threads);
   app.add_option("--cpu-malloc-cache", a.cpu_malloc_cache, "perf configurations: perf::setup()'s cpu_malloc_cache");
+  app.add_option("--profile-steps", a.profile_steps, "steps after the timed ones traced by the profiler (--profile)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--profile", a.profile, "where --profile-steps' trace goes (Chrome trace JSON)");
   app.add_option("--out", a.out);
   CLI11_PARSE(app, argc, argv);
+  TORCH_CHECK(a.profile_steps == 0 || !a.profile.empty(), "e2e: --profile-steps ", a.profile_steps,
+              " needs --profile PATH (where the trace goes)");
   const c10::Device device(a.device);
   if (info) {
     std::cout << "amp=" << (perf::Autocast::default_enabled(device) ? "bf16" : "off") << "\n";

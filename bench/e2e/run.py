@@ -3,13 +3,16 @@
     python bench/e2e/run.py --e2e build/bench/e2e [--device cpu|cuda] [--quick] [--jobs cnn,transformer,mlp]
     python bench/e2e/run.py --e2e build/bench/e2e --check     # the twins agree (CI)
     python bench/e2e/run.py --e2e build/bench/e2e --export-only [--device cuda]   # the training packages only
+    python bench/e2e/run.py --e2e build/bench/e2e --profile-steps 2 ...   # and where each step's time goes
 
 For each job: one initial state dict and one synthetic data set, saved once and
 loaded by both languages; then every configuration, alternating Python and C++
 (each in its own process), appending to <out>/results.jsonl; then report.py
 writes the table and charts. scripts/bench-e2e.sh is the one command. A run
 that fails (or a training package that does not export) is reported and the
-other runs go on; the exit status is then 1.
+other runs go on; the exit status is then 1. With --profile-steps N every
+configuration's first run traces N more steps after its timed ones, and
+<out>/profile-<job>.md says where a step's time went in each (trace_table.py).
 """
 import argparse
 import hashlib
@@ -26,6 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "..", "..", "tools")
 sys.path.insert(0, HERE)
 import models  # noqa: E402
+import trace_table  # noqa: E402
+from report import LABELS  # noqa: E402
 
 
 # glibc malloc keeping freed blocks of up to 32 MiB and never trimming its heap: what perf::setup()'s
@@ -138,12 +143,18 @@ def main():
     p.add_argument("--malloc-ab", action="store_true",
                    help="only C++ perf and perf_compiled, each with perf::setup()'s cpu_malloc_cache on and off, "
                         "alternating (--repeat rounds); writes <out>/malloc-ab.md")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="trace N more steps of every configuration after its timed ones (not timed; the first run "
+                        "of each) and write <out>/profile-<job>.md: wall and GPU-busy time per step, the top kernels "
+                        "(operators on the CPU); the traces stay in <out>")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
     a = p.parse_args()
     if a.repeat < 1:
         p.error(f"--repeat must be at least 1, got {a.repeat}")
+    if a.profile_steps < 0:
+        p.error(f"--profile-steps must be 0 (no profile) or more, got {a.profile_steps}")
     sys.path.insert(0, TOOLS)
     import export_compiled  # noqa: E402
 
@@ -189,6 +200,7 @@ def main():
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
         package = None
+        profiles, unprofiled = {}, {}  # (lang, config) -> trace of its first run; why a run made none
         for lang, config, cache in [run for _ in range(a.repeat) for run in runs]:
             if lang == "python":
                 cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
@@ -204,6 +216,11 @@ def main():
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
                 if cache is not None:
                     cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
+            if a.profile_steps and (lang, config) not in profiles:
+                profiles[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
+                if os.path.exists(profiles[lang, config]):
+                    os.remove(profiles[lang, config])
+                cmd += ["--profile-steps", str(a.profile_steps), "--profile", profiles[lang, config]]
             env = None
             if lang == "python" and config != "eager_fp32":
                 # The recipe's CPU allocator part, as perf::setup() applies it (cpu_malloc_cache): Python
@@ -226,8 +243,13 @@ def main():
                 failed.append(f"{lang} {job} {config}")
                 continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
+            said = [l for l in proc.stderr.splitlines() if "no profile: " in l]
+            if said:
+                unprofiled[lang, config] = said[-1].split("no profile: ", 1)[1]
             if cache is not None:
                 ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
+        if profiles:
+            write_profile(job, profiles, unprofiled, a)
     print(f"all runs: {time.time() - started:.0f} s")
     if failed:
         print(f"FAILED {len(failed)} of the runs: {', '.join(failed)}", file=sys.stderr)
@@ -248,6 +270,29 @@ def main():
             return 1
         return 0
     return 0
+
+
+def write_profile(job, traces, unprofiled, a):
+    """<out>/profile-<job>.md from each configuration's trace ((lang, config) -> path), and a line each on stdout.
+    A configuration without one is listed with the reason: its profiler's (`unprofiled`), or why the trace could not
+    be read (its run failed: no trace)."""
+    entries = []
+    for (lang, config), path in traces.items():
+        label = LABELS.get((lang, config), f"{lang} {config}")
+        if (lang, config) in unprofiled:
+            summary = f"the profiler failed: {unprofiled[lang, config]}"
+        else:
+            try:
+                summary = trace_table.summarize(path, a.profile_steps)
+            except (OSError, ValueError, KeyError) as e:
+                summary = f"{type(e).__name__}: {e}"
+        if isinstance(summary, dict):
+            print(f"profile {job} " + trace_table.line(label, summary), flush=True)
+        else:
+            print(f"profile {job} {label}: no profile ({summary})", file=sys.stderr, flush=True)
+        entries.append((label, summary))
+    with open(os.path.join(a.out, f"profile-{job}.md"), "w") as f:
+        f.write(trace_table.markdown(job, entries))
 
 
 def cpu_name():

@@ -37,8 +37,13 @@ def main():
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--amp", default="off", choices=["off", "bf16"])
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="steps after the timed ones traced by torch.profiler into --profile (not timed, losses not kept)")
+    p.add_argument("--profile", help="where --profile-steps' trace goes (Chrome trace JSON)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.profile_steps < 0 or (a.profile_steps and not a.profile):
+        p.error(f"--profile-steps must be >= 0 and needs --profile PATH, got {a.profile_steps} and {a.profile!r}")
 
     size = json.loads(a.size)
     dev = torch.device(a.device)
@@ -84,27 +89,46 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
+    def batches():  # the data set's batches on the device, epoch after epoch
+        while True:
+            for xb, yb in loader:
+                xb = xb.to(dev, non_blocking=True)
+                yb = yb.to(dev, non_blocking=True)
+                if channels_last:
+                    xb = xb.contiguous(memory_format=torch.channels_last)
+                yield xb, yb
+
     total = a.warmup + a.steps
     losses, marks = [], []
     first_step_s = None
     done = 0
     t_start = time.perf_counter()
-    while done < total:
-        for xb, yb in loader:
-            xb = xb.to(dev, non_blocking=True)
-            yb = yb.to(dev, non_blocking=True)
-            if channels_last:
-                xb = xb.contiguous(memory_format=torch.channels_last)
-            losses.append(step(xb, yb))
-            done += 1
-            if done == 1:
-                sync()
-                first_step_s = time.perf_counter() - t_start
-            if done >= a.warmup and (done - a.warmup) % a.window == 0:
-                sync()
-                marks.append(time.perf_counter())
-            if done == total:
-                break
+    feed = batches()
+    for xb, yb in feed:
+        losses.append(step(xb, yb))
+        done += 1
+        if done == 1:
+            sync()
+            first_step_s = time.perf_counter() - t_start
+        if done >= a.warmup and (done - a.warmup) % a.window == 0:
+            sync()
+            marks.append(time.perf_counter())
+        if done == total:
+            break
+    if a.profile_steps:
+        # As e2e.cpp: more steps in one "e2e_profiled_steps" range that ends after a sync (trace_table.py). A
+        # profiler that fails costs the run only its profile.
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                with torch.profiler.record_function("e2e_profiled_steps"):
+                    for _, (xb, yb) in zip(range(a.profile_steps), feed):
+                        step(xb, yb)
+                    sync()
+            prof.export_chrome_trace(a.profile)
+        except Exception as e:  # noqa: BLE001  (said; the timings stand)
+            print(f"train.py: no profile: {type(e).__name__}: {e}", file=sys.stderr)
     windows = [(marks[i + 1] - marks[i]) for i in range(len(marks) - 1)]
     per_s = sorted(a.window * size["batch"] / w for w in windows)
     result = {

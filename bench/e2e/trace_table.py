@@ -1,0 +1,121 @@
+"""Where a training step's time goes, from the traces bench/e2e/run.py --profile-steps N asks every configuration
+for: N more steps after the timed ones, traced by LibTorch's profiler (e2e.cpp, perf::Profile) or torch.profiler
+(train.py), both Kineto's Chrome trace, inside one "e2e_profiled_steps" range that ends after a sync.
+
+On a GPU: the wall time per step (that range), the time the GPU was busy (the union of its kernels, copies and
+sets), and the kernels that took the most device time. On the CPU: the operators with the most self time (their
+time less that of the operators nested in them). Python and C++ are read the same way, so their rows compare.
+
+    python bench/e2e/trace_table.py TRACE.json STEPS   # one trace's summary
+"""
+import json
+import sys
+
+RANGE = "e2e_profiled_steps"
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def summarize(path: str, steps: int, top: int = 12) -> dict:
+    """The trace at `path` of `steps` profiled steps: {"device": "cuda" or "cpu", "steps", "wall_ms" (per step),
+    "busy_ms" (GPU busy per step; on the CPU, operators' self time per step), "events" (kernels or operators per
+    step), "rows": [(name, calls per step, ms per step, share of busy_ms)] for the `top` names with the most time}."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == RANGE]
+    if len(ranges) != 1:
+        raise ValueError(f"{path}: {len(ranges)} '{RANGE}' ranges, expected 1 (a trace from e2e.cpp or train.py "
+                         "--profile-steps)")
+    start, end = ranges[0]["ts"], ranges[0]["ts"] + ranges[0]["dur"]
+    inside = [e for e in events if start <= e["ts"] <= end]  # a kernel may end a clock skew past the range
+    device = [e for e in inside if e.get("cat") in DEVICE_CATEGORIES]
+    if device:
+        timed, busy = [(e["name"], e["dur"]) for e in device], _union(device)
+    else:
+        timed = _self_times([e for e in inside if e.get("cat") == "cpu_op"])
+        busy = sum(d for _, d in timed)
+    totals = {}
+    for name, dur in timed:
+        calls, total = totals.get(name, (0, 0.0))
+        totals[name] = (calls + 1, total + dur)
+    whole = sum(total for _, total in totals.values()) or 1.0
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"device": "cuda" if device else "cpu", "steps": steps, "wall_ms": ranges[0]["dur"] / 1e3 / steps,
+            "busy_ms": busy / 1e3 / steps, "events": len(timed) / steps,
+            "rows": [(name, calls / steps, total / 1e3 / steps, total / whole) for name, (calls, total) in rows]}
+
+
+def line(label: str, s: dict) -> str:
+    """One line for a log: wall and busy time per step."""
+    if s["device"] == "cuda":
+        return (f"{label}: {s['wall_ms']:.2f} ms/step, GPU busy {s['busy_ms']:.2f} ms "
+                f"({100 * s['busy_ms'] / s['wall_ms']:.0f}%), {s['events']:.0f} kernels/step")
+    return f"{label}: {s['wall_ms']:.2f} ms/step, operators' self time {s['busy_ms']:.2f} ms, {s['events']:.0f} ops/step"
+
+
+def markdown(job: str, entries: list) -> str:
+    """The job's section: [(label, summary or an error text)] as one overview table and each configuration's top
+    kernels (operators on the CPU)."""
+    done = [(label, s) for label, s in entries if isinstance(s, dict)]
+    cuda = any(s["device"] == "cuda" for _, s in done)
+    steps = max((s["steps"] for _, s in done), default=0)
+    out = [f"## {job}: where a step's time goes ({steps} profiled steps after the timed ones)", ""]
+    if cuda:
+        out += ["| configuration | wall ms/step | GPU busy ms/step | GPU busy | kernels/step |",
+                "| --- | --- | --- | --- | --- |"]
+        out += [f"| {label} | {s['wall_ms']:.2f} | {s['busy_ms']:.2f} | {100 * s['busy_ms'] / s['wall_ms']:.0f}% | "
+                f"{s['events']:.0f} |" for label, s in done]
+    else:
+        out += ["| configuration | wall ms/step | operators' self ms/step | operators/step |", "| --- | --- | --- | --- |"]
+        out += [f"| {label} | {s['wall_ms']:.2f} | {s['busy_ms']:.2f} | {s['events']:.0f} |" for label, s in done]
+    out += [f"| {label} | no profile: {s} |" + " |" * (3 if cuda else 2) for label, s in entries if not isinstance(s, dict)]
+    if not cuda:
+        out += ["", "On the CPU, code a compiler generated is no operator, nor is what an AOTInductor package calls "
+                "past the dispatcher (its convolutions' backward): a compiled row's wall time has it, its operators' "
+                "self time does not."]
+    for label, s in done:
+        out += ["", f"### {label}: top {'kernels' if cuda else 'operators (self time)'}", "",
+                "| name | calls/step | ms/step | share |", "| --- | --- | --- | --- |"]
+        out += [f"| `{_short(name)}` | {calls:g} | {ms:.3f} | {100 * share:.1f}% |" for name, calls, ms, share in s["rows"]]
+    return "\n".join(out) + "\n"
+
+
+def _union(events) -> float:
+    """Microseconds covered by at least one of the events (kernels on several streams overlap)."""
+    covered, reach = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):
+        begin, end = max(e["ts"], reach), e["ts"] + e["dur"]
+        if end > begin:
+            covered += end - begin
+        reach = max(reach, end)
+    return covered
+
+
+def _self_times(ops) -> list:
+    """(name, self microseconds) per operator: its duration less that of the operators directly inside it on its
+    thread."""
+    out, stack = [], []  # stack: (index into out, end, thread) of the enclosing operators
+    for e in sorted(ops, key=lambda e: (e.get("tid"), e["ts"], -e["dur"])):
+        while stack and (stack[-1][2] != e.get("tid") or stack[-1][1] <= e["ts"]):
+            stack.pop()
+        if stack:
+            parent = stack[-1][0]
+            out[parent] = (out[parent][0], out[parent][1] - e["dur"])
+        out.append((e["name"], e["dur"]))
+        stack.append((len(out) - 1, e["ts"] + e["dur"], e.get("tid")))
+    return [(name, max(0.0, d)) for name, d in out]
+
+
+def _short(name: str, width: int = 100) -> str:
+    name = name.replace("|", "/").replace("`", "'")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: trace_table.py TRACE.json STEPS")
+    summary = summarize(sys.argv[1], int(sys.argv[2]))
+    print(line(sys.argv[1], summary))
+    for name, calls, ms, share in summary["rows"]:
+        print(f"  {ms:9.3f} ms  {calls:6g}x  {100 * share:5.1f}%  {_short(name)}")

@@ -1,0 +1,117 @@
+"""bench/e2e's profile (run.py --profile-steps): trace_table.py's arithmetic on hand-made GPU and CPU traces, the
+reasons run.py gives where a configuration has no trace, then a real --check run of the MLP job, Python and C++ each tracing 2 steps after their timed ones, read back from
+<out>/profile-mlp.md. Run by ctest (e2e_profile_tables):
+
+    python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E2E = os.path.join(HERE, "..", "bench", "e2e")
+sys.path.insert(0, E2E)
+import trace_table  # noqa: E402
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+
+
+def near(a, b):
+    return abs(a - b) < 1e-9
+
+
+def x(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def trace(events):
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump({"traceEvents": events}, f)
+    f.close()
+    return f.name
+
+
+def hand_made():
+    steps = x("user_annotation", trace_table.RANGE, 1000, 1000)
+    # GPU: A twice, B on another stream overlapping A's first call, a copy; one kernel before the range.
+    gpu = trace([steps, x("kernel", "A", 1100, 200, 7), x("kernel", "B", 1150, 100, 8), x("kernel", "A", 1500, 200, 7),
+                 x("gpu_memcpy", "Memcpy HtoD", 1800, 50, 7), x("kernel", "before", 500, 100, 7),
+                 x("cpu_op", "aten::mm", 1100, 400)])
+    s = trace_table.summarize(gpu, 2)
+    check(s["device"] == "cuda", f"kernels make a GPU summary: {s}")
+    check(near(s["wall_ms"], 0.5), f"1 ms over 2 steps: {s['wall_ms']}")
+    check(near(s["busy_ms"], 0.225), f"busy: the union 1100-1300, 1500-1700, 1800-1850 over 2 steps: {s['busy_ms']}")
+    check(near(s["events"], 2.0), f"4 device events over 2 steps, the one before the range left out: {s['events']}")
+    check([r[0] for r in s["rows"]] == ["A", "B", "Memcpy HtoD"], f"rows by device time: {s['rows']}")
+    name, calls, ms, share = s["rows"][0]
+    check(near(calls, 1.0) and near(ms, 0.2) and near(share, 400 / 550), f"A: 2 calls, 400 us of 550: {s['rows'][0]}")
+    check("GPU busy 0.23 ms (45%), 2 kernels/step" in trace_table.line("x", s), trace_table.line("x", s))
+    # CPU: P holds C, which holds G, on thread 1; Q on thread 2 at the same time.
+    cpu = trace([steps, x("cpu_op", "P", 1100, 500), x("cpu_op", "C", 1200, 200), x("cpu_op", "G", 1250, 50),
+                 x("cpu_op", "Q", 1100, 300, 2)])
+    s = trace_table.summarize(cpu, 1)
+    check(s["device"] == "cpu", f"no kernels: a CPU summary: {s}")
+    self_ms = {name: ms for name, _, ms, _ in s["rows"]}
+    check(all(near(self_ms[k], v) for k, v in {"P": 0.3, "Q": 0.3, "C": 0.15, "G": 0.05}.items()),
+          f"self times P 300, Q 300, C 150, G 50 us: {self_ms}")
+    check(near(s["busy_ms"], 0.8), f"self times add up to the operators' time: {s['busy_ms']}")
+    try:
+        trace_table.summarize(trace([x("kernel", "A", 1100, 200)]), 1)
+        check(False, "a trace without the profiled range is refused")
+    except ValueError as e:
+        check("0 'e2e_profiled_steps' ranges, expected 1" in str(e), str(e))
+    table = trace_table.markdown("mlp", [("C++ stock", s), ("Python", "OSError: no trace")])
+    check("| C++ stock | 1.00 | 0.80 | 4 |" in table and "| Python | no profile: OSError: no trace |" in table, table)
+
+
+def without_trace(out):
+    """run.py's table names why a configuration has no profile: its profiler said so, or its trace is missing."""
+    import run
+    os.makedirs(out, exist_ok=True)
+    missing = os.path.join(out, "never-written.json")
+    run.write_profile("cnn", {("cpp", "perf"): missing, ("python", "eager_fp32"): missing},
+                      {("cpp", "perf"): "CUPTI unavailable"}, argparse.Namespace(profile_steps=2, out=out))
+    with open(os.path.join(out, "profile-cnn.md")) as f:
+        table = f.read()
+    check("| C++ perf recipe | no profile: the profiler failed: CUPTI unavailable |" in table, table)
+    check("| Python eager fp32 | no profile: FileNotFoundError: " in table and "never-written.json" in table, table)
+
+
+def real_run(e2e, out):
+    cmd = [sys.executable, os.path.join(E2E, "run.py"), "--e2e", e2e, "--check", "--jobs", "mlp", "--profile-steps",
+           "2", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(proc.stdout)
+    check(proc.returncode == 0, f"run.py exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "profile-mlp.md")) as f:
+        table = f.read()
+    print(table)
+    for label in ("Python eager fp32", "C++ stock LibTorch fp32"):
+        row = next((l for l in table.splitlines() if l.startswith(f"| {label} |")), None)
+        check(row is not None, f"an overview row for {label}")
+        wall, busy, ops = (float(v) for v in row.split("|")[2:5])
+        check(wall > 0 and 0 < busy <= wall * 1.01 and ops >= 10, f"{label}: wall {wall}, self {busy}, ops {ops}")
+        section = table.split(f"### {label}: top operators (self time)")[1].split("###")[0]
+        check("`aten::addmm`" in section, f"{label}'s MLP runs its linear layers as aten::addmm:\n{section}")
+        check(f"profile mlp {label}: " in proc.stdout, f"a line for {label} in run.py's output")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--e2e", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    hand_made()
+    without_trace(os.path.join(a.out, "without-trace"))
+    real_run(a.e2e, a.out)
+    print("e2e profile tables: ok")
+
+
+if __name__ == "__main__":
+    main()
