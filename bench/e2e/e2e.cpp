@@ -105,15 +105,38 @@ at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out.to(at::kFloat).reshape({-1, out.size(-1)}), y.reshape({-1}));
 }
 
+std::string json_list(const std::vector<double>& v) {
+  std::ostringstream s;
+  s << std::setprecision(9) << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  return s.str() + "]";
+}
+
+// Appends the run's JSON line to --out (run.py reads it) and prints its summary.
+void write_result(const Args& a, const Result& r) {
+  std::ofstream out(a.out, std::ios::app);
+  out << "{\"lang\": \"cpp\", \"job\": \"" << a.job << "\", \"config\": \"" << a.config << "\", \"device\": \""
+      << a.device << "\", \"samples_per_s\": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
+      << ", \"windows_samples_per_s\": " << json_list(r.windows) << ", \"losses\": " << json_list(r.losses)
+      << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << a.size.at("batch")
+      << ", \"warmup\": " << a.warmup << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads()
+      << ", \"amp\": \"" << r.amp << "\", \"export_s\": " << a.export_s;
+  if (!r.package_layout.empty()) out << ", \"package_layout\": \"" << r.package_layout << "\"";
+  if (!r.package_options.empty()) out << ", \"package_options\": \"" << json_escaped(r.package_options) << "\"";
+  out << "}\n";
+  std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
+            << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s" << std::endl;
+}
+
 // The training loop shared by every configuration: `step(x, y)` returns the loss.
-// After the timed steps, --profile-steps more run under LibTorch's (Kineto)
+// `r` describes the run (amp, package); its result is written (write_result)
+// as soon as the timed steps end. After them, --profile-steps more run under LibTorch's (Kineto)
 // profiler, in one "e2e_profiled_steps" range that ends after a sync; their
 // trace goes to --profile (bench/e2e/trace_table.py reads it). They are not
 // timed and their losses are not kept; a profiler that fails says so on
 // stderr ("no profile") and costs the run nothing else.
 template <typename Loader, typename Step>
-Result train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::Device& device) {
-  Result r;
+void train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::Device& device, Result r) {
   auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
@@ -147,6 +170,14 @@ Result train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::D
         sync();
         marks.push_back(std::chrono::steady_clock::now());
       }
+      if (done == total) {
+        const double batch = static_cast<double>(a.size.at("batch"));
+        for (size_t i = 0; i + 1 < marks.size(); ++i)
+          r.windows.push_back(a.window * batch / std::chrono::duration<double>(marks[i + 1] - marks[i]).count());
+        std::sort(r.windows.begin(), r.windows.end());
+        for (const auto& l : losses) r.losses.push_back(l.item<double>());
+        write_result(a, r);  // before the profile: a profiler that fails cannot cost the timings
+      }
       if (done == all && profile) {
         sync();
         profiled.reset();
@@ -159,16 +190,10 @@ Result train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::D
       return done < all;
     });
   }
-  const double batch = static_cast<double>(a.size.at("batch"));
-  for (size_t i = 0; i + 1 < marks.size(); ++i)
-    r.windows.push_back(a.window * batch / std::chrono::duration<double>(marks[i + 1] - marks[i]).count());
-  std::sort(r.windows.begin(), r.windows.end());
-  for (const auto& l : losses) r.losses.push_back(l.item<double>());
-  return r;
 }
 
 template <typename Holder>
-Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) {
+void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) {
   const c10::Device device(a.device);
   load_state(*model, a.init);
   const auto batch = static_cast<size_t>(a.size.at("batch"));
@@ -182,7 +207,7 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
       for (auto& b : *loader)
         if (!each(b.data.to(device), b.target.to(device))) return;
     };
-    return train(
+    train(
         epoch,
         [&](const at::Tensor& xb, const at::Tensor& yb) {
           opt.zero_grad();
@@ -191,7 +216,8 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
           opt.step();
           return loss;
         },
-        a, device);
+        a, device, Result());
+    return;
   }
   perf::Settings settings;  // perf's defaults; run.py --malloc-ab turns the malloc cache off for its A/B
   if (!a.cpu_malloc_cache) settings.cpu_malloc_cache(false);
@@ -213,8 +239,9 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
       if (!each(b.data, b.target)) return;
   };
   Result r;
+  r.amp = perf::Autocast::default_enabled(device) ? c10::toString(perf::Autocast::default_dtype(device)) : "off";
   if (a.config == "perf") {
-    r = train(
+    train(
         epoch,
         [&](const at::Tensor& xb, const at::Tensor& yb) {
           opt.zero_grad();
@@ -223,14 +250,12 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
           opt.step();
           return loss;
         },
-        a, device);
+        a, device, r);
   } else if (a.config == "perf_compiled" || a.config == "perf_compiled_graph") {
     const bool graph = a.config == "perf_compiled_graph";
     TORCH_CHECK(!graph || device.is_cuda(), "e2e: perf_compiled_graph needs --device cuda (CUDA graphs)");
     // The model is on the device and in the package's layout already (perf::optimize, above).
     perf::CompiledTrainStep step(a.package, model, opt, perf::CompiledTrainOptions().graph(graph));
-    r = train(
-        epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device);
     r.amp = step.amp() == "off" ? "off" : step.amp();
     r.package_layout = step.channels_last() ? "channels_last" : "contiguous";
     const auto& meta = step.metadata();
@@ -238,7 +263,8 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
     if (autotuned != meta.end() && autotuned->second == "1") r.package_options = "max-autotune";
     if (options != meta.end() && !options->second.empty())
       r.package_options += (r.package_options.empty() ? "" : " ") + options->second;
-    return r;
+    train(
+        epoch, [&](const at::Tensor& xb, const at::Tensor& yb) { return step.step(xb, yb); }, a, device, r);
   } else {
     TORCH_CHECK(a.config == "perf_trainstep",
                 "e2e: --config must be stock, perf, perf_trainstep, perf_compiled or "
@@ -246,7 +272,7 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
                 a.config);
     TORCH_CHECK(device.is_cuda(), "e2e: perf_trainstep needs --device cuda (CUDA graphs)");
     std::optional<perf::TrainStep> step;
-    r = train(
+    train(
         epoch,
         [&](const at::Tensor& xb, const at::Tensor& yb) {
           if (!step) {
@@ -255,17 +281,8 @@ Result run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y
           }
           return step->step(xb, yb);
         },
-        a, device);
+        a, device, r);
   }
-  r.amp = perf::Autocast::default_enabled(device) ? c10::toString(perf::Autocast::default_dtype(device)) : "off";
-  return r;
-}
-
-std::string json_list(const std::vector<double>& v) {
-  std::ostringstream s;
-  s << std::setprecision(9) << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  return s.str() + "]";
 }
 
 }  // namespace
@@ -313,26 +330,13 @@ int main(int argc, char** argv) {
   auto data = load_dict(a.data);
   const auto x = data.at("x").toTensor(), y = data.at("y").toTensor();
   torch::manual_seed(0);
-  Result r;
   const auto& s = a.size;
   if (a.job == "cnn") {
-    r = run(perf_bench::ResNet(s.at("width"), 10), a, x, y);
+    run(perf_bench::ResNet(s.at("width"), 10), a, x, y);
   } else if (a.job == "transformer") {
-    r = run(e2e::Gpt(s.at("vocab"), s.at("d"), s.at("layers"), s.at("heads"), s.at("context")), a, x, y);
+    run(e2e::Gpt(s.at("vocab"), s.at("d"), s.at("layers"), s.at("heads"), s.at("context")), a, x, y);
   } else {
-    r = run(e2e::mlp(s.at("inputs"), s.at("hidden"), s.at("classes")), a, x, y);
+    run(e2e::mlp(s.at("inputs"), s.at("hidden"), s.at("classes")), a, x, y);
   }
-  std::ofstream out(a.out, std::ios::app);
-  out << "{\"lang\": \"cpp\", \"job\": \"" << a.job << "\", \"config\": \"" << a.config << "\", \"device\": \""
-      << a.device << "\", \"samples_per_s\": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
-      << ", \"windows_samples_per_s\": " << json_list(r.windows) << ", \"losses\": " << json_list(r.losses)
-      << ", \"first_step_s\": " << r.first_step_s << ", \"batch\": " << s.at("batch") << ", \"warmup\": " << a.warmup
-      << ", \"steps\": " << a.steps << ", \"threads\": " << at::get_num_threads() << ", \"amp\": \"" << r.amp
-      << "\", \"export_s\": " << a.export_s;
-  if (!r.package_layout.empty()) out << ", \"package_layout\": \"" << r.package_layout << "\"";
-  if (!r.package_options.empty()) out << ", \"package_options\": \"" << json_escaped(r.package_options) << "\"";
-  out << "}\n";
-  std::cout << "cpp " << a.job << " " << a.config << ": " << (r.windows.empty() ? 0.0 : r.windows[r.windows.size() / 2])
-            << " samples/s, final loss " << r.losses.back() << ", first step " << r.first_step_s << " s\n";
   return 0;
 }

@@ -236,16 +236,19 @@ def main():
                       flush=True)
                 failed.append(f"{lang} {job} {config}")
                 continue
-            line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            said = proc.stdout.strip().splitlines()  # the run's result line: the last that names it
+            line = next((l for l in reversed(said) if l.startswith(f"{lang} {job} {config}:")), said[-1] if said else "")
             if proc.returncode != 0:
-                print(f"FAILED {lang} {job} {config} (rc {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr,
-                      flush=True)
+                timed = line.startswith(f"{lang} {job} {config}:")  # then results.jsonl has its row (the profile failed)
+                print(f"FAILED {lang} {job} {config} (rc {proc.returncode})"
+                      f"{' after its timed steps, whose result is kept: ' + line if timed else ''}:\n"
+                      f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
                 failed.append(f"{lang} {job} {config}")
                 continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
-            said = [l for l in proc.stderr.splitlines() if "no profile: " in l]
-            if said:
-                unprofiled[lang, config] = said[-1].split("no profile: ", 1)[1]
+            no_profile = [l for l in proc.stderr.splitlines() if "no profile: " in l]
+            if no_profile:
+                unprofiled[lang, config] = no_profile[-1].split("no profile: ", 1)[1]
             if cache is not None:
                 ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
         if profiles:

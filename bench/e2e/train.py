@@ -115,20 +115,6 @@ def main():
             marks.append(time.perf_counter())
         if done == total:
             break
-    if a.profile_steps:
-        # As e2e.cpp: more steps in one "e2e_profiled_steps" range that ends after a sync (trace_table.py). A
-        # profiler that fails costs the run only its profile.
-        sync()
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        try:
-            with torch.profiler.profile(activities=activities) as prof:
-                with torch.profiler.record_function("e2e_profiled_steps"):
-                    for _, (xb, yb) in zip(range(a.profile_steps), feed):
-                        step(xb, yb)
-                    sync()
-            prof.export_chrome_trace(a.profile)
-        except Exception as e:  # noqa: BLE001  (said; the timings stand)
-            print(f"train.py: no profile: {type(e).__name__}: {e}", file=sys.stderr)
     windows = [(marks[i + 1] - marks[i]) for i in range(len(marks) - 1)]
     per_s = sorted(a.window * size["batch"] / w for w in windows)
     result = {
@@ -141,7 +127,21 @@ def main():
     with open(a.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     print(f"python {a.job} {a.config}: {result['samples_per_s']:.1f} samples/s, final loss {result['losses'][-1]:.4f}, "
-          f"first step {first_step_s:.2f} s")
+          f"first step {first_step_s:.2f} s", flush=True)
+    if a.profile_steps:
+        # As e2e.cpp: after the result is written, more steps in one "e2e_profiled_steps" range that ends after
+        # a sync (trace_table.py). A profiler that fails costs the run only its profile.
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                with torch.profiler.record_function("e2e_profiled_steps"):
+                    for _, (xb, yb) in zip(range(a.profile_steps), feed):
+                        step(xb, yb)
+                    sync()
+            prof.export_chrome_trace(a.profile)
+        except Exception as e:  # noqa: BLE001  (said; the timings stand)
+            print(f"train.py: no profile: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-# Builds tests/consumer against perf, either installed (find_package) or as a
+# Installs perf (MODE=install), or builds tests/consumer against perf, either
+# installed (MODE=find_package, PREFIX: where MODE=install put it) or as a
 # subdirectory (optionally with another compiler and standard: CXX_COMPILER,
 # CXX_STANDARD), then runs it.
 # Invoked by ctest with -P.
@@ -21,7 +22,7 @@ function(run)
   endif()
 endfunction()
 
-if(MODE STREQUAL "find_package")
+if(MODE STREQUAL "install")  # perf configured, built (perf::perf_static) and installed into WORK_DIR/prefix
   run(${CMAKE_COMMAND} -S ${PERF_SOURCE_DIR} -B ${WORK_DIR}/perf-build ${common}
       -DPERF_BUILD_TESTS=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_INSTALL=ON
       -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
@@ -35,8 +36,13 @@ if(MODE STREQUAL "find_package")
       message(FATAL_ERROR "install is missing ${f}")
     endif()
   endforeach()
+  return()
+elseif(MODE STREQUAL "find_package")  # against the install of MODE=install at PREFIX
+  if(NOT EXISTS ${PREFIX}/lib/cmake/perf/perfConfig.cmake)
+    message(FATAL_ERROR "no perf installed at PREFIX=${PREFIX} (the consumer_install test installs it)")
+  endif()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
-      -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+      -DCMAKE_PREFIX_PATH=${PREFIX})
 else()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
       -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR})
