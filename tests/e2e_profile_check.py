@@ -71,14 +71,18 @@ def hand_made():
 
 
 def without_trace(out):
-    """run.py's table names why a configuration has no profile: its profiler said so, or its trace is missing."""
+    """run.py's table names why a configuration has no profile: its run or its profiler failed, or its trace is
+    missing; in the results table's order."""
     import run
     os.makedirs(out, exist_ok=True)
     missing = os.path.join(out, "never-written.json")
-    run.write_profile("cnn", {("cpp", "perf"): missing, ("python", "eager_fp32"): missing},
-                      {("cpp", "perf"): "CUPTI unavailable"}, argparse.Namespace(profile_steps=2, out=out))
+    summaries = {("cpp", "perf"): run.profile_summary(missing, 2, "the profiler failed: CUPTI unavailable"),
+                 ("python", "eager_fp32"): run.profile_summary(missing, 2)}
+    run.write_profile("cnn", summaries, out)
     with open(os.path.join(out, "profile-cnn.md")) as f:
         table = f.read()
+    python, cpp = (table.find(f"| {label} | no profile: ") for label in ("Python eager fp32", "C++ perf recipe"))
+    check(0 <= python < cpp, f"both rows, Python eager fp32 first (LABELS' order):\n{table}")
     check("| C++ perf recipe | no profile: the profiler failed: CUPTI unavailable |" in table, table)
     check("| Python eager fp32 | no profile: FileNotFoundError: " in table and "never-written.json" in table, table)
 

@@ -17,17 +17,17 @@ try:  # the table needs nothing; the charts need matplotlib (absent on an offlin
 except ImportError:
     plt = None
 
-LABELS = {
+LABELS = {  # in the tables' order: each Python configuration beside its C++ peer
     ("python", "eager_fp32"): "Python eager fp32",
-    ("python", "eager_recipe"): "Python eager + recipe",
-    ("python", "compile_recipe"): "Python torch.compile + recipe",
-    ("python", "compile_max_autotune"): "Python compile max-autotune + recipe",
-    ("python", "compile_reduce_overhead"): "Python compile reduce-overhead + recipe",
     ("cpp", "stock"): "C++ stock LibTorch fp32",
+    ("python", "eager_recipe"): "Python eager + recipe",
     ("cpp", "perf"): "C++ perf recipe",
-    ("cpp", "perf_trainstep"): "C++ perf + TrainStep (CUDA graph)",
+    ("python", "compile_recipe"): "Python torch.compile + recipe",
     ("cpp", "perf_compiled"): "C++ perf CompiledTrainStep (Inductor AOT)",
+    ("cpp", "perf_trainstep"): "C++ perf + TrainStep (CUDA graph)",
+    ("python", "compile_reduce_overhead"): "Python compile reduce-overhead + recipe",
     ("cpp", "perf_compiled_graph"): "C++ perf CompiledTrainStep, one CUDA graph",
+    ("python", "compile_max_autotune"): "Python compile max-autotune + recipe",
 }
 
 
@@ -89,7 +89,10 @@ def main():
               if repeats > 1 else ""), ""]
     charts = []  # per job: (job, names, ratios, colors, loss curves)
     for job in jobs:
-        rs = [r for r in rows if r["job"] == job]
+        order = list(LABELS)  # the table's order, whatever order the runs ran in (run.py configs)
+        rs = sorted((r for r in rows if r["job"] == job),
+                    key=lambda r: order.index((r["lang"], r["config"])) if (r["lang"], r["config"]) in order else
+                    len(order))
         base = next(r for r in rs if (r["lang"], r["config"]) == ("python", "eager_fp32"))
         ref_loss = final_loss(base)
         r0 = rs[0]

@@ -7,7 +7,8 @@
 
 For each job: one initial state dict and one synthetic data set, saved once and
 loaded by both languages; then every configuration, alternating Python and C++
-(each in its own process), appending to <out>/results.jsonl; then report.py
+(each in its own process; on CUDA the compiled rows first, configs()), appending
+to <out>/results.jsonl; then report.py
 writes the table and charts. scripts/bench-e2e.sh is the one command. A run
 that fails (or a training package that does not export) is reported and the
 other runs go on; the exit status is then 1. With --profile-steps N every
@@ -39,12 +40,17 @@ MALLOC_CACHE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_
 
 
 def configs(device, quick, full):
-    cuda = device.startswith("cuda")
-    order = [("python", "eager_fp32"), ("cpp", "stock"), ("python", "eager_recipe"), ("cpp", "perf"),
-             ("python", "compile_recipe"), ("cpp", "perf_compiled")]
-    if cuda:
-        order += [("cpp", "perf_trainstep"), ("python", "compile_reduce_overhead"), ("cpp", "perf_compiled_graph")]
-    if (cuda and not quick) or full:
+    """(language, configuration) in the order they run. On CUDA the compiled-training goal's rows come first (the
+    baseline, Python's compiled modes, C++'s compiled step), so that a GPU call's time budget that stops the run
+    stops it in the eager rows; report.py orders the table by LABELS whatever the order of the runs."""
+    if device.startswith("cuda"):
+        order = [("python", "eager_fp32"), ("python", "compile_recipe"), ("cpp", "perf_compiled_graph"),
+                 ("python", "compile_reduce_overhead"), ("cpp", "perf_compiled"), ("cpp", "stock"),
+                 ("python", "eager_recipe"), ("cpp", "perf"), ("cpp", "perf_trainstep")]
+    else:
+        order = [("python", "eager_fp32"), ("cpp", "stock"), ("python", "eager_recipe"), ("cpp", "perf"),
+                 ("python", "compile_recipe"), ("cpp", "perf_compiled")]
+    if (device.startswith("cuda") and not quick) or full:
         order += [("python", "compile_max_autotune")]  # slow to compile (255 s for the CNN on an H100)
     return order
 
@@ -200,7 +206,21 @@ def main():
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
         package = None
-        profiles, unprofiled = {}, {}  # (lang, config) -> trace of its first run; why a run made none
+        traces, summaries = {}, {}  # (lang, config) -> its first run's trace; that trace's summary (or why none)
+
+        def profiled(lang, config, reason=None):
+            """After a traced run: its summary (or `reason`, why it has none), and the job's table written again,
+            so that a run the time budget stops leaves the table of those before it."""
+            if (lang, config) not in traces or (lang, config) in summaries:
+                return
+            summaries[lang, config] = profile_summary(traces[lang, config], a.profile_steps, reason)
+            label = LABELS.get((lang, config), f"{lang} {config}")
+            if isinstance(summaries[lang, config], dict):
+                print(f"profile {job} " + trace_table.line(label, summaries[lang, config]), flush=True)
+            else:
+                print(f"profile {job} {label}: no profile ({summaries[lang, config]})", file=sys.stderr, flush=True)
+            write_profile(job, summaries, a.out)
+
         for lang, config, cache in [run for _ in range(a.repeat) for run in runs]:
             if lang == "python":
                 cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
@@ -216,11 +236,11 @@ def main():
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
                 if cache is not None:
                     cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
-            if a.profile_steps and (lang, config) not in profiles:
-                profiles[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
-                if os.path.exists(profiles[lang, config]):
-                    os.remove(profiles[lang, config])
-                cmd += ["--profile-steps", str(a.profile_steps), "--profile", profiles[lang, config]]
+            if a.profile_steps and (lang, config) not in traces:
+                traces[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
+                if os.path.exists(traces[lang, config]):
+                    os.remove(traces[lang, config])
+                cmd += ["--profile-steps", str(a.profile_steps), "--profile", traces[lang, config]]
             env = None
             if lang == "python" and config != "eager_fp32":
                 # The recipe's CPU allocator part, as perf::setup() applies it (cpu_malloc_cache): Python
@@ -235,6 +255,7 @@ def main():
                 print(f"FAILED {lang} {job} {config}: timed out after {a.timeout} s (--timeout)", file=sys.stderr,
                       flush=True)
                 failed.append(f"{lang} {job} {config}")
+                profiled(lang, config, f"the run timed out after {a.timeout} s")
                 continue
             said = proc.stdout.strip().splitlines()  # the run's result line: the last that names it
             line = next((l for l in reversed(said) if l.startswith(f"{lang} {job} {config}:")), said[-1] if said else "")
@@ -244,15 +265,14 @@ def main():
                       f"{' after its timed steps, whose result is kept: ' + line if timed else ''}:\n"
                       f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
                 failed.append(f"{lang} {job} {config}")
+                profiled(lang, config, f"the run failed (rc {proc.returncode})")
                 continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
             no_profile = [l for l in proc.stderr.splitlines() if "no profile: " in l]
-            if no_profile:
-                unprofiled[lang, config] = no_profile[-1].split("no profile: ", 1)[1]
+            profiled(lang, config, f"the profiler failed: {no_profile[-1].split('no profile: ', 1)[1]}" if no_profile
+                     else None)
             if cache is not None:
                 ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
-        if profiles:
-            write_profile(job, profiles, unprofiled, a)
     print(f"all runs: {time.time() - started:.0f} s")
     if failed:
         print(f"FAILED {len(failed)} of the runs: {', '.join(failed)}", file=sys.stderr)
@@ -275,27 +295,24 @@ def main():
     return 0
 
 
-def write_profile(job, traces, unprofiled, a):
-    """<out>/profile-<job>.md from each configuration's trace ((lang, config) -> path), and a line each on stdout.
-    A configuration without one is listed with the reason: its profiler's (`unprofiled`), or why the trace could not
-    be read (its run failed: no trace)."""
-    entries = []
-    for (lang, config), path in traces.items():
-        label = LABELS.get((lang, config), f"{lang} {config}")
-        if (lang, config) in unprofiled:
-            summary = f"the profiler failed: {unprofiled[lang, config]}"
-        else:
-            try:
-                summary = trace_table.summarize(path, a.profile_steps)
-            except (OSError, ValueError, KeyError) as e:
-                summary = f"{type(e).__name__}: {e}"
-        if isinstance(summary, dict):
-            print(f"profile {job} " + trace_table.line(label, summary), flush=True)
-        else:
-            print(f"profile {job} {label}: no profile ({summary})", file=sys.stderr, flush=True)
-        entries.append((label, summary))
-    with open(os.path.join(a.out, f"profile-{job}.md"), "w") as f:
-        f.write(trace_table.markdown(job, entries))
+def profile_summary(path, steps, reason=None):
+    """trace_table's summary of one configuration's trace, or why it has none: `reason` (its run's or its
+    profiler's failure), or why the trace could not be read."""
+    if reason:
+        return reason
+    try:
+        return trace_table.summarize(path, steps)
+    except (OSError, ValueError, KeyError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def write_profile(job, summaries, out):
+    """<out>/profile-<job>.md from the summaries ((lang, config) -> summary, or why none), in the results table's
+    order."""
+    order = list(LABELS)
+    keys = sorted(summaries, key=lambda k: order.index(k) if k in order else len(order))
+    with open(os.path.join(out, f"profile-{job}.md"), "w") as f:
+        f.write(trace_table.markdown(job, [(LABELS.get(k, " ".join(k)), summaries[k]) for k in keys]))
 
 
 def cpu_name():
