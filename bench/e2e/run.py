@@ -207,6 +207,8 @@ def main():
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
         package = None
         traces, summaries = {}, {}  # (lang, config) -> its first run's trace; that trace's summary (or why none)
+        if os.path.exists(os.path.join(a.out, f"profile-{job}.md")):
+            os.remove(os.path.join(a.out, f"profile-{job}.md"))  # an earlier run's: not this one's
 
         def profiled(lang, config, reason=None):
             """After a traced run: its summary (or `reason`, why it has none), and the job's table written again,
