@@ -1,0 +1,249 @@
+"""What Inductor plans for one bench/e2e training step on a CUDA device, without one: perf's package (the
+joint forward+backward graph that tools/export_compiled.py --train hands AOTInductor) against Python's
+torch.compile (AOTAutograd's partition into a forward and a backward graph, each lowered by Inductor).
+
+Both are traced on the CPU, retargeted to CUDA and lowered for a simulated H100 (tests/compiled/simulated_cuda.py)
+up to Inductor's scheduler, which fuses the graph into the kernels it would generate. Nothing runs on a device,
+so this tells the two plans apart, not their speed: how many fused (Triton) kernels, which extern kernels
+(cuDNN convolutions, matmuls), the bytes the fused kernels read and write (Inductor's own estimate), and whether
+layout optimization (channels-last convolutions) is on. Autocast follows the CPU's policy here (the trace is
+on the CPU), the same for both sides, and attention keeps the CPU's kernels (extern, as on CUDA).
+
+    python bench/e2e/kernel_plans.py --job cnn --batch 8 --amp bf16 --layout contiguous
+
+About 2 minutes per side for the CNN on 2 cores."""
+import argparse
+import collections
+import copy
+import importlib.util
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests", "compiled")]
+import export_compiled as exporter  # noqa: E402
+import simulated_cuda as sim  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: E402
+
+
+def e2e_models():
+    spec = importlib.util.spec_from_file_location("e2e_models", os.path.join(HERE, "models.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_models"] = module  # dynamo imports the loss's module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def simulate_codegen() -> None:
+    """simulate(), and what Inductor asks before it schedules Triton kernels: Triton present, bf16 supported;
+    matmul padding off (it decides by timing on the device)."""
+    sim.simulate()
+    from torch._dynamo import device_interface
+    from torch._inductor import scheduler
+    import torch.utils._triton
+
+    scheduler.has_triton = torch.utils._triton.has_triton = lambda: True
+    device_interface.CudaInterface.is_bf16_supported = staticmethod(lambda *a, **k: True)
+    torch._inductor.config.shape_padding = False
+
+
+class scheduled:
+    """Context manager: each graph Inductor lowers is fused by its scheduler, summarised into `plans`, and code
+    generation stops there (StopAtCodegen)."""
+
+    def __init__(self, plans: list):
+        self.plans = plans
+
+    def __enter__(self):
+        from torch._inductor.graph import GraphLowering
+
+        def stop(graph, *args, **kwargs):
+            self.plans.append(summarize(graph))
+            raise sim.StopAtCodegen()
+
+        self.graph, self.saved = GraphLowering, (GraphLowering.codegen, GraphLowering.codegen_with_cpp_wrapper)
+        GraphLowering.codegen = GraphLowering.codegen_with_cpp_wrapper = stop
+        return self
+
+    def __exit__(self, kind, error, tb):
+        self.graph.codegen, self.graph.codegen_with_cpp_wrapper = self.saved
+        while error is not None and not isinstance(error, sim.StopAtCodegen):
+            error = error.__cause__ or error.__context__
+        return error is not None
+
+
+def summarize(graph) -> dict:
+    from torch._inductor import scheduler as s
+
+    graph.init_wrapper_code()
+    fused, nbytes, extern = 0, 0, collections.Counter()
+    for node in s.Scheduler(graph.operations).nodes:
+        if isinstance(node, s.ExternKernelSchedulerNode):
+            name = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
+            extern[str(name).replace("extern_kernels.", "")] += 1
+        elif not isinstance(node, s.NopKernelSchedulerNode):
+            fused += 1
+            nbytes += int(node.get_read_write_buffers_sizes())
+    return {"fused": fused, "bytes": nbytes, "extern": extern, "layout_opt": bool(graph.layout_opt)}
+
+
+def on_cuda(gm):
+    """gm with the CPU devices its nodes name (factory functions' device=) turned into cuda:0."""
+    cuda = torch.device("cuda", 0)
+    for n in gm.graph.nodes:
+        if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type == "cpu":
+            n.kwargs = {**n.kwargs, "device": cuda}
+        n.args = tuple(cuda if isinstance(a, torch.device) and a.type == "cpu" else a for a in n.args)
+    gm.recompile()
+    return gm
+
+
+def fake_cuda(values, mode):
+    with mode:
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+                if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def perf_plans(models, job, size, batch, amp, channels_last) -> list:
+    """The exporter's training graph (traced on the CPU as export_train traces it), re-exported on fake CUDA
+    tensors and lowered through the exporter's own compile_and_package."""
+    got = {}
+
+    class Got(Exception):
+        pass
+
+    def grab(program, path, configs):
+        got["program"], got["configs"] = program, configs
+        raise Got()
+
+    real = exporter.compile_and_package
+    exporter.compile_and_package = grab
+    try:
+        exporter.export_train(models.make(job, size), models.loss, list(batch), "never.pt2",
+                              channels_last=channels_last, amp=amp, attention="autocast")  # "fastest": CPU only
+    except Got:
+        pass
+    finally:
+        exporter.compile_and_package = real
+    simulate_codegen()
+    program = got["program"]
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+    inputs = fake_cuda([n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"], mode)
+    with torch._guards.tracing(torch._guards.TracingContext(mode)):
+        on_device = torch.export.export(on_cuda(program.module()), tuple(inputs))
+    plans = []
+    with scheduled(plans):
+        exporter.compile_and_package(on_device, "never.pt2", {**got["configs"], "fx_graph_cache": False})
+    return plans
+
+
+def compile_plans(models, job, size, batch, amp, channels_last) -> list:
+    """torch.compile's path: dynamo's graph of the loss, AOTAutograd's forward and backward (traced on the CPU),
+    each retargeted to CUDA and lowered by Inductor's compile_fx_inner on fake CUDA inputs."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    simulate_codegen()
+    model = models.make(job, size).train()
+    x, y = batch
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
+    def step(a, b):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp == "bf16"):
+            return models.loss(model, a, b)
+
+    got = {}
+
+    def capture(gm, inputs):
+        got["gm"], got["inputs"] = gm, inputs
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=capture)(x, y)
+    plans = []
+
+    def inner(gm, inputs, **kwargs):
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+        with scheduled(plans), torch._guards.tracing(torch._guards.TracingContext(mode)):
+            compile_fx_inner(on_cuda(copy.deepcopy(gm)), fake_cuda(inputs, mode), **kwargs)
+        return make_boxed_func(gm)  # the CPU graph runs, so that the backward is compiled too
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = compile_fx(got["gm"], list(got["inputs"]), inner_compile=inner)
+        out = compiled(*got["inputs"])
+        (out[0] if isinstance(out, (tuple, list)) else out).backward()
+    return plans
+
+
+def totals(plans) -> dict:
+    extern = collections.Counter()
+    for p in plans:
+        extern.update(p["extern"])
+    return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans), "extern": extern}
+
+
+def check(perf: dict, compiled: dict, slack: float) -> list:
+    """Where perf's plan does more than torch.compile's: other extern kernels, or more fused kernels or bytes
+    than `slack` (a fraction) allows."""
+    problems = []
+    if perf["extern"] != compiled["extern"]:
+        problems.append(f"extern kernels differ: perf {dict(perf['extern'])}, torch.compile {dict(compiled['extern'])}")
+    for key, what in (("fused", "fused kernels"), ("bytes", "bytes read + written")):
+        if perf[key] > compiled[key] * (1 + slack):
+            problems.append(f"{what}: perf {perf[key]}, torch.compile {compiled[key]} (allowed {slack:.0%} more)")
+    return problems
+
+
+def row(label, plans) -> str:
+    extern = totals(plans)["extern"]
+    return (f"| {label} | {len(plans)} | {', '.join('on' if p['layout_opt'] else 'off' for p in plans)} | "
+            f"{sum(p['fused'] for p in plans)} | {sum(p['bytes'] for p in plans) / 1e6:.0f} | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(extern.items()))} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", default="cnn", choices=["cnn", "transformer", "mlp"])
+    parser.add_argument("--batch", type=int, default=8, help="samples per step (default 8: the plan's shape "
+                                                              "does not depend on it; bytes scale with it)")
+    parser.add_argument("--amp", default="off", choices=["off", "bf16"])
+    parser.add_argument("--layout", default="channels-last", choices=["channels-last", "contiguous"])
+    parser.add_argument("--side", default="both", choices=["both", "perf", "compile"])
+    parser.add_argument("--check", type=float, metavar="FRACTION",
+                        help="exit 1 where perf's plan has other extern kernels than torch.compile's, or more "
+                             "fused kernels or bytes than this fraction more (0.15: 15%%)")
+    a = parser.parse_args(argv)
+    if a.check is not None and a.side != "both":
+        parser.error("--check compares both sides: leave --side at both")
+    models = e2e_models()
+    size = dict(models.JOBS[a.job]["cuda"])
+    torch.manual_seed(0)
+    x, y = models.make_data(a.job, size, a.batch)
+    channels_last = a.layout == "channels-last"
+    plans = {}
+    if a.side in ("both", "perf"):
+        plans["perf package (AOTInductor, joint graph)"] = perf_plans(models, a.job, size, (x, y), a.amp,
+                                                                      channels_last)
+    if a.side in ("both", "compile"):
+        plans["torch.compile (forward + backward)"] = compile_plans(models, a.job, size, (x, y), a.amp,
+                                                                    channels_last)
+    print(f"{a.job} (CUDA size, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
+    print("| step | graphs | layout optimization | fused kernels | MB read + written by them | extern kernels |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(row(label, p) for label, p in plans.items()))
+    if a.check is not None:
+        problems = check(*(totals(p) for p in plans.values()), a.check)
+        for problem in problems:
+            print("kernel_plans: perf's plan does more:", problem, file=sys.stderr)
+        if problems or any(not p for p in plans.values()):
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
