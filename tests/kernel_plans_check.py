@@ -1,6 +1,7 @@
 """bench/e2e/kernel_plans.py: its comparison rule on hand-made totals, then the e2e CNN's bf16 channels-last
 training step (the recipe bench/e2e runs on CUDA, batch 2) planned for a simulated H100 both ways: perf's
-package may not plan other extern kernels than torch.compile, nor more than 15% more fused kernels or bytes.
+package may not plan other extern kernels than torch.compile, nor its convolution backwards in other layouts,
+nor more than 15% more fused kernels or bytes.
 Run by ctest (e2e_kernel_plans):
 
     python tests/kernel_plans_check.py
@@ -21,8 +22,9 @@ def expect(cond, what):
         raise SystemExit(f"FAILED: {what}")
 
 
-def totals(fused, nbytes, **extern):
-    return {"fused": fused, "bytes": nbytes, "extern": collections.Counter(extern)}
+def totals(fused, nbytes, conv_backward="channels-last", **extern):
+    return {"fused": fused, "bytes": nbytes, "extern": collections.Counter(extern),
+            "conv_backward": collections.Counter({conv_backward: extern.get("convolution", 0)})}
 
 
 def the_rule():
@@ -35,6 +37,9 @@ def the_rule():
            and more[1].startswith("bytes read + written: perf 1200"), f"20% more is named: {more}")
     other = kernel_plans.check(totals(10, 1000, convolution=2, mm=1, copy_=1), same, 0.15)
     expect(len(other) == 1 and other[0].startswith("extern kernels differ"), f"another extern kernel: {other}")
+    nchw = kernel_plans.check(totals(10, 1000, "NCHW", convolution=2, mm=1), same, 0.15)
+    expect(nchw == ["convolution backwards take other layouts: perf {'NCHW': 2}, torch.compile {'channels-last': 2}"],
+           f"backward convolutions in another layout: {nchw}")
 
 
 def main():

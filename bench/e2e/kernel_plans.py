@@ -5,8 +5,9 @@ torch.compile (AOTAutograd's partition into a forward and a backward graph, each
 Both are traced on the CPU, retargeted to CUDA and lowered for a simulated H100 (tests/compiled/simulated_cuda.py)
 up to Inductor's scheduler, which fuses the graph into the kernels it would generate. Nothing runs on a device,
 so this tells the two plans apart, not their speed: how many fused (Triton) kernels, which extern kernels
-(cuDNN convolutions, matmuls), the bytes the fused kernels read and write (Inductor's own estimate), and whether
-layout optimization (channels-last convolutions) is on. Autocast follows the CPU's policy here (the trace is
+(cuDNN convolutions, matmuls), the bytes the fused kernels read and write (Inductor's own estimate), whether
+layout optimization (channels-last convolutions) is on, and the layout each convolution backward gets: the one
+the traced graph recorded, even where the forward convolutions were made channels-last. Autocast follows the CPU's policy here (the trace is
 on the CPU), the same for both sides, and attention keeps the CPU's kernels (extern, as on CUDA).
 
     python bench/e2e/kernel_plans.py --job cnn --batch 8 --amp bf16 --layout contiguous
@@ -76,10 +77,37 @@ class scheduled:
         return error is not None
 
 
+def memory_format(node) -> str:
+    """"channels-last", "NCHW" or "other" for a 4-d IR node's fixed layout (dims of size 1 match either)."""
+    layout = node.get_layout()
+    size, stride = [int(v) for v in layout.size], [int(v) for v in layout.stride]
+    if len(size) != 4:
+        return "other"
+    _, c, h, w = size
+    wanted = {"channels-last": (h * w * c, 1, w * c, c), "NCHW": (c * h * w, h * w, w, 1)}
+    for name, order in wanted.items():
+        if all(a == b or n == 1 for a, b, n in zip(stride, order, size)):
+            return name
+    return "other"
+
+
+def backward_conv_formats(graph) -> collections.Counter:
+    """The memory format of each convolution backward's gradient and input (one string when they agree).
+    Inductor gives that extern call the strides the traced graph recorded (constrain_to_fx_strides), whatever
+    layout optimization chose for the forward convolutions."""
+    formats = collections.Counter()
+    for op in graph.operations:
+        if "convolution_backward" in str(getattr(op, "python_kernel_name", "") or ""):
+            grad, inp = (memory_format(t) for t in op.inputs[:2])
+            formats[grad if grad == inp else f"{grad} gradient, {inp} input"] += 1
+    return formats
+
+
 def summarize(graph) -> dict:
     from torch._inductor import scheduler as s
 
     graph.init_wrapper_code()
+    conv_backward = backward_conv_formats(graph)
     fused, nbytes, extern = 0, 0, collections.Counter()
     for node in s.Scheduler(graph.operations).nodes:
         if isinstance(node, s.ExternKernelSchedulerNode):
@@ -88,7 +116,8 @@ def summarize(graph) -> dict:
         elif not isinstance(node, s.NopKernelSchedulerNode):
             fused += 1
             nbytes += int(node.get_read_write_buffers_sizes())
-    return {"fused": fused, "bytes": nbytes, "extern": extern, "layout_opt": bool(graph.layout_opt)}
+    return {"fused": fused, "bytes": nbytes, "extern": extern, "layout_opt": bool(graph.layout_opt),
+            "conv_backward": conv_backward}
 
 
 def on_cuda(gm):
@@ -182,10 +211,12 @@ def compile_plans(models, job, size, batch, amp, channels_last) -> list:
 
 
 def totals(plans) -> dict:
-    extern = collections.Counter()
+    extern, conv_backward = collections.Counter(), collections.Counter()
     for p in plans:
         extern.update(p["extern"])
-    return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans), "extern": extern}
+        conv_backward.update(p["conv_backward"])
+    return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans), "extern": extern,
+            "conv_backward": conv_backward}
 
 
 def check(perf: dict, compiled: dict, slack: float) -> list:
@@ -194,6 +225,9 @@ def check(perf: dict, compiled: dict, slack: float) -> list:
     problems = []
     if perf["extern"] != compiled["extern"]:
         problems.append(f"extern kernels differ: perf {dict(perf['extern'])}, torch.compile {dict(compiled['extern'])}")
+    if perf["conv_backward"] != compiled["conv_backward"]:
+        problems.append(f"convolution backwards take other layouts: perf {dict(perf['conv_backward'])}, "
+                        f"torch.compile {dict(compiled['conv_backward'])}")
     for key, what in (("fused", "fused kernels"), ("bytes", "bytes read + written")):
         if perf[key] > compiled[key] * (1 + slack):
             problems.append(f"{what}: perf {perf[key]}, torch.compile {compiled[key]} (allowed {slack:.0%} more)")
@@ -201,10 +235,10 @@ def check(perf: dict, compiled: dict, slack: float) -> list:
 
 
 def row(label, plans) -> str:
-    extern = totals(plans)["extern"]
+    t = totals(plans)
+    listed = lambda counts: ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"  # noqa: E731
     return (f"| {label} | {len(plans)} | {', '.join('on' if p['layout_opt'] else 'off' for p in plans)} | "
-            f"{sum(p['fused'] for p in plans)} | {sum(p['bytes'] for p in plans) / 1e6:.0f} | "
-            f"{', '.join(f'{k} {v}' for k, v in sorted(extern.items()))} |")
+            f"{t['fused']} | {t['bytes'] / 1e6:.0f} | {listed(t['extern'])} | {listed(t['conv_backward'])} |")
 
 
 def main(argv=None) -> None:
@@ -234,8 +268,9 @@ def main(argv=None) -> None:
         plans["torch.compile (forward + backward)"] = compile_plans(models, a.job, size, (x, y), a.amp,
                                                                     channels_last)
     print(f"{a.job} (CUDA size, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
-    print("| step | graphs | layout optimization | fused kernels | MB read + written by them | extern kernels |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| step | graphs | layout optimization | fused kernels | MB read + written by them | extern kernels | "
+          "convolution backwards' layout |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(row(label, p) for label, p in plans.items()))
     if a.check is not None:
         problems = check(*(totals(p) for p in plans.values()), a.check)
