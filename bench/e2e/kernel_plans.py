@@ -78,7 +78,8 @@ class scheduled:
 
 
 def memory_format(node) -> str:
-    """"channels-last", "NCHW" or "other" for a 4-d IR node's fixed layout (dims of size 1 match either)."""
+    """The memory format of a 4-d IR node's fixed layout: "channels-last", "NCHW" or "other" (a dimension of
+    size 1 matches either)."""
     layout = node.get_layout()
     size, stride = [int(v) for v in layout.size], [int(v) for v in layout.stride]
     if len(size) != 4:
