@@ -52,31 +52,6 @@ def simulate_codegen() -> None:
     torch._inductor.config.shape_padding = False
 
 
-class scheduled:
-    """Context manager: each graph Inductor lowers is fused by its scheduler, summarised into `plans`, and code
-    generation stops there (StopAtCodegen)."""
-
-    def __init__(self, plans: list):
-        self.plans = plans
-
-    def __enter__(self):
-        from torch._inductor.graph import GraphLowering
-
-        def stop(graph, *args, **kwargs):
-            self.plans.append(summarize(graph))
-            raise sim.StopAtCodegen()
-
-        self.graph, self.saved = GraphLowering, (GraphLowering.codegen, GraphLowering.codegen_with_cpp_wrapper)
-        GraphLowering.codegen = GraphLowering.codegen_with_cpp_wrapper = stop
-        return self
-
-    def __exit__(self, kind, error, tb):
-        self.graph.codegen, self.graph.codegen_with_cpp_wrapper = self.saved
-        while error is not None and not isinstance(error, sim.StopAtCodegen):
-            error = error.__cause__ or error.__context__
-        return error is not None
-
-
 def memory_format(node) -> str:
     """The memory format of a 4-d IR node's fixed layout: "channels-last", "NCHW" or "other" (a dimension of
     size 1 matches either)."""
@@ -121,53 +96,16 @@ def summarize(graph) -> dict:
             "conv_backward": conv_backward}
 
 
-def on_cuda(gm):
-    """gm with the CPU devices its nodes name (factory functions' device=) turned into cuda:0."""
-    cuda = torch.device("cuda", 0)
-    for n in gm.graph.nodes:
-        if isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type == "cpu":
-            n.kwargs = {**n.kwargs, "device": cuda}
-        n.args = tuple(cuda if isinstance(a, torch.device) and a.type == "cpu" else a for a in n.args)
-    gm.recompile()
-    return gm
-
-
-def fake_cuda(values, mode):
-    with mode:
-        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
-                if isinstance(v, torch.Tensor) else v for v in values]
-
-
 def perf_plans(models, job, size, batch, amp, channels_last) -> list:
-    """The exporter's training graph (traced on the CPU as export_train traces it), re-exported on fake CUDA
+    """The exporter's training graph (traced on the CPU as export_train traces it), exported again on fake CUDA
     tensors and lowered through the exporter's own compile_and_package."""
-    got = {}
-
-    class Got(Exception):
-        pass
-
-    def grab(program, path, configs):
-        got["program"], got["configs"] = program, configs
-        raise Got()
-
-    real = exporter.compile_and_package
-    exporter.compile_and_package = grab
-    try:
-        exporter.export_train(models.make(job, size), models.loss, list(batch), "never.pt2",
-                              channels_last=channels_last, amp=amp, attention="autocast")  # "fastest": CPU only
-    except Got:
-        pass
-    finally:
-        exporter.compile_and_package = real
+    program, configs = sim.exported_graph(exporter, lambda: exporter.export_train(
+        models.make(job, size), models.loss, list(batch), "never.pt2", channels_last=channels_last, amp=amp,
+        attention="autocast"))  # "fastest" measures on the CPU
     simulate_codegen()
-    program = got["program"]
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
-    inputs = fake_cuda([n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"], mode)
-    with torch._guards.tracing(torch._guards.TracingContext(mode)):
-        on_device = torch.export.export(on_cuda(program.module()), tuple(inputs))
     plans = []
-    with scheduled(plans):
-        exporter.compile_and_package(on_device, "never.pt2", {**got["configs"], "fx_graph_cache": False})
+    with sim.planned_only(exporter, plans, summary=summarize):
+        exporter.compile_and_package(sim.on_fake_cuda(program), "never.pt2", {**configs, "fx_graph_cache": False})
     return plans
 
 
@@ -200,8 +138,11 @@ def compile_plans(models, job, size, batch, amp, channels_last) -> list:
 
     def inner(gm, inputs, **kwargs):
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
-        with scheduled(plans), torch._guards.tracing(torch._guards.TracingContext(mode)):
-            compile_fx_inner(on_cuda(copy.deepcopy(gm)), fake_cuda(inputs, mode), **kwargs)
+        with mode:
+            fakes = [sim.fake_cuda_like(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        with sim.planned_only(exporter, plans, summary=summarize), \
+                torch._guards.tracing(torch._guards.TracingContext(mode)):
+            compile_fx_inner(sim.on_cuda_devices(copy.deepcopy(gm)), fakes, **kwargs)
         return make_boxed_func(gm)  # the CPU graph runs, so that the backward is compiled too
 
     with torch._inductor.config.patch(fx_graph_cache=False):

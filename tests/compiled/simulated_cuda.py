@@ -7,6 +7,7 @@ TracingContext), and Inductor lowers the exported graph for CUDA once it can rea
 H100's, given here, with the backend an H100 gives bf16 convolutions. Code generation is where a device would
 be needed (Triton), so lowering stops there, after export_compiled._recorded_plans has read the plan. Where a
 GPU is present, its own properties are used."""
+import contextlib
 import types
 
 import torch
@@ -119,14 +120,20 @@ def on_fake_cuda(program):
     """`program` (exported on the CPU: a training step's graph, whose backward is spelled out in it, can be
     traced on fake CUDA tensors without the autograd engine, which needs a device) exported again on fake CUDA
     tensors of the same sizes, strides and dtypes, the graph's own CPU tensors moved to CUDA."""
-    module = program.module()
+    module = on_cuda_devices(program.module())
+    return _export_fake(lambda: (module, tuple(fake_cuda_like(n.meta["val"]) for n in program.graph.nodes
+                                               if n.op == "placeholder")))
+
+
+def on_cuda_devices(module):
+    """`module` (an fx.GraphModule) with the CPU devices its nodes name (factory functions' device=) turned into
+    cuda:0."""
     for node in module.graph.nodes:
         device = node.kwargs.get("device")
         if isinstance(device, torch.device) and device.type == "cpu":
             node.kwargs = {**node.kwargs, "device": torch.device("cuda", 0)}
     module.recompile()
-    return _export_fake(lambda: (module, tuple(fake_cuda_like(n.meta["val"]) for n in program.graph.nodes
-                                               if n.op == "placeholder")))
+    return module
 
 
 def fake_cuda_like(t):
@@ -149,15 +156,19 @@ def python_wrapper_plans(exporter, program, configs) -> list:
 
 class planned_only:
     """Context manager: Inductor lowers graphs up to code generation and stops there (StopAtCodegen, which it
-    swallows on the way out); `plans` gets each graph's plan (export_compiled._plan_of)."""
+    swallows on the way out); `plans` gets each graph's plan (export_compiled._plan_of), or summary(graph)
+    where a summary is given (bench/e2e/kernel_plans.py's, from Inductor's scheduler)."""
 
-    def __init__(self, exporter, plans: list):
+    def __init__(self, exporter, plans: list, summary=None):
         from torch._inductor.graph import GraphLowering
 
-        self.graph, self.recorded = GraphLowering, exporter._recorded_plans(plans)
+        self.graph, self.plans, self.summary = GraphLowering, plans, summary
+        self.recorded = exporter._recorded_plans(plans) if summary is None else contextlib.nullcontext()
 
     def __enter__(self):
-        def stop(*args, **kwargs):
+        def stop(graph, *args, **kwargs):
+            if self.summary is not None:
+                self.plans.append(self.summary(graph))
             raise StopAtCodegen()
 
         self.saved = self.graph.codegen, self.graph.codegen_with_cpp_wrapper
