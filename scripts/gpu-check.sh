@@ -2,8 +2,8 @@
 # perf on a machine with an NVIDIA GPU, in parts that each fit a short session
 # (under 8 minutes on an H100 with 16 cores):
 #
-#   build   configure and build everything with all cores (works without a GPU); on a GPU, then
-#           bench/e2e's training packages with what is left of the call
+#   build   configure and build everything with all cores (works without a GPU); on a GPU, beside the
+#           compilation, bench/e2e's training packages
 #   tests   every ctest in its own process, then every GPU test in ONE process
 #   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
 #   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune), and
@@ -152,19 +152,24 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
     -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
     { tail -30 "$logs/configure.log"; st=1; }
+  # bench/e2e's training packages (the CNN's took 100 s on an H200) export on a GPU beside the compilation
+  # (Python alone: --amp bf16 is what the C++ runner's `--info` says on CUDA), so that --part e2e measures
+  # rather than compiles: cached in $PERF_CACHE_DIR/e2e-packages by everything that shapes them
+  # (PERF_E2E_ARGS and --jobs as --part e2e takes them). One this call has no time for is exported by the
+  # next --part build, or by --part e2e.
+  e2e_export=""
+  if ((!st)) && "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --export-only --amp bf16 --device cuda \
+      --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${e2e_more[@]}" >"$logs/e2e-export.txt" 2>&1 &
+    e2e_export=$!
+  fi
   if ((!st)); then
     # Stopped by the budget, the next `--part build` on the same machine goes on where this one stopped.
     within_budget 15 cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
       { grep -E "error|Error|^FAILED: |^Fatal Python error|^  File \".* in " "$logs/build.log" | head -30; st=1; }
   fi
-  # bench/e2e's training packages (the CNN's took 100 s on an H200), exported with what is left of this call
-  # on a GPU, so that --part e2e measures rather than compiles: cached in $PERF_CACHE_DIR/e2e-packages by
-  # everything that shapes them (PERF_E2E_ARGS and --jobs as --part e2e takes them). One this call has no
-  # time for is exported by the next --part build, or by --part e2e.
-  if ((!st)) && [ -x "$build/bench/e2e" ] && (($(left) > 120)) &&
-     "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --export-only \
-      --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${e2e_more[@]}" >"$logs/e2e-export.txt" 2>&1
+  if [ -n "$e2e_export" ]; then
+    wait "$e2e_export" || echo "bench/e2e's training packages: not all exported (e2e-export.txt in build.tar.gz)"
   fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"

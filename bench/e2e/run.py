@@ -3,6 +3,7 @@
     python bench/e2e/run.py --e2e build/bench/e2e [--device cpu|cuda] [--quick] [--jobs cnn,transformer,mlp]
     python bench/e2e/run.py --e2e build/bench/e2e --check     # the twins agree (CI)
     python bench/e2e/run.py --e2e build/bench/e2e --export-only [--device cuda]   # the training packages only
+    python bench/e2e/run.py --export-only --amp bf16 --device cuda    # the same before the C++ runner is built
     python bench/e2e/run.py --e2e build/bench/e2e --profile-steps 2 ...   # and where each step's time goes
 
 For each job: one initial state dict and one synthetic data set, saved once and
@@ -125,7 +126,7 @@ def job_package(job, size, a, amp, options):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--e2e", required=True, help="the C++ runner (build/bench/e2e)")
+    p.add_argument("--e2e", help="the C++ runner (build/bench/e2e); --export-only with --amp needs none")
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", default="cnn,transformer,mlp")
     p.add_argument("--quick", action="store_true", help="fewer steps (CI-sized; about 10 minutes on 2 CPU cores)")
@@ -144,6 +145,9 @@ def main():
     p.add_argument("--export-only", action="store_true",
                    help="only export (or find cached) each job's training package, as the perf_compiled rows would: "
                         "a later run with the same arguments finds them in $PERF_CACHE_DIR/e2e-packages")
+    p.add_argument("--amp", choices=["bf16", "off"],
+                   help="with --export-only: the autocast the C++ runner uses on --device (what `e2e --info` "
+                        "prints; asked of --e2e when left out), so that the packages export before it is built")
     p.add_argument("--out", default="bench-results/e2e")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--malloc-ab", action="store_true",
@@ -157,6 +161,10 @@ def main():
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
     a = p.parse_args()
+    if a.amp and not a.export_only:
+        p.error("--amp goes with --export-only (a run asks the C++ runner, --e2e, which autocast it uses)")
+    if not a.e2e and not (a.export_only and a.amp):
+        p.error("--e2e (the C++ runner, build/bench/e2e) is needed, except by --export-only with --amp")
     if a.repeat < 1:
         p.error(f"--repeat must be at least 1, got {a.repeat}")
     if a.profile_steps < 0:
@@ -171,8 +179,8 @@ def main():
 
     dev_kind = "cuda" if a.device.startswith("cuda") else "cpu"
     os.makedirs(a.out, exist_ok=True)
-    info = subprocess.run([a.e2e, "--info", "--device", a.device], capture_output=True, text=True, check=True).stdout
-    amp = info.strip().split("amp=")[-1]
+    amp = a.amp or subprocess.run([a.e2e, "--info", "--device", a.device], capture_output=True, text=True,
+                                  check=True).stdout.strip().split("amp=")[-1]
     if a.export_only:
         made = [job_package(job, models.JOBS[job][dev_kind], a, amp, options) for job in a.jobs.split(",")]
         for job, package in zip(a.jobs.split(","), made):
