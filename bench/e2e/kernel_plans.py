@@ -6,9 +6,12 @@ Both are traced on the CPU, retargeted to CUDA and lowered for a simulated H100 
 up to Inductor's scheduler, which fuses the graph into the kernels it would generate. Nothing runs on a device,
 so this tells the two plans apart, not their speed: how many fused (Triton) kernels, which extern kernels
 (cuDNN convolutions, matmuls), the bytes the fused kernels read and write (Inductor's own estimate), whether
-layout optimization (channels-last convolutions) is on, and the layout each convolution backward gets: the one
-the traced graph recorded, even where the forward convolutions were made channels-last. Autocast follows the CPU's policy here (the trace is
-on the CPU), the same for both sides, and attention keeps the CPU's kernels (extern, as on CUDA).
+layout optimization (channels-last convolutions) is on, the layout each convolution backward gets (the one
+the traced graph recorded, even where the forward convolutions were made channels-last), and the mix-order
+reductions (a row-wise and a column-wise reduction of one input in one kernel, as in LayerNorm's backward), which
+Inductor makes for large enough inputs under the Python wrapper only, never under AOTInductor's C++ wrapper.
+Autocast follows the CPU's policy here (the trace is on the CPU), the same for both sides, and attention keeps the
+CPU's kernels (extern, as on CUDA).
 
     python bench/e2e/kernel_plans.py --job cnn --batch 8 --amp bf16 --layout contiguous
 
@@ -84,7 +87,7 @@ def summarize(graph) -> dict:
 
     graph.init_wrapper_code()
     conv_backward = backward_conv_formats(graph)
-    fused, nbytes, extern = 0, 0, collections.Counter()
+    fused, nbytes, mix_order, extern = 0, 0, 0, collections.Counter()
     for node in s.Scheduler(graph.operations).nodes:
         if isinstance(node, s.ExternKernelSchedulerNode):
             name = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
@@ -92,8 +95,9 @@ def summarize(graph) -> dict:
         elif not isinstance(node, s.NopKernelSchedulerNode):
             fused += 1
             nbytes += int(node.get_read_write_buffers_sizes())
-    return {"fused": fused, "bytes": nbytes, "extern": extern, "layout_opt": bool(graph.layout_opt),
-            "conv_backward": conv_backward}
+            mix_order += isinstance(node, s.FusedMixOrderReductions)
+    return {"fused": fused, "bytes": nbytes, "mix_order": mix_order, "extern": extern,
+            "layout_opt": bool(graph.layout_opt), "conv_backward": conv_backward}
 
 
 def perf_plans(models, job, size, batch, amp, channels_last) -> list:
@@ -157,8 +161,8 @@ def totals(plans) -> dict:
     for p in plans:
         extern.update(p["extern"])
         conv_backward.update(p["conv_backward"])
-    return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans), "extern": extern,
-            "conv_backward": conv_backward}
+    return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans),
+            "mix_order": sum(p.get("mix_order", 0) for p in plans), "extern": extern, "conv_backward": conv_backward}
 
 
 def check(perf: dict, compiled: dict, slack: float) -> list:
@@ -180,7 +184,8 @@ def row(label, plans) -> str:
     t = totals(plans)
     listed = lambda counts: ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"  # noqa: E731
     return (f"| {label} | {len(plans)} | {', '.join('on' if p['layout_opt'] else 'off' for p in plans)} | "
-            f"{t['fused']} | {t['bytes'] / 1e6:.0f} | {listed(t['extern'])} | {listed(t['conv_backward'])} |")
+            f"{t['fused']} | {t['bytes'] / 1e6:.0f} | {t['mix_order']} | {listed(t['extern'])} | "
+            f"{listed(t['conv_backward'])} |")
 
 
 def main(argv=None) -> None:
@@ -210,9 +215,9 @@ def main(argv=None) -> None:
         plans["torch.compile (forward + backward)"] = compile_plans(models, a.job, size, (x, y), a.amp,
                                                                     channels_last)
     print(f"{a.job} (CUDA size, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
-    print("| step | graphs | layout optimization | fused kernels | MB read + written by them | extern kernels | "
-          "convolution backwards' layout |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| step | graphs | layout optimization | fused kernels | MB read + written by them | of them mix-order "
+          "reductions | extern kernels | convolution backwards' layout |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(row(label, p) for label, p in plans.items()))
     if a.check is not None:
         problems = check(*(totals(p) for p in plans.values()), a.check)
