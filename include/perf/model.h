@@ -88,7 +88,7 @@ struct ModelOptions {
   TORCH_ARG(bool, float_outputs) = false;
   /// An input (on the target device, or movable there) to measure the
   /// candidate recipes on — fp32 NCHW, channels-last, autocast, their
-  /// combinations, on CUDA a CUDA graph of the best — keeping the fastest, so
+  /// combinations, on CUDA each of them also as a CUDA graph — keeping the fastest, so
   /// the result is never slower than the plain model beyond noise. The flags
   /// above say which candidates are allowed. Undefined: no measurement, the
   /// flags are the recipe.
@@ -303,7 +303,7 @@ Optimized<M>::Optimized(M module, const ModelOptions& options) : module_(std::mo
         "keeps the fastest";
   }
   if (choice_.recipe.channels_last()) to_channels_last(*module_);
-  if (choice_.recipe.graph()) capture(options_.example());
+  if (choice_.recipe.graph() && !graph_) capture(options_.example());  // choose() captured its own
 }
 
 // Measures the allowed recipes on `example` (eval mode, inference), fastest
@@ -335,10 +335,13 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
     call_s = timer.elapsed_ms() / 1e3;
   }
   const size_t candidates = layouts.size() * precisions.size();
+  // On CUDA each candidate is measured as a CUDA graph as well (below), about as many calls again.
+  const bool try_graphs = detail::graphable_forward<M>::value && device_.is_cuda();
   // Calls per candidate within tune_seconds (the plain model's cost standing
   // for all): two alternating passes where there is room, else one pass of
   // three calls, so a slow model's decision stays near the budget.
-  const double calls = options_.tune_seconds() / (static_cast<double>(candidates) * std::max(call_s, 1e-5));
+  const double calls =
+      options_.tune_seconds() / ((try_graphs ? 2.0 : 1.0) * static_cast<double>(candidates) * std::max(call_s, 1e-5));
   const int passes = calls >= 10 ? 2 : 1;
   const int warmup = passes == 2 ? 2 : 1;
   const int iters = static_cast<int>(std::clamp<double>(calls / passes - warmup, 2.0, 25.0));
@@ -361,45 +364,76 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
       for (size_t p = 0; p < stats.size(); ++p) samples[l * precisions.size() + p].push_back(stats[p].median_ms);
     }
   }
-  std::vector<double> ms(candidates);
-  for (size_t k = 0; k < candidates; ++k) ms[k] = *std::min_element(samples[k].begin(), samples[k].end());
-  size_t best = 0;  // ties (within 2%) go to the simpler recipe, listed first
-  for (size_t k = 1; k < candidates; ++k)
-    if (ms[k] < ms[best] * 0.98) best = k;
-  choice_.recipe = recipes[best];
-  for (size_t k = 0; k < candidates; ++k) choice_.measured_ms.emplace_back(recipes[k], ms[k]);
-  detail::relayout(*module_, choice_.recipe.channels_last());
-  std::ostringstream why;
-  why << "fastest of " << candidates << " measured on " << example.sizes() << " " << example.scalar_type() << " on "
-      << device_;
-  // CUDA: the best recipe's forward, replayed as a CUDA graph (static shapes, inference).
+  // CUDA: every candidate's forward replayed as a CUDA graph too (static shapes, inference). A graph takes the
+  // host's launches out of the time, so the eager ranking does not carry over: a recipe with more kernels
+  // (autocast's casts) can lose eagerly and win replayed. Each layout's graphs hold its parameters' addresses,
+  // so they are captured, measured beside that layout's eager calls, and dropped before the next relayout.
+  std::string graph_failed;
   if constexpr (detail::graphable_forward<M>::value) {
-    if (device_.is_cuda() && options_.example().defined()) {
-      Recipe graphed = choice_.recipe;
-      graphed.graph(true);
-      const Recipe eager = choice_.recipe;
-      choice_.recipe = graphed;
-      try {
-        capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, and says why
-      } catch (const std::exception& e) {
-        choice_.recipe = eager;
+    if (try_graphs) {
+      for (size_t l = 0; l < layouts.size() && graph_failed.empty(); ++l) {
+        detail::relayout(*module_, layouts[l]);
+        std::vector<std::shared_ptr<Graphed<at::Tensor>>> graphs;
+        for (size_t p = 0; p < precisions.size(); ++p) {
+          choice_.recipe = Recipe(recipes[l * precisions.size() + p]).graph(true);
+          try {
+            capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, and says why
+          } catch (const std::exception& e) {
+            const std::string what = e.what();
+            graph_failed = what.substr(0, what.find('\n'));
+            break;
+          }
+          graphs.push_back(std::move(graph_));
+        }
         graph_.reset();
-        const std::string what = e.what();
-        why << "; not as a CUDA graph: capture failed (" << what.substr(0, what.find('\n')) << ")";
-      }
-      if (graph_) {
-        detail::EvalScope eval(*module_);
-        at::NoGradGuard no_grad;
-        const auto stats = compare({{"eager", [&] { eager_forward(example); }}, {"graph", [&] { (*graph_)(example); }}},
-                                   BenchOptions().warmup(2).iters(iters).device(device_));
-        choice_.measured_ms.emplace_back(graphed, stats[1].median_ms);
-        if (stats[1].median_ms < stats[0].median_ms * 0.98) {
-          why << ", then as a CUDA graph";
-        } else {
-          choice_.recipe = eager;
-          graph_.reset();
+        if (!graph_failed.empty()) break;
+        InferenceScope scope(*module_);  // as infer() replays it
+        std::vector<std::pair<std::string, std::function<void()>>> group;
+        for (size_t p = 0; p < precisions.size(); ++p) {
+          const size_t k = l * precisions.size() + p;
+          group.emplace_back(recipes[k].name(), [this, k, &recipes, &example] {
+            choice_.recipe = recipes[k];
+            eager_forward(example);
+          });
+          group.emplace_back(Recipe(recipes[k]).graph(true).name(), [g = graphs[p], &example] { (*g)(example); });
+        }
+        const auto stats = compare(group, BenchOptions().warmup(warmup).iters(iters).device(device_));
+        for (size_t p = 0; p < precisions.size(); ++p) {
+          const size_t k = l * precisions.size() + p;
+          samples[k].push_back(stats[2 * p].median_ms);
+          recipes.push_back(Recipe(recipes[k]).graph(true));
+          samples.push_back({stats[2 * p + 1].median_ms});
         }
       }
+    }
+  }
+  std::vector<double> ms(recipes.size());
+  for (size_t k = 0; k < recipes.size(); ++k) ms[k] = *std::min_element(samples[k].begin(), samples[k].end());
+  size_t best = 0;  // ties (within 2%) go to the simpler recipe, listed first (eager before graphed)
+  for (size_t k = 1; k < recipes.size(); ++k)
+    if (ms[k] < ms[best] * 0.98) best = k;
+  for (size_t k = 0; k < recipes.size(); ++k) choice_.measured_ms.emplace_back(recipes[k], ms[k]);
+  std::ostringstream why;
+  why << "fastest of " << recipes.size() << " measured";
+  if (recipes.size() > candidates)
+    why << " (" << candidates << " eager, " << recipes.size() - candidates << " as CUDA graphs)";
+  why << " on " << example.sizes() << " " << example.scalar_type() << " on " << device_;
+  if (!graph_failed.empty()) why << "; not as a CUDA graph: capture failed (" << graph_failed << ")";
+  choice_.recipe = recipes[best];
+  detail::relayout(*module_, choice_.recipe.channels_last());
+  if (choice_.recipe.graph()) {
+    try {
+      capture(example);  // measured above on this layout; captured again for the parameters' addresses now
+    } catch (const std::exception& e) {
+      graph_.reset();
+      size_t eager_best = 0;
+      for (size_t k = 1; k < candidates; ++k)
+        if (ms[k] < ms[eager_best] * 0.98) eager_best = k;
+      choice_.recipe = recipes[eager_best];
+      detail::relayout(*module_, choice_.recipe.channels_last());
+      const std::string what = e.what();
+      why << "; " << recipes[best].name() << " was fastest, but capturing it again failed ("
+          << what.substr(0, what.find('\n')) << "): eager";
     }
   }
   choice_.reason = why.str();
