@@ -631,6 +631,21 @@ TEST(Optimize, AnMlpExampleMeasuresPrecisionsOnly) {
   EXPECT_EQ(model(torch::randn({5, 64})).size(0), 5) << "other shapes run the chosen recipe eagerly";
 }
 
+// The decision rule: the fastest, where a candidate listed later (less simple:
+// channels-last after NCHW, autocast after fp32, graphed after eager) must beat
+// the best before it by 2% to take its place.
+TEST(Optimize, ALaterCandidateMustBeatTheBestBeforeItByTwoPercent) {
+  using perf::detail::fastest;
+  EXPECT_EQ(fastest({1.0}, 1), 0u);
+  EXPECT_EQ(fastest({1.0, 0.99, 0.985}, 3), 0u) << "within 2% of the first: noise";
+  EXPECT_EQ(fastest({1.0, 0.97, 0.96}, 3), 1u) << "0.96 is not 2% under 0.97";
+  EXPECT_EQ(fastest({1.0, 0.97, 0.95}, 3), 2u);
+  EXPECT_EQ(fastest({0.5, 1.0, 0.2}, 2), 0u) << "only the first n count (the eager candidates)";
+  EXPECT_EQ(fastest({0.5, 1.0, 0.2}, 3), 2u);
+  PERF_EXPECT_THROW_MSG(fastest({1.0}, 2), "fastest of 2 of 1 times");
+  PERF_EXPECT_THROW_MSG(fastest({}, 0), "fastest of 0 of 0 times");
+}
+
 // On CUDA every recipe is also measured as a CUDA graph of its forward
 // (static shapes, inference), not only the eager winner: a graph removes the
 // host's launches, which weigh most on the recipes with the most kernels. A

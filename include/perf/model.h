@@ -260,6 +260,10 @@ struct graphable_forward<
 // Every 4-D/5-D parameter and buffer channels-last (for its rank), or contiguous.
 PERF_INLINE void relayout(torch::nn::Module& module, bool channels_last);
 
+// The index of the fastest of the first n times, where a later (less simple)
+// candidate must beat the fastest before it by 2% (noise) to take its place.
+PERF_INLINE size_t fastest(const std::vector<double>& ms, size_t n);
+
 PERF_INLINE bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example);
 
 }  // namespace detail
@@ -409,9 +413,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   }
   std::vector<double> ms(recipes.size());
   for (size_t k = 0; k < recipes.size(); ++k) ms[k] = *std::min_element(samples[k].begin(), samples[k].end());
-  size_t best = 0;  // ties (within 2%) go to the simpler recipe, listed first (eager before graphed)
-  for (size_t k = 1; k < recipes.size(); ++k)
-    if (ms[k] < ms[best] * 0.98) best = k;
+  const size_t best = detail::fastest(ms, ms.size());  // eager recipes are listed before graphed ones
   for (size_t k = 0; k < recipes.size(); ++k) choice_.measured_ms.emplace_back(recipes[k], ms[k]);
   std::ostringstream why;
   why << "fastest of " << recipes.size() << " measured";
@@ -426,10 +428,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
       capture(example);  // measured above on this layout; captured again for the parameters' addresses now
     } catch (const std::exception& e) {
       graph_.reset();
-      size_t eager_best = 0;
-      for (size_t k = 1; k < candidates; ++k)
-        if (ms[k] < ms[eager_best] * 0.98) eager_best = k;
-      choice_.recipe = recipes[eager_best];
+      choice_.recipe = recipes[detail::fastest(ms, candidates)];
       detail::relayout(*module_, choice_.recipe.channels_last());
       const std::string what = e.what();
       why << "; " << recipes[best].name() << " was fastest, but capturing it again failed ("

@@ -22,6 +22,14 @@ PERF_INLINE void relayout(torch::nn::Module& module, bool channels_last) {
   for (auto& b : module.buffers()) convert(b);
 }
 
+PERF_INLINE size_t fastest(const std::vector<double>& ms, size_t n) {
+  TORCH_CHECK(n >= 1 && n <= ms.size(), "perf::optimize: fastest of ", n, " of ", ms.size(), " times");
+  size_t best = 0;
+  for (size_t k = 1; k < n; ++k)
+    if (ms[k] < ms[best] * 0.98) best = k;
+  return best;
+}
+
 PERF_INLINE bool has_image_tensors(torch::nn::Module& module, const at::Tensor& example) {
   if (example.dim() == 4 || example.dim() == 5) return true;
   for (const auto& p : module.parameters())
