@@ -434,6 +434,10 @@ if has bench; then
     grep -hE "copy bandwidth|^launch geometry" "$logs/bench_optim.txt" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
+    if grep -qs "^perf::optimize: " "$logs/bench_compiled.txt"; then
+      echo "-- perf::optimize's decision per batch (bench_compiled; every recipe eager and as a CUDA graph)"
+      awk '/^perf::optimize: / { on = 1 } on { print } /^  decided in / { on = 0 }' "$logs/bench_compiled.txt"
+    fi
   } >"$logs/summary.txt"
   finish bench $st "$t0"
   status=$((status | st))
