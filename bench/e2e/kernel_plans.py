@@ -162,7 +162,7 @@ def totals(plans) -> dict:
         extern.update(p["extern"])
         conv_backward.update(p["conv_backward"])
     return {"fused": sum(p["fused"] for p in plans), "bytes": sum(p["bytes"] for p in plans),
-            "mix_order": sum(p.get("mix_order", 0) for p in plans), "extern": extern, "conv_backward": conv_backward}
+            "mix_order": sum(p["mix_order"] for p in plans), "extern": extern, "conv_backward": conv_backward}
 
 
 def check(perf: dict, compiled: dict, slack: float) -> list:

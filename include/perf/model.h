@@ -383,8 +383,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
           try {
             capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, and says why
           } catch (const std::exception& e) {
-            const std::string what = e.what();
-            graph_failed = what.substr(0, what.find('\n'));
+            graph_failed = detail::first_line(e);
             break;
           }
           graphs.push_back(std::move(graph_));
@@ -430,9 +429,8 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
       graph_.reset();
       choice_.recipe = recipes[detail::fastest(ms, candidates)];
       detail::relayout(*module_, choice_.recipe.channels_last());
-      const std::string what = e.what();
-      why << "; " << recipes[best].name() << " was fastest, but capturing it again failed ("
-          << what.substr(0, what.find('\n')) << "): eager";
+      why << "; " << recipes[best].name() << " was fastest, but capturing it again failed (" << detail::first_line(e)
+          << "): eager";
     }
   }
   choice_.reason = why.str();
