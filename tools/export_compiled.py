@@ -484,6 +484,12 @@ class _FlatStep(torch.nn.Module):
         return tuple(kept)
 
 
+def _probe(fn, *args):
+    """fn(*args): export_train's eager runs on the example batch before compiling (the loss's type, the
+    gradients' layouts). bench/e2e/kernel_plans.py runs them on fake tensors, as it only plans the graph."""
+    return fn(*args)
+
+
 def _layout_fix(grad: torch.Tensor, param: torch.Tensor):
     """The memory format that gives `grad` its parameter's strides, or None when they already match."""
     if all(n <= 1 or g == p for n, g, p in zip(param.shape, grad.stride(), param.stride())):
@@ -721,7 +727,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     scale = torch.ones((), device=device)
     step = _LossStep(model, loss, device, AMP[amp])
     with torch.no_grad():
-        probe = step.loss(model, *batch)
+        probe = _probe(step.loss, model, *batch)
     if not (isinstance(probe, torch.Tensor) and probe.numel() == 1 and probe.is_floating_point()):
         raise ValueError(f"loss must return a floating-point scalar tensor, got {probe!r:.200}")
     precision = AttentionPrecision(device, attention if amp != "off" else "autocast")
@@ -783,7 +789,7 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     with torch.no_grad():
         flat_state = [state[n].detach() for n in names]
         torch.manual_seed(0)  # the same dropout draws as the package's run in verify
-        probe_outs = joint.graph_module(*[
+        probe_outs = _probe(joint.graph_module, *[
             (flat_state + [scale] + batch)[i] if kind == "arg" else joint.constants[i] for kind, i in placeholders])
     grad_layouts = {}
     for k, j in enumerate(grad_outputs):
