@@ -217,8 +217,6 @@ def main(argv=None) -> None:
     parser.add_argument("--job", default="cnn", choices=["cnn", "transformer", "mlp"])
     parser.add_argument("--batch", type=int, default=8, help="samples per step (default 8: the plan's shape "
                                                               "does not depend on it; bytes scale with it)")
-    parser.add_argument("--image", type=int, help="the CNN's image side (default: the CUDA job's, 224); the "
-                                                   "plan's kernels do not depend on it, their bytes do")
     parser.add_argument("--amp", default="off", choices=["off", "bf16"])
     parser.add_argument("--layout", default="channels-last", choices=["channels-last", "contiguous"])
     parser.add_argument("--side", default="both", choices=["both", "perf", "compile"])
@@ -230,10 +228,6 @@ def main(argv=None) -> None:
         parser.error("--check compares both sides: leave --side at both")
     models = e2e_models()
     size = dict(models.JOBS[a.job]["cuda"])
-    if a.image is not None:
-        if a.job != "cnn":
-            parser.error("--image is the CNN's image side: only with --job cnn")
-        size["image"] = a.image
     torch.manual_seed(0)
     x, y = models.make_data(a.job, size, a.batch)
     channels_last = a.layout == "channels-last"
@@ -244,8 +238,7 @@ def main(argv=None) -> None:
     if a.side in ("both", "compile"):
         plans["torch.compile (forward + backward)"] = compile_plans(models, a.job, size, (x, y), a.amp,
                                                                     channels_last)
-    shape = f", image {a.image}" if a.image is not None else ""
-    print(f"{a.job} (CUDA size{shape}, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
+    print(f"{a.job} (CUDA size, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
     print("| step | graphs | layout optimization | fused kernels | MB read + written by them | of them mix-order "
           "reductions | extern kernels | convolution backwards' layout |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
