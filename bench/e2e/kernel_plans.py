@@ -172,8 +172,7 @@ def fake_run(gm):
     and running it for real costs minutes on a CPU without native bf16 (the e2e CNN at CUDA size)."""
 
     def run(*args):
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            outs = gm(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        outs = fake_probe(gm, *args)
         return type(outs)(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
                           if isinstance(o, torch.Tensor) else o for o in outs)
 
