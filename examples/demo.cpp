@@ -12,8 +12,8 @@
 
 namespace {
 
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
+struct ConvNetImpl : torch::nn::Module {
+  ConvNetImpl() {
     features = register_module(
         "features",
         torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 32, 3).padding(1).bias(false)),
@@ -29,7 +29,7 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Sequential features{nullptr};
   torch::nn::Linear head{nullptr};
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(ConvNet);
 
 // One training step: forward, loss, backward, optimizer.
 template <typename Model>
@@ -66,23 +66,24 @@ int main(int argc, char** argv) {
 
   // Stock LibTorch: fp32, NCHW, torch::optim::SGD, default backend flags.
   torch::manual_seed(0);
-  Net stock;
+  ConvNet stock;
   torch::manual_seed(0);
-  Net with_setup;
+  ConvNet with_setup;
   stock->to(device);
   with_setup->to(device);
   const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
   torch::optim::SGD stock_opt(stock->parameters(), sgd), setup_opt(with_setup->parameters(), sgd);
   // Ingredients added one at a time, then perf's whole recipe.
   torch::manual_seed(0);
-  auto cl = perf::optimize(Net(), perf::ModelOptions().device(device).autocast(false));
+  auto cl = perf::optimize(ConvNet(), perf::ModelOptions().device(device).autocast(false));
   torch::optim::SGD cl_opt(cl->parameters(), sgd);
   torch::manual_seed(0);
-  auto amp = perf::optimize(Net(), perf::ModelOptions().device(device).autocast_dtype(
-                                       device.is_cuda() ? perf::Autocast::default_dtype(device) : torch::kBFloat16));
+  auto amp =
+      perf::optimize(ConvNet(), perf::ModelOptions().device(device).autocast_dtype(
+                                    device.is_cuda() ? perf::Autocast::default_dtype(device) : torch::kBFloat16));
   torch::optim::SGD amp_opt(amp->parameters(), sgd);
   torch::manual_seed(0);
-  auto fast = perf::optimize(Net(), perf::ModelOptions().device(device));  // perf's defaults for this device
+  auto fast = perf::optimize(ConvNet(), perf::ModelOptions().device(device));  // perf's defaults for this device
   perf::optim::SGD fast_opt(fast->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
 
   std::cout << "perf demo on " << device << ": small CNN, batch " << batch << ", " << image << "x" << image << ", "

@@ -8,6 +8,10 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}  # relative paths: a new clone hit
 # ...also for the sanitizer builds' -g1 objects, whose hash would otherwise
 # include the working directory (their debug info then names the first clone's folder).
 export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# ccache hashes LANG, LC_ALL, LC_CTYPE and LC_MESSAGES into every entry (they set the compiler's
+# message language): a CI runner whose locale differs from the shell that filled the cache would
+# miss every entry and compile everything again. One fixed locale for everything the scripts run.
+export LANG=C.UTF-8 LC_ALL=C.UTF-8 LC_CTYPE=C.UTF-8 LC_MESSAGES=C.UTF-8
 
 perf_configure() {  # <build dir> [extra cmake args...]
   local dir=$1
