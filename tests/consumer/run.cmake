@@ -1,7 +1,8 @@
 # Installs perf (MODE=install), or builds tests/consumer against perf, either
 # installed (MODE=find_package, PREFIX: where MODE=install put it) or as a
 # subdirectory (optionally with another compiler and standard: CXX_COMPILER,
-# CXX_STANDARD), then runs it.
+# CXX_STANDARD), then runs it: header-only and against perf::perf_static, or
+# header-only alone with STATIC=OFF.
 # Invoked by ctest with -P.
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(common -G "${GENERATOR}" -DTorch_DIR=${Torch_DIR} -DPERF_WITH_CUDA=${PERF_WITH_CUDA})
@@ -13,6 +14,9 @@ if(CXX_COMPILER)  # another compiler than perf's own build (clang++)
 endif()
 if(CXX_STANDARD)  # the program's standard, newer than perf's floor (C++17)
   list(APPEND common -DPERF_CONSUMER_CXX_STANDARD=${CXX_STANDARD})
+endif()
+if(NOT DEFINED STATIC)
+  set(STATIC ON)
 endif()
 
 function(run)
@@ -42,11 +46,15 @@ elseif(MODE STREQUAL "find_package")  # against the install of MODE=install at P
     message(FATAL_ERROR "no perf installed at PREFIX=${PREFIX} (the consumer_install test installs it)")
   endif()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
-      -DCMAKE_PREFIX_PATH=${PREFIX})
+      -DCMAKE_PREFIX_PATH=${PREFIX} -DPERF_CONSUMER_STATIC=${STATIC})
 else()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
-      -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR})
+      -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR} -DPERF_CONSUMER_STATIC=${STATIC})
 endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer ${EXPECT_CUDA} header-only)
-run(${WORK_DIR}/build/consumer_static ${EXPECT_CUDA} static)
+if(STATIC)
+  run(${WORK_DIR}/build/consumer_static ${EXPECT_CUDA} static)
+elseif(EXISTS ${WORK_DIR}/build/consumer_static OR EXISTS ${WORK_DIR}/build/perf/libperf_static.a)
+  message(FATAL_ERROR "STATIC=OFF built perf::perf_static or consumer_static all the same")
+endif()
