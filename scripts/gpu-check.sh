@@ -144,7 +144,8 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   fi
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   # Many cores: one translation unit per test file finishes sooner than the
-  # three batches that save CPU time on a 2-core CI machine (PERF_TESTS_UNITY).
+  # three batches that save CPU time on a 2-core CI machine (PERF_TESTS_UNITY); the examples and
+  # benchmarks compile one by one too (PERF_PROGRAMS_UNITY stays off, its default).
   unity=ON; (($(nproc) >= 8)) && unity=OFF
   echo "== build ($(nproc) jobs) -> $build"
   st=0
