@@ -151,7 +151,7 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   st=0
   # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
   cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
-    -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+    -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TEST_SHARDS=0 -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
     { tail -30 "$logs/configure.log"; st=1; }
   # bench/e2e's training packages (the CNN's took 100 s on an H200) export on a GPU beside the compilation
   # (Python alone: --amp bf16 is what the C++ runner's `--info` says on CUDA), so that --part e2e measures
