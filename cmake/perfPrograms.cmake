@@ -5,13 +5,13 @@
 # main() renamed to perf_program_<name>; a two-line generated file gives each
 # executable its main(). LibTorch's and perf's headers are then parsed, and
 # perf's inline code generated, once for all the programs instead of once per
-# program: cold at -O3 on CI's 2 cores, 129 s of compiling instead of about
-# 900 s. The file names the programs by relative path, so a clone in another
+# program: cold at -O3 on CI's 2 cores, 130 s of compiling instead of 747 s
+# (README, "Tests"). The file names the programs by relative path, so a clone in another
 # folder still hits ccache. Programs in the batch must not define the same
 # file-local name twice (the compiler says so if they do). Off by default: a
 # user who builds one example compiles that one file, and so do
 # scripts/compiler-check.sh and scripts/gpu-check.sh (many cores).
-option(PERF_PROGRAMS_UNITY "Compile perf's examples and benchmarks as one translation unit (CI: a seventh of the compile time)" OFF)
+option(PERF_PROGRAMS_UNITY "Compile perf's examples and benchmarks as one translation unit (CI: a sixth of the compile time)" OFF)
 
 # perf_add_program(<name> <source> [<library>...]): an executable from one
 # file with a main(int, char**), linked to perf::perf and the libraries given.
