@@ -12,6 +12,20 @@ export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 # message language): a CI runner whose locale differs from the shell that filled the cache would
 # miss every entry and compile everything again. One fixed locale for everything the scripts run.
 export LANG=C.UTF-8 LC_ALL=C.UTF-8 LC_CTYPE=C.UTF-8 LC_MESSAGES=C.UTF-8
+# One CUDA toolkit path whatever the PATH. CMake takes the toolkit from the first nvcc on PATH: with
+# /usr/local/cuda/bin on PATH every command has -isystem /usr/local/cuda/include; without it, a
+# wrapper /usr/local/bin/nvcc gives /usr/local/cuda-13.0/include (the same headers, by the
+# symlink's target), so a runner with another PATH missed every ccache entry. The toolkit is
+# CUDA_PATH, else CUDA_HOME, else the one around CUDACXX, else /usr/local/cuda.
+perf_cuda_root=${CUDA_PATH:-${CUDA_HOME:-}}
+if [[ -z $perf_cuda_root && -n ${CUDACXX:-} ]]; then
+  perf_cuda_root=$(dirname "$(dirname "$CUDACXX")")
+elif [[ -z $perf_cuda_root && -x /usr/local/cuda/bin/nvcc ]]; then
+  perf_cuda_root=/usr/local/cuda
+fi
+if [[ -n $perf_cuda_root ]]; then
+  export CUDA_PATH=$perf_cuda_root CUDACXX=${CUDACXX:-$perf_cuda_root/bin/nvcc}
+fi
 
 perf_configure() {  # <build dir> [extra cmake args...]
   local dir=$1

@@ -12,6 +12,21 @@
 source "$(dirname "$0")/common.sh"
 jobs=${PERF_JOBS:-$(nproc)}
 
+# How many compiles the cache served, printed however the run ends: a warm run that compiles
+# everything again (a changed locale, CUDA path, flag) shows here first.
+ccache_counts() {  # prints "<hits> <misses>" of the whole cache so far
+  ccache --print-stats | awk '$1 ~ /^(direct|preprocessed)_cache_hit$/ { h += $2 }
+                              $1 == "cache_miss" { m += $2 } END { print h + 0, m + 0 }'
+}
+read -r ccache_hits0 ccache_misses0 < <(ccache_counts)
+ccache_report() {
+  local hits misses
+  read -r hits misses < <(ccache_counts)
+  echo "== ccache ($CCACHE_DIR): $((hits - ccache_hits0)) compiles from the cache," \
+       "$((misses - ccache_misses0)) compiled"
+}
+trap ccache_report EXIT
+
 run_suite() {  # <build dir> <extra cmake args...>
   local dir=$1
   shift
