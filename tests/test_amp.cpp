@@ -423,6 +423,62 @@ TEST(GradScaler, DisabledIsAPassThrough) {
   EXPECT_FLOAT_EQ(p[0].item<float>(), 0.5f);
 }
 
+TEST(GradScaler, DeviceCreatesTheScaleThereAndRefusesOthers) {
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(128).device(torch::kCPU));
+  ASSERT_TRUE(scaler.scale_tensor().defined()) << "created by the constructor, before any scale()";
+  EXPECT_TRUE(scaler.scale_tensor().device().is_cpu());
+  EXPECT_EQ(scaler.scale_tensor().item<float>(), 128.f);
+  EXPECT_EQ(scaler.get_scale(), 128.0);
+  const void* storage = scaler.scale_tensor().data_ptr();
+  auto p = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.5));
+  auto scaled = scaler.scale(p.sum());
+  EXPECT_EQ(scaled.item<float>(), 256.f);
+  scaled.backward();
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_EQ(scaler.scale_tensor().data_ptr(), storage) << "the same tensor, updated in place";
+  EXPECT_FLOAT_EQ(p[0].item<float>(), 0.5f) << "the step saw the unscaled gradient (1)";
+  PERF_EXPECT_THROW_MSG(perf::GradScaler(perf::GradScalerOptions().device(torch::Device(torch::kMeta))),
+                        "perf::GradScalerOptions::device: must be cpu or cuda, got meta");
+}
+
+TEST(GradScaler, CudaDeviceWithoutCudaWarnsAndDisables) {
+  if (has_cuda())
+    GTEST_SKIP() << "skipped: this machine has a CUDA device (GradScaler.OnGpuDeviceCreatesTheScaleThere)";
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  } warnings;
+  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  perf::GradScaler scaler(perf::GradScalerOptions().device(torch::kCUDA));
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_NE(warnings.messages[0].find("device cuda requested but CUDA is not available; disabling the scaler"),
+            std::string::npos)
+      << warnings.messages[0];
+  EXPECT_FALSE(scaler.is_enabled()) << "as torch.amp.GradScaler(\"cuda\") on a machine without CUDA";
+  EXPECT_FALSE(scaler.scale_tensor().defined());
+  const auto loss = torch::ones({});
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+}
+
+TEST(GradScaler, OnGpuDeviceCreatesTheScaleThere) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::GradScaler scaler(perf::GradScalerOptions().device(torch::kCUDA));
+  ASSERT_TRUE(scaler.scale_tensor().defined());
+  EXPECT_TRUE(scaler.scale_tensor().is_cuda());
+  EXPECT_EQ(scaler.scale_tensor().device(), torch::ones({}, torch::kCUDA).device()) << "the current device";
+  auto p = torch::ones({2}, torch::TensorOptions().device(torch::kCUDA).requires_grad(true));
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.5));
+  scaler.scale(p.sum()).backward();
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_FLOAT_EQ(p[0].item<float>(), 0.5f);
+  EXPECT_EQ(scaler.get_scale(), 65536.0);
+  EXPECT_EQ(scaler.scale(torch::ones({})).item<float>(), 65536.f) << "a CPU loss is scaled too, as in Python";
+}
+
 TEST(GradScaler, SaveLoadRoundTrip) {
   auto p = torch::ones({2}, torch::requires_grad());
   torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.1));

@@ -96,11 +96,16 @@ struct GradScalerOptions {
   TORCH_ARG(double, backoff_factor) = 0.5;
   TORCH_ARG(int64_t, growth_interval) = 2000;
   TORCH_ARG(bool, enabled) = true;
+  /// Where the scale and the growth tracker live: cpu or cuda (torch.amp.GradScaler's
+  /// `device`). Unset: the device of the first scaled loss. Set: created there by the
+  /// constructor, so scale_tensor() exists before the first scale() (a graph can capture it).
+  /// Like Python, a cuda scaler on a machine without CUDA warns and disables itself.
+  TORCH_ARG(std::optional<c10::Device>, device);
 };
 
 /// torch.amp.GradScaler in C++, same semantics and defaults. The scale and the
-/// growth tracker live on the device of the first scaled loss; bookkeeping runs
-/// there (ATen's _amp_foreach_non_finite_check_and_unscale_ and _amp_update_scale_).
+/// growth tracker live on options().device(), else on the device of the first
+/// scaled loss; bookkeeping runs there (ATen's _amp_foreach_non_finite_check_and_unscale_ and _amp_update_scale_).
 /// Host syncs: only step() on an optimizer without fused support reads the inf
 /// flag to decide whether to skip (as in Python); with perf::optim optimizers
 /// the skip happens on the device and step() never syncs. get_scale() syncs.

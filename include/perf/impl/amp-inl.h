@@ -310,6 +310,18 @@ PERF_INLINE GradScaler::GradScaler(const GradScalerOptions& options) : options_(
               "perf::GradScalerOptions::backoff_factor: must be in (0, 1), got ", options_.backoff_factor());
   TORCH_CHECK(options_.growth_interval() >= 1, "perf::GradScalerOptions::growth_interval: must be >= 1, got ",
               options_.growth_interval());
+  if (!options_.device()) return;
+  const c10::Device device = *options_.device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "perf::GradScalerOptions::device: must be cpu or cuda, got ",
+              device);
+  if (device.is_cuda() && options_.enabled() && !at::hasCUDA()) {
+    // torch.amp.GradScaler("cuda") does the same: the program still trains, unscaled.
+    TORCH_WARN("perf::GradScaler: device ", device, " requested but CUDA is not available; disabling the scaler");
+    options_.enabled(false);
+  }
+  if (!options_.enabled()) return;
+  scale_ = at::full({}, options_.init_scale(), at::device(device).dtype(at::kFloat));
+  growth_tracker_ = at::full({}, init_growth_tracker_, at::device(device).dtype(at::kInt));
 }
 
 PERF_INLINE void GradScaler::check_initialized(const char* fn) const {
