@@ -9,23 +9,28 @@
 #   build-tsan/   the threaded suites (prefetcher, loader, concurrent setup())
 #                 under ThreadSanitizer.
 # Installs what is missing first (scripts/bootstrap.sh).
+run_started=$(date +%s)
 source "$(dirname "$0")/common.sh"
 jobs=${PERF_JOBS:-$(nproc)}
 
 # How many compiles the cache served, printed however the run ends: a warm run that compiles
-# everything again (a changed locale, CUDA path, flag) shows here first.
+# everything again (a changed locale, CUDA path, flag) shows here first. One line per run is also
+# kept in ~/.cache/perf/test-runs.log (when, commit, exit status, time, cache), so the runs a CI
+# runner made on this machine can be read afterwards.
 ccache_counts() {  # prints "<hits> <misses>" of the whole cache so far
   ccache --print-stats | awk '$1 ~ /^(direct|preprocessed)_cache_hit$/ { h += $2 }
                               $1 == "cache_miss" { m += $2 } END { print h + 0, m + 0 }'
 }
 read -r ccache_hits0 ccache_misses0 < <(ccache_counts)
-ccache_report() {
-  local hits misses
+run_report() {
+  local rc=$? hits misses line
   read -r hits misses < <(ccache_counts)
-  echo "== ccache ($CCACHE_DIR): $((hits - ccache_hits0)) compiles from the cache," \
-       "$((misses - ccache_misses0)) compiled"
+  line="$((hits - ccache_hits0)) compiles from the cache, $((misses - ccache_misses0)) compiled"
+  echo "== ccache ($CCACHE_DIR): $line"
+  echo "$(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo '-') exit $rc" \
+       "$(($(date +%s) - run_started)) s, $line, $PWD" >>"$HOME/.cache/perf/test-runs.log" 2>/dev/null || true
 }
-trap ccache_report EXIT
+trap run_report EXIT
 
 run_suite() {  # <build dir> <extra cmake args...>
   local dir=$1
