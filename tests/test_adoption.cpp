@@ -137,6 +137,10 @@ TEST(Adoption, LoaderOptionsKeepEverySampleAndTheProgramsChoices) {
   EXPECT_NE(perf::describe(plain, torch::data::DataLoaderOptions(16)).find("workers 0 -> "), std::string::npos);
   EXPECT_EQ(perf::describe(mine, mine), "unchanged");
   EXPECT_EQ(perf::loader_options(mine, perf::LoaderTuning().workers(3)).workers(), 3u) << "tuning wins";
+  // DataLoaderOptions cannot tell an explicit workers(0) from its default 0: the tuning keeps 0.
+  const auto zero = perf::loader_options(torch::data::DataLoaderOptions(16), perf::LoaderTuning().workers(0));
+  EXPECT_EQ(zero.workers(), 0u);
+  EXPECT_FALSE(zero.max_jobs().has_value()) << "no workers, no jobs in flight";
 }
 
 // --------------------------------------------------------------------------- 3. channels-last and .view()
