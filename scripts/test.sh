@@ -31,6 +31,8 @@ run_report() {
        "$(($(date +%s) - run_started)) s, $line, $PWD" >>"$HOME/.cache/perf/test-runs.log" 2>/dev/null || true
 }
 trap run_report EXIT
+trap 'exit 130' INT  # so that the report says how a stopped run ended
+trap 'exit 143' TERM
 
 run_suite() {  # <build dir> <extra cmake args...>
   local dir=$1

@@ -476,7 +476,17 @@ TEST(GradScaler, OnGpuDeviceCreatesTheScaleThere) {
   scaler.update();
   EXPECT_FLOAT_EQ(p[0].item<float>(), 0.5f);
   EXPECT_EQ(scaler.get_scale(), 65536.0);
-  EXPECT_EQ(scaler.scale(torch::ones({})).item<float>(), 65536.f) << "a CPU loss is scaled too, as in Python";
+  // A CPU model under the CUDA scaler, as Python allows: the scale and the inverse scale cross to the CPU.
+  // Those copies must be blocking (a non_blocking one lands in pinned memory after the CPU op has read it).
+  auto q = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD cpu_opt({q}, torch::optim::SGDOptions(0.5));
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(scaler.scale(torch::ones({})).item<float>(), 65536.f) << "try " << i;
+  cpu_opt.zero_grad();
+  scaler.scale(q.sum()).backward();
+  scaler.step(cpu_opt);
+  scaler.update();
+  EXPECT_FLOAT_EQ(q[0].item<float>(), 0.5f) << "the CPU step saw the unscaled gradient (1)";
+  EXPECT_EQ(scaler.get_scale(), 65536.0);
 }
 
 TEST(GradScaler, SaveLoadRoundTrip) {

@@ -29,6 +29,14 @@ PERF_INLINE bool cuda_bf16_supported() {
 #endif
 }
 
+// GradScaler's copies between its device and the loss's or a gradient's. To the CPU a copy is
+// blocking: with non_blocking, ATen's _to_copy pins the output and the CUDA->CPU copy lands
+// asynchronously, so the CPU op right after it (the multiply, the inf sum) would read it before it
+// arrived. To a GPU it stays asynchronous (host memory is staged; stream order does the rest).
+PERF_INLINE at::Tensor scaler_copy(const at::Tensor& t, c10::Device device) {
+  return t.to(device, /*non_blocking=*/!device.is_cpu());
+}
+
 // --- CPU autocast and scaled_dot_product_attention -------------------------
 // perf registers its own AutocastCPU kernel for aten::scaled_dot_product_attention
 // (once, when the first CPU perf::Autocast region opens). Outside perf's regions,
@@ -336,7 +344,7 @@ PERF_INLINE torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
     scale_ = at::full({}, options_.init_scale(), at::device(outputs.device()).dtype(at::kFloat));
     growth_tracker_ = at::full({}, init_growth_tracker_, at::device(outputs.device()).dtype(at::kInt));
   }
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * detail::scaler_copy(scale_, outputs.device());
 }
 
 PERF_INLINE std::vector<torch::Tensor> GradScaler::scale(const std::vector<torch::Tensor>& outputs) {
@@ -367,7 +375,7 @@ PERF_INLINE std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::O
       const std::string dev = g.device().str();
       if (!per_device.count(dev)) {
         per_device[dev] = {at::zeros({}, at::device(g.device()).dtype(at::kFloat)),
-                           inv_scale.to(g.device(), /*non_blocking=*/true)};
+                           detail::scaler_copy(inv_scale, g.device())};
       }
       groups[{dev, g.scalar_type()}].push_back(g);
     }
@@ -405,7 +413,7 @@ PERF_INLINE torch::Tensor GradScaler::step(torch::optim::Optimizer& optimizer) {
       st.found_inf_per_device = unscale_grads(optimizer, at::ones({}, scale_.options()), /*allow_fp16=*/true);
     }
     auto found_inf = at::zeros({}, scale_.options());
-    for (const auto& f : st.found_inf_per_device) found_inf.add_(f.to(scale_.device(), /*non_blocking=*/true));
+    for (const auto& f : st.found_inf_per_device) found_inf.add_(detail::scaler_copy(f, scale_.device()));
     const std::optional<torch::Tensor> grad_scale =
         st.stage == Stage::unscaled ? std::nullopt : std::optional<torch::Tensor>(scale_);
     fused->step_scaled(grad_scale, found_inf);
@@ -429,7 +437,7 @@ PERF_INLINE void GradScaler::update() {
   check_initialized("update");
   std::vector<torch::Tensor> found;
   for (auto& [opt, st] : states_)
-    for (auto& f : st.found_inf_per_device) found.push_back(f.to(scale_.device(), /*non_blocking=*/true));
+    for (auto& f : st.found_inf_per_device) found.push_back(detail::scaler_copy(f, scale_.device()));
   TORCH_CHECK(!found.empty(),
               "perf::GradScaler::update: no inf checks were recorded prior to update(); call "
               "step() (or unscale_()) first");
