@@ -150,6 +150,7 @@ class GradScaler {
     std::vector<torch::Tensor> found_inf_per_device;
   };
   void check_initialized(const char* fn) const;
+  void create_state(c10::Device device);  // the scale and the growth tracker, on `device`
   std::vector<torch::Tensor> unscale_grads(torch::optim::Optimizer& optimizer, const torch::Tensor& inv_scale,
                                            bool allow_fp16);
 

@@ -327,7 +327,10 @@ PERF_INLINE GradScaler::GradScaler(const GradScalerOptions& options) : options_(
     TORCH_WARN("perf::GradScaler: device ", device, " requested but CUDA is not available; disabling the scaler");
     options_.enabled(false);
   }
-  if (!options_.enabled()) return;
+  if (options_.enabled()) create_state(device);
+}
+
+PERF_INLINE void GradScaler::create_state(c10::Device device) {
   scale_ = at::full({}, options_.init_scale(), at::device(device).dtype(at::kFloat));
   growth_tracker_ = at::full({}, init_growth_tracker_, at::device(device).dtype(at::kInt));
 }
@@ -340,10 +343,7 @@ PERF_INLINE void GradScaler::check_initialized(const char* fn) const {
 
 PERF_INLINE torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
   if (!is_enabled()) return outputs;
-  if (!scale_.defined()) {
-    scale_ = at::full({}, options_.init_scale(), at::device(outputs.device()).dtype(at::kFloat));
-    growth_tracker_ = at::full({}, init_growth_tracker_, at::device(outputs.device()).dtype(at::kInt));
-  }
+  if (!scale_.defined()) create_state(outputs.device());
   return outputs * detail::scaler_copy(scale_, outputs.device());
 }
 
