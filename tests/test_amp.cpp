@@ -446,11 +446,7 @@ TEST(GradScaler, DeviceCreatesTheScaleThereAndRefusesOthers) {
 TEST(GradScaler, CudaDeviceWithoutCudaWarnsAndDisables) {
   if (has_cuda())
     GTEST_SKIP() << "skipped: this machine has a CUDA device (GradScaler.OnGpuDeviceCreatesTheScaleThere)";
-  struct Collect : c10::WarningHandler {
-    std::vector<std::string> messages;
-    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
-  } warnings;
-  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  test_util::CollectWarnings warnings;
   perf::GradScaler scaler(perf::GradScalerOptions().device(torch::kCUDA));
   ASSERT_EQ(warnings.messages.size(), 1u);
   EXPECT_NE(warnings.messages[0].find("device cuda requested but CUDA is not available; disabling the scaler"),

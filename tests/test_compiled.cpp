@@ -161,6 +161,72 @@ TEST(Compiled, MissingCorruptWrongNameAndCudaPackagesAreClearErrors) {
 #endif
 }
 
+// A CPU package that computes in bfloat16, opened on a CPU without bfloat16 instructions, warns: its kernels
+// emulate bf16 (bench_compiled on an AVX2 CPU: the CNN's bf16 package 7-10x slower than its fp32 one). Not on a
+// CPU with them, and not for a float32 package.
+TEST(Compiled, Bf16PackageOnACpuWithoutBf16InstructionsWarns) {
+  using perf::detail::emulated_bf16_reason;
+  perf::detail::CpuBf16 avx2, amx;
+  amx.amx_bf16 = true;
+  perf::CompiledInput fp32_in, bf16_in;
+  bf16_in.dtype = at::kBFloat16;
+  const auto why = emulated_bf16_reason({}, {fp32_in, bf16_in}, avx2);
+  EXPECT_NE(why.find("it computes in bfloat16 (input 1 is BFloat16), and this CPU has no bfloat16 instructions "
+                     "(avx512_bf16=no amx_bf16=no), so its bfloat16 kernels are emulated"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("export it in float32 (tools/export_compiled.py without --dtype bfloat16; for a training "
+                     "step, --amp off)"),
+            std::string::npos)
+      << why;
+  EXPECT_EQ(emulated_bf16_reason({}, {fp32_in, bf16_in}, amx), "");
+  EXPECT_EQ(emulated_bf16_reason({}, {fp32_in}, avx2), "");
+  // Training steps (perf::CompiledTrainStep opens packages the same way): bf16 autocast, or bf16 state.
+  const auto amp = emulated_bf16_reason({{"perf.train.amp", "bf16"}}, {fp32_in}, avx2);
+  EXPECT_NE(amp.find("(the step runs under bf16 autocast)"), std::string::npos) << amp;
+  std::unordered_map<std::string, std::string> step = {{"perf.train.amp", "off"},
+                                                       {"perf.train.state.0", "name=w kind=param dtype=float32"}};
+  EXPECT_EQ(emulated_bf16_reason(step, {fp32_in}, avx2), "");
+  step["perf.train.state.1"] = "name=fc.weight kind=param dtype=bfloat16";
+  const auto state = emulated_bf16_reason(step, {fp32_in}, avx2);
+  EXPECT_NE(state.find("(its state 'fc.weight' is BFloat16)"), std::string::npos) << state;
+  EXPECT_EQ(emulated_bf16_reason(step, {fp32_in}, amx), "");
+
+  // Opened: the MLP's package relabelled as taking a bf16 input (its metadata only; it is not run).
+  TempDir dir;
+  const std::string relabelled = dir / "mlp_bf16_marked.pt2";
+  ASSERT_EQ(test_util::python("import zipfile\n"
+                              "with zipfile.ZipFile('" +
+                              package("mlp.pt2") + "') as zin, zipfile.ZipFile('" + relabelled +
+                              "', 'w') as zout:\n"
+                              "    for item in zin.infolist():\n"
+                              "        data = zin.read(item.filename)\n"
+                              "        if item.filename.endswith('_metadata.json'):\n"
+                              "            data = data.replace(b'dtype=float32', b'dtype=bfloat16')\n"
+                              "        zout.writestr(item, data)\n"
+                              "print('relabelled')"),
+            "relabelled");
+  {
+    const test_util::ScopedCpuBf16 cpu(/*native=*/false);
+    test_util::CollectWarnings warnings;
+    perf::CompiledModel model(relabelled);
+    EXPECT_EQ(model.inputs().at(0).dtype, at::kBFloat16);
+    ASSERT_EQ(warnings.messages.size(), 1u);
+    EXPECT_EQ(warnings.messages[0].rfind("perf::CompiledModel '" + relabelled +
+                                             "': it computes in bfloat16 (input 0 is BFloat16), and this CPU has no "
+                                             "bfloat16 instructions",
+                                         0),
+              0u)
+        << warnings.messages[0];
+    perf::CompiledModel fp32(package("mlp.pt2"));
+    EXPECT_EQ(warnings.messages.size(), 1u) << "a float32 package: no warning";
+  }
+  const test_util::ScopedCpuBf16 cpu(/*native=*/true);
+  test_util::CollectWarnings warnings;
+  perf::CompiledModel model(relabelled);
+  EXPECT_TRUE(warnings.messages.empty()) << warnings.messages[0];
+}
+
 TEST(Compiled, RunsUnderInferenceModeAndInsidePerfBenchmark) {
   perf::CompiledModel cnn(package("cnn.pt2"));
   const auto ref = reference("cnn", 5);

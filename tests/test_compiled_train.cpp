@@ -504,6 +504,31 @@ TEST(CompiledTrain, PrintsTheRecipeAndBatch) {
   EXPECT_NE(s.str().find("batch 1: Long [8]"), std::string::npos) << s.str();
 }
 
+// A step exported with bf16 autocast, opened on a CPU without bfloat16 instructions, warns (its kernels emulate
+// bf16: perf's own CPU recipe stays in float32 there); on a CPU with them it does not, nor does a float32 step.
+TEST(CompiledTrain, Bf16StepOnACpuWithoutBf16InstructionsWarns) {
+  for (const bool native : {false, true}) {
+    const test_util::ScopedCpuBf16 cpu(native);
+    test_util::CollectWarnings warnings;
+    TinyGpt gpt;
+    perf::optim::AdamW opt(gpt.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::CompiledTrainStep bf16(package("gpt_train_bf16.pt2"), gpt, opt);
+    ASSERT_EQ(warnings.messages.size(), native ? 0u : 1u) << "native bf16: " << native;
+    if (!native) {
+      EXPECT_EQ(warnings.messages[0].rfind("perf::CompiledTrainStep '" + package("gpt_train_bf16.pt2") +
+                                               "': it computes in bfloat16 (the step runs under bf16 autocast), and "
+                                               "this CPU has no bfloat16 instructions (avx512_bf16=no amx_bf16=no)",
+                                           0),
+                0u)
+          << warnings.messages[0];
+    }
+    TinyGpt gpt32;
+    perf::optim::AdamW opt32(gpt32.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::CompiledTrainStep fp32(package("gpt_train.pt2"), gpt32, opt32);
+    EXPECT_EQ(warnings.messages.size(), native ? 0u : 1u) << "a float32 step: no warning";
+  }
+}
+
 // Attention under autocast (export_train's `attention`): the transformer's bf16
 // package exported with attention="float32" computes its attention op in
 // float32, as read back from the compiled graph (the dtypes recorded are the

@@ -284,11 +284,7 @@ TEST(Prefetch, CpuIsAPassThrough) {
   for (auto& b : p) EXPECT_FALSE(b.data.is_pinned()) << "no pinning for a CPU target";
   // pin(true) for a CPU target: a warning and no pinning (as Python's DataLoader without an accelerator), not an
   // error from the pin at the first batch on a machine without CUDA.
-  struct Collect : c10::WarningHandler {
-    std::vector<std::string> messages;
-    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
-  } warnings;
-  c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+  test_util::CollectWarnings warnings;
   auto pinned = perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().pin(true));
   ASSERT_EQ(warnings.messages.size(), 1u);
   EXPECT_NE(warnings.messages[0].find("pin(true) has no effect for a cpu target"), std::string::npos)

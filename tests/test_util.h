@@ -110,6 +110,17 @@ class ScopedCpuBf16 {
   perf::detail::CpuBf16 saved_;
 };
 
+// LibTorch's warnings (TORCH_WARN) on this thread, collected for one scope instead of printed.
+class CollectWarnings : public c10::WarningHandler {
+ public:
+  CollectWarnings() : guard_(this) {}
+  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;  // after `messages`: restores the handler before they go
+};
+
 // Paths CMake gives the build (test_paths.cpp), each overridden by the
 // environment variable of the same name when the binary runs elsewhere:
 // PERF_PYTHON, PERF_SOURCE_DIR, PERF_TEST_PACKAGES, PERF_FAKE_NVML.

@@ -99,7 +99,10 @@ class Package;
 }  // namespace detail
 
 /// Copies share the loaded package (like a module holder), so a copy can be
-/// handed to perf::graph: `auto g = perf::graph(model, x);`.
+/// handed to perf::graph: `auto g = perf::graph(model, x);`. A CPU package that
+/// computes in bfloat16 on a CPU without bfloat16 instructions (no AVX-512-BF16,
+/// no AMX-BF16) warns when opened: its kernels emulate bf16, several times
+/// slower than the same model in float32.
 class CompiledModel {
  public:
   explicit CompiledModel(const std::string& path, const CompiledOptions& options = CompiledOptions());
@@ -162,6 +165,13 @@ PERF_INLINE size_t spec_leaves(const std::string& spec);
 // The vector ISA a CPU package was compiled for (AOTI_CPU_ISA: "AVX512 AVX512_VNNI
 // AMX_TILE", "AVX2"), against this CPU: running AVX-512 code without it dies of SIGILL.
 PERF_INLINE std::string missing_cpu_isa(const std::string& isa);
+
+// Why a CPU package will run slowly on `cpu`, or "": it computes in bfloat16 (a bfloat16
+// input, bf16 autocast inside a training step, or bfloat16 state) and `cpu` has no bfloat16
+// instructions, so ATen and the generated kernels emulate them. perf's own CPU recipe stays
+// in float32 there (perf/detail/cpu.h); a package exported in bf16 elsewhere cannot.
+PERF_INLINE std::string emulated_bf16_reason(const std::unordered_map<std::string, std::string>& metadata,
+                                             const std::vector<CompiledInput>& inputs, const CpuBf16& cpu);
 
 // Input specs from the input checks inductor writes into every package's
 // generated wrapper (data/aotinductor/<model>/*.wrapper.cpp; they run only
@@ -318,6 +328,9 @@ class Package {
   std::atomic<bool> ran_{false};  // a call outside capture has run (constants folded)
   std::mutex first_run_;          // held by the first call until it has run
 };
+
+// TORCH_WARN with emulated_bf16_reason() for this CPU, when there is one (a CPU package only).
+PERF_INLINE void warn_if_emulated_bf16(const Package& package);
 
 }  // namespace detail
 

@@ -98,6 +98,27 @@ PERF_INLINE std::string missing_cpu_isa(const std::string& isa) {
   return missing;
 }
 
+PERF_INLINE std::string emulated_bf16_reason(const std::unordered_map<std::string, std::string>& metadata,
+                                             const std::vector<CompiledInput>& inputs, const CpuBf16& cpu) {
+  if (cpu.native()) return "";
+  std::string what;  // the first sign that the package computes in bfloat16
+  for (size_t i = 0; i < inputs.size() && what.empty(); ++i)
+    if (inputs[i].dtype == at::kBFloat16) what = "input " + std::to_string(i) + " is BFloat16";
+  const auto amp = metadata.find("perf.train.amp");
+  if (what.empty() && amp != metadata.end() && amp->second == "bf16") what = "the step runs under bf16 autocast";
+  for (size_t i = 0; what.empty(); ++i) {  // a training step's parameters and buffers, in order
+    const auto state = metadata.find("perf.train.state." + std::to_string(i));
+    if (state == metadata.end()) break;
+    auto kv = key_values(state->second);
+    if (kv["dtype"] == "bfloat16") what = "its state '" + kv["name"] + "' is BFloat16";
+  }
+  if (what.empty()) return "";
+  return "it computes in bfloat16 (" + what + "), and this CPU has no bfloat16 instructions (" + cpu.features() +
+         "), so its bfloat16 kernels are emulated: expect it several times slower than the same model in float32 "
+         "(7-10x for bench_compiled's CNN on an AVX2 CPU). For this machine, export it in float32 "
+         "(tools/export_compiled.py without --dtype bfloat16; for a training step, --amp off).";
+}
+
 PERF_INLINE std::optional<std::vector<CompiledInput>> specs_from_generated_code(const std::string& path,
                                                                                 const std::string& model_name,
                                                                                 size_t num_inputs) {
@@ -224,6 +245,12 @@ PERF_INLINE std::vector<at::Tensor> check_inputs(const std::string& who, const s
   return out;
 }
 
+PERF_INLINE void warn_if_emulated_bf16(const Package& package) {
+  if (!package.device().is_cpu()) return;
+  const auto why = emulated_bf16_reason(package.metadata(), package.inputs(), cpu_bf16());
+  if (!why.empty()) TORCH_WARN(package.who(), ": ", why);
+}
+
 }  // namespace detail
 
 PERF_INLINE CompiledModel::CompiledModel(const std::string& path, const CompiledOptions& options)
@@ -248,6 +275,7 @@ PERF_INLINE CompiledModel::CompiledModel(const std::string& path, const Compiled
                   "perf::CompiledOptions().check_inputs(false) to run it unchecked at that risk.");
     }
   }
+  detail::warn_if_emulated_bf16(*package_);
 }
 
 PERF_INLINE const std::string& CompiledModel::path() const noexcept { return package_->path(); }

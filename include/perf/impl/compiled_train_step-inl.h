@@ -29,6 +29,7 @@ PERF_INLINE CompiledTrainStep::CompiledTrainStep(const std::string& path, Module
   TORCH_CHECK(options_.accumulation_steps() >= 1, "perf::CompiledTrainOptions::accumulation_steps: must be >= 1, got ",
               options_.accumulation_steps());
   bind_state();
+  detail::warn_if_emulated_bf16(*package_);
 }
 
 PERF_INLINE std::string CompiledTrainStep::layout_hint() const {
