@@ -253,6 +253,32 @@ TEST(Autocast, CpuAttentionKernelIsInstalledWithoutAWarning) {
       ::testing::ExitedWithCode(1), "");
 }
 
+// An explicit bf16 CPU region on a CPU without native bf16 is honoured (it casts) and says so once per process,
+// since a training loop opens one per step; with native bf16, or without a dtype (fp32 there), nothing is said.
+// Each case in a process of its own (a death test), as the warning is once per process.
+TEST(Autocast, ExplicitBf16OnACpuWithoutNativeBf16WarnsOnce) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto warnings_in_three_steps = [](bool native) {
+    const ScopedCpuBf16 cpu(native);
+    test_util::CollectWarnings warnings;
+    for (int step = 0; step < 3; ++step) {
+      perf::Autocast ac(torch::kCPU, torch::kBFloat16);
+      if (!ac.enabled() || torch::mm(torch::ones({2, 2}), torch::ones({2, 2})).scalar_type() != torch::kBFloat16)
+        std::exit(100);  // not honoured
+    }
+    { perf::Autocast unset(torch::kCPU); }
+    int n = 0;
+    for (const auto& m : warnings.messages)
+      n += m.rfind(
+               "perf::Autocast: bfloat16 on a CPU without bfloat16 instructions (avx512_bf16=no amx_bf16=no): "
+               "ATen emulates it",
+               0) == 0;
+    std::exit(n);
+  };
+  EXPECT_EXIT(warnings_in_three_steps(/*native=*/false), ::testing::ExitedWithCode(1), "");
+  EXPECT_EXIT(warnings_in_three_steps(/*native=*/true), ::testing::ExitedWithCode(0), "");
+}
+
 TEST(Autocast, OnGpuPicksBf16OnAmpereAndCasts) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   const auto a = torch::randn({8, 8}, torch::kCUDA);

@@ -49,7 +49,8 @@ class Autocast {
   /// dtype unset: on CUDA bfloat16 on sm_80+, else float16; on the CPU bfloat16
   /// where the CPU computes it natively (AVX-512-BF16 or AMX-BF16), else the
   /// region stays fp32 (autocast off: emulated bf16 is slower than fp32), see
-  /// default_enabled(). An explicit dtype is always honoured.
+  /// default_enabled(). An explicit dtype is always honoured; bfloat16 on a CPU
+  /// without native bf16 warns once per process (it is emulated, slower than fp32).
   explicit Autocast(c10::Device device, std::optional<c10::ScalarType> dtype = std::nullopt, bool enabled = true,
                     bool cache_enabled = true);
   ~Autocast();

@@ -298,6 +298,14 @@ PERF_INLINE Autocast::Autocast(c10::Device device, std::optional<c10::ScalarType
   if (type_ == c10::DeviceType::CPU && enabled_) {
     detail::install_cpu_attention_kernel();
     ++detail::cpu_autocast_depth();
+    // Asked for by name (unset, the region would have stayed fp32 here): honoured, but said once, since a
+    // training loop opens a region per step.
+    if (dtype_ == at::kBFloat16 && !detail::cpu_bf16().native()) {
+      TORCH_WARN_ONCE("perf::Autocast: bfloat16 on a CPU without bfloat16 instructions (",
+                      detail::cpu_bf16().features(),
+                      "): ATen emulates it, which is slower than float32 (several times for convolutions and "
+                      "matmuls). Leave the dtype unset, perf::Autocast(torch::kCPU), to run such a CPU in float32.");
+    }
   }
 }
 
