@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -169,6 +170,7 @@ TEST(Distributed, TwoProcessesAllReduceAndBroadcastOverGloo) {
   ASSERT_GT(port, 0);
   const pid_t child = spawn_rank("Distributed.Rank1OfTwoProcessTests", port);
   ASSERT_GT(child, 0);
+  test_util::ScopedJobThreads restore;  // the quick tests after this one in the process
   try {
     auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(30)).backend("gloo"));
     EXPECT_EQ(pg->getSize(), 2);
@@ -187,6 +189,93 @@ TEST(Distributed, Rank1OfTwoProcessTests) {
   if (!is_worker()) GTEST_SKIP() << "skipped: runs only as rank 1, started by Distributed.TwoProcesses*";
   auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
   EXPECT_EQ(pg->getRank(), 1);
+  allreduce_and_broadcast(pg);
+}
+
+// The intra-op threads init_process_group gives each process, by the rule alone.
+TEST(Distributed, ProcessesSharingAMachineGetTheirShareOfItsCores) {
+  using perf::detail::shared_core_threads;
+  EXPECT_EQ(shared_core_threads(2, 8, 8, false), 4);
+  EXPECT_EQ(shared_core_threads(3, 8, 8, false), 2);
+  EXPECT_EQ(shared_core_threads(2, 2, 2, false), 1);
+  EXPECT_EQ(shared_core_threads(16, 8, 8, false), 1) << "at least one each";
+  EXPECT_EQ(shared_core_threads(2, 8, 16, false), 4) << "a default of one thread per hardware thread";
+  EXPECT_EQ(shared_core_threads(1, 8, 8, false), 0) << "alone on the machine";
+  EXPECT_EQ(shared_core_threads(2, 8, 8, true), 0) << "OMP_NUM_THREADS or MKL_NUM_THREADS set";
+  EXPECT_EQ(shared_core_threads(2, 8, 4, false), 0) << "the program chose fewer threads";
+  EXPECT_EQ(shared_core_threads(2, 0, 8, false), 0) << "cores unknown";
+}
+
+namespace {
+
+bool thread_count_chosen() {
+  for (const char* var : {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}) {
+    const char* v = std::getenv(var);
+    if (v != nullptr && *v != '\0') return true;
+  }
+  return false;
+}
+
+// After init_process_group in a job of `processes` processes here: the count, and
+// the threads the rule gives (the same as `before` where it leaves them).
+void expect_core_share(int processes, int before) {
+  EXPECT_EQ(perf::detail::job_processes_here().load(), processes);
+  const int share =
+      perf::detail::shared_core_threads(processes, perf::detail::physical_cores(), before, thread_count_chosen());
+  EXPECT_EQ(at::get_num_threads(), share ? share : before)
+      << processes << " processes on " << perf::detail::physical_cores() << " cores, " << before << " threads before";
+}
+
+}  // namespace
+
+// Two real processes on this machine: each counts two through the store and takes
+// its share of the cores (rank 0 warns saying so); told by LOCAL_WORLD_SIZE=1 (a
+// launcher's one process per machine), neither changes its threads.
+TEST(Distributed, TwoProcessesOnThisMachineShareItsCores) {
+#if PERF_WITH_GLOO
+  if (is_worker()) GTEST_SKIP() << "skipped: this is the rank-1 copy";
+  for (const std::string local : {"", "1"}) {
+    SCOPED_TRACE(local.empty() ? "counted through the store" : "LOCAL_WORLD_SIZE=" + local);
+    test_util::ScopedJobThreads restore;
+    std::optional<test_util::ScopedEnv> local_world;
+    if (!local.empty()) local_world.emplace("LOCAL_WORLD_SIZE", local.c_str());
+    const int processes = local.empty() ? 2 : 1;
+    test_util::ScopedEnv expect("PERF_DIST_EXPECT_PROCESSES", std::to_string(processes).c_str());
+    const int before = at::get_num_threads();
+    const int port = free_port();
+    ASSERT_GT(port, 0);
+    const pid_t child = spawn_rank("Distributed.CoreShareOfRank1", port);
+    ASSERT_GT(child, 0);
+    try {
+      test_util::CollectWarnings warnings;
+      auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(30)).backend("gloo"));
+      expect_core_share(processes, before);
+      const bool changed = at::get_num_threads() != before;
+      size_t said = 0;
+      for (const auto& m : warnings.messages)
+        said += m.find(std::to_string(processes) + " processes of this job share this machine's") != std::string::npos;
+      EXPECT_EQ(said, changed ? 1u : 0u);
+      allreduce_and_broadcast(pg);
+      perf::destroy_process_group(pg);
+      EXPECT_EQ(perf::detail::job_processes_here().load(), 1) << "the job has ended";
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+    EXPECT_EQ(wait_bounded(child, std::chrono::seconds(60)), 0) << "rank 1 failed (its output is above)";
+  }
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// Not a test of its own: rank 1 of the test above.
+TEST(Distributed, CoreShareOfRank1) {
+  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as rank 1, started by Distributed.TwoProcessesOnThisMachine*";
+  const char* expect = std::getenv("PERF_DIST_EXPECT_PROCESSES");
+  ASSERT_NE(expect, nullptr);
+  const int before = at::get_num_threads();
+  auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
+  expect_core_share(std::stoi(expect), before);
   allreduce_and_broadcast(pg);
 }
 
@@ -393,6 +482,8 @@ void run_buffers(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool broadcas
 }
 
 void run_ddp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  // Every rank of these jobs runs on this machine, and init_process_group counted them.
+  EXPECT_EQ(perf::detail::job_processes_here().load(), pg->getSize());
   const std::vector<Case> cases = {
       {"SGD, default options", perf::DDPOptions(), OptKind::sgd},
       {"AdamW, several small buckets", perf::DDPOptions().bucket_cap_mb(0.0005).first_bucket_cap_mb(0.0002),
@@ -545,6 +636,7 @@ TEST(DistributedDataParallel, TwoAndThreeProcessesTrainLikeOneProcessOnTheWholeB
     std::vector<pid_t> children;
     for (int r = 1; r < world; ++r)
       children.push_back(spawn_rank("DistributedDataParallel.WorkerRank", port, r, world));
+    test_util::ScopedJobThreads restore;
     try {
       auto pg = perf::init_process_group(loopback(world, 0, port, std::chrono::seconds(60)).backend("gloo"));
       run_ddp_suite(pg);
@@ -564,6 +656,7 @@ TEST(DistributedDataParallel, ARankThatDiesIsABoundedError) {
   if (is_worker()) GTEST_SKIP() << "skipped: this is a worker copy";
   const int port = free_port();
   const pid_t child = spawn_rank("DistributedDataParallel.WorkerThatDies", port);
+  test_util::ScopedJobThreads restore;  // the quick tests after this one in the process
   const auto t0 = std::chrono::steady_clock::now();
   try {
     auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(5)).backend("gloo"));

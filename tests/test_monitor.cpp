@@ -29,11 +29,7 @@ struct ScopedThreads {
 
 using test_util::ScopedCpuBf16;
 
-int64_t physical_cores() {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  const auto it = caps.find("num_physical_cores");
-  return it != caps.end() && it->second.isInt() ? it->second.toInt() : 0;
-}
+using perf::detail::physical_cores;
 
 // A small CNN step (forward + backward + SGD), optionally channels-last and bf16 autocast.
 struct CnnStep {
@@ -298,9 +294,33 @@ TEST(Advise, FewerThreadsThanCoresIsFound) {
     const auto advice = perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(1));
     ASSERT_TRUE(advice.has("intra-op threads below the physical cores")) << advice;
     EXPECT_TRUE(contains(advice.to_string(), "1 intra-op threads on " + std::to_string(cores) + " physical cores"));
+    EXPECT_TRUE(contains(advice.to_string(), "perf::Settings().num_threads(" + std::to_string(cores) + ")")) << advice;
   }
   ScopedThreads all(static_cast<int>(cores));
   EXPECT_FALSE(perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(1)).has("intra-op"));
+}
+
+// Where perf::init_process_group counted several of the job's processes on this
+// machine, the threads are judged against this process's share of the cores.
+TEST(Advise, ThreadsAreJudgedAgainstThisProcessShareOfTheCores) {
+  const auto cores = physical_cores();
+  if (cores < 2) GTEST_SKIP() << "skipped: this machine has " << cores << " physical core(s); two processes need 2+";
+  const int share = static_cast<int>(cores / 2);
+  CnnStep step(true, perf::detail::cpu_bf16().native());
+  test_util::ScopedJobThreads two_processes(2);
+  {
+    ScopedThreads half(share);
+    const auto advice = perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(1));
+    EXPECT_FALSE(advice.has("intra-op threads below the physical cores")) << advice;
+    EXPECT_FALSE(advice.has("intra-op threads over this process's share of the cores")) << advice;
+  }
+  ScopedThreads all(static_cast<int>(cores));
+  const auto advice = perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(1));
+  ASSERT_TRUE(advice.has("intra-op threads over this process's share of the cores")) << advice;
+  EXPECT_TRUE(contains(advice.to_string(), std::to_string(cores) + " intra-op threads on " + std::to_string(cores) +
+                                               " physical cores shared by 2 processes of this job"))
+      << advice;
+  EXPECT_TRUE(contains(advice.to_string(), "perf::Settings().num_threads(" + std::to_string(share) + ")")) << advice;
 }
 
 TEST(Advise, Fp32OnANativeBf16CpuIsFoundAndOnlyThere) {

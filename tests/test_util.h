@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <perf/detail/cpu.h>
@@ -108,6 +109,26 @@ class ScopedCpuBf16 {
 
  private:
   perf::detail::CpuBf16 saved_;
+};
+
+// The intra-op threads and the job's process count on this machine (both set by
+// perf::init_process_group), put back at scope exit; `processes` plays that many.
+class ScopedJobThreads {
+ public:
+  explicit ScopedJobThreads(std::optional<int> processes = std::nullopt)
+      : threads_(at::get_num_threads()), processes_(perf::detail::job_processes_here().load()) {
+    if (processes) perf::detail::job_processes_here().store(*processes);
+  }
+  ~ScopedJobThreads() {
+    if (at::get_num_threads() != threads_) at::set_num_threads(threads_);
+    perf::detail::job_processes_here().store(processes_);
+  }
+  ScopedJobThreads(const ScopedJobThreads&) = delete;
+  ScopedJobThreads& operator=(const ScopedJobThreads&) = delete;
+
+ private:
+  int threads_;
+  int processes_;
 };
 
 // LibTorch's warnings (TORCH_WARN) on this thread, collected for one scope instead of printed.

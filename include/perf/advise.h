@@ -12,7 +12,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>

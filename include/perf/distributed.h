@@ -15,8 +15,10 @@
 // error and NCCL still works.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/cpu.h>
 #include <perf/detail/ddp_registry.h>
 #include <torch/arg.h>
 #include <torch/autograd.h>
@@ -52,6 +54,8 @@
 #ifndef PERF_WITH_NCCL
 #define PERF_WITH_NCCL 0
 #endif
+
+#include <unistd.h>  // gethostname
 
 #include <algorithm>
 #include <chrono>
@@ -94,6 +98,14 @@ struct ProcessGroupOptions {
 /// every rank connects to it, and the backend (Gloo or NCCL) forms over it.
 /// Returns the c10d::ProcessGroup whose collectives (allreduce, broadcast, ...)
 /// the caller and perf::DistributedDataParallel use.
+///
+/// It also counts the job's processes on this machine (LOCAL_WORLD_SIZE where a
+/// launcher set it, else through the store, by host name). Where several share
+/// the machine and each still has LibTorch's default of one intra-op thread per
+/// core (neither OMP_NUM_THREADS nor MKL_NUM_THREADS set, as when launched
+/// without torchrun), each gets cores / processes threads (at least 1), with a
+/// warning: oversubscribed, OpenMP's threads spin at every barrier waiting for
+/// threads that have no core.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options = ProcessGroupOptions());
 
 /// Shuts the group's backends down (NCCL communicators finalised), as
@@ -104,6 +116,13 @@ void destroy_process_group(const c10::intrusive_ptr<c10d::ProcessGroup>& process
 
 namespace detail {
 struct DDPSinkState;
+
+// The intra-op threads each of `processes` processes sharing `cores` physical
+// cores gets from init_process_group when each runs `threads`: cores / processes
+// (at least 1) where each has LibTorch's default (threads >= cores); 0 (leave
+// them) for one process, an unknown core count, or a count the program chose
+// (`chosen`: OMP_NUM_THREADS or MKL_NUM_THREADS set, or fewer threads than cores).
+int shared_core_threads(int processes, int64_t cores, int threads, bool chosen);
 }  // namespace detail
 
 /// perf::DistributedDataParallel's options, named and defaulted as Python's

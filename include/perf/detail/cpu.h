@@ -1,12 +1,15 @@
 // perf/detail/cpu.h — what the CPU offers for bfloat16, as ATen detects it.
 // bf16 autocast pays off on the CPU only with native bf16 arithmetic
 // (AVX-512-BF16 or AMX-BF16); elsewhere ATen emulates it and fp32 is faster.
+// Also the cores, and how many processes of a distributed job share them.
 #pragma once
 
 #include <ATen/cpu/Utils.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 namespace perf {
@@ -40,6 +43,23 @@ inline CpuBf16& cpu_bf16() {
     return c;
   }();
   return caps;
+}
+
+// The machine's physical cores as ATen's cpuinfo counts them (0: unknown).
+inline int64_t physical_cores() {
+  static const int64_t cores = [] {
+    const auto all = at::cpu::get_cpu_capabilities();
+    const auto it = all.find("num_physical_cores");
+    return it != all.end() && it->second.isInt() ? it->second.toInt() : int64_t{0};
+  }();
+  return cores;
+}
+
+// How many processes of this program's distributed job run on this machine and
+// share its cores: counted by perf::init_process_group, 1 without a job.
+inline std::atomic<int>& job_processes_here() {
+  static std::atomic<int> n{1};
+  return n;
 }
 
 }  // namespace detail

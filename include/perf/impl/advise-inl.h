@@ -308,14 +308,23 @@ PERF_INLINE Advice advise(const std::function<void()>& step, const AdviseOptions
 #endif
   // CPU.
   if (!cuda) {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    const auto it = caps.find("num_physical_cores");
-    const int64_t cores = it != caps.end() && it->second.isInt() ? it->second.toInt() : 0;
-    if (cores > 0 && at::get_num_threads() < cores) {
-      f.push_back(
-          {"intra-op threads below the physical cores",
-           std::to_string(at::get_num_threads()) + " intra-op threads on " + std::to_string(cores) + " physical cores",
-           "perf::setup() (threads = physical cores), or perf::Settings().num_threads(" + std::to_string(cores) + ")"});
+    // This process's share of the cores: all of them, or cores / processes where
+    // perf::init_process_group counted several of the job's processes here.
+    const int64_t cores = detail::physical_cores();
+    const int processes = std::max(1, detail::job_processes_here().load());
+    const int64_t share = std::max<int64_t>(1, cores / processes);
+    const int threads = at::get_num_threads();
+    const std::string on = std::to_string(threads) + " intra-op threads on " + std::to_string(cores) +
+                           " physical cores" +
+                           (processes > 1 ? " shared by " + std::to_string(processes) + " processes of this job" : "");
+    if (cores > 0 && threads < share) {
+      f.push_back({"intra-op threads below the physical cores", on,
+                   "perf::setup(perf::Settings().num_threads(" + std::to_string(share) + "))"});
+    }
+    if (cores > 0 && processes > 1 && threads > share) {
+      f.push_back({"intra-op threads over this process's share of the cores", on,
+                   "perf::setup(perf::Settings().num_threads(" + std::to_string(share) +
+                       ")): oversubscribed, OpenMP's threads spin waiting for threads that have no core"});
     }
     if (detail::cpu_bf16().native() && counters.compute_fp32 > 0 && !autocast_used) {
       f.push_back({"bf16 autocast off on a CPU with native bf16",
