@@ -162,36 +162,6 @@ TEST(Distributed, GlooSingleProcessGroupWorks) {
 #endif
 }
 
-// Rank 0 here, rank 1 in a second copy of this binary, over 127.0.0.1.
-TEST(Distributed, TwoProcessesAllReduceAndBroadcastOverGloo) {
-#if PERF_WITH_GLOO
-  if (is_worker()) GTEST_SKIP() << "skipped: this is the rank-1 copy";
-  const int port = free_port();
-  ASSERT_GT(port, 0);
-  const pid_t child = spawn_rank("Distributed.Rank1OfTwoProcessTests", port);
-  ASSERT_GT(child, 0);
-  test_util::ScopedJobThreads restore;  // the quick tests after this one in the process
-  try {
-    auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(30)).backend("gloo"));
-    EXPECT_EQ(pg->getSize(), 2);
-    allreduce_and_broadcast(pg);
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << e.what();
-  }
-  EXPECT_EQ(wait_bounded(child, std::chrono::seconds(60)), 0) << "rank 1 failed (its output is above)";
-#else
-  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
-#endif
-}
-
-// Not a test of its own: rank 1 of the test above, from torchrun-style variables.
-TEST(Distributed, Rank1OfTwoProcessTests) {
-  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as rank 1, started by Distributed.TwoProcesses*";
-  auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
-  EXPECT_EQ(pg->getRank(), 1);
-  allreduce_and_broadcast(pg);
-}
-
 // The intra-op threads init_process_group gives each process, by the rule alone.
 TEST(Distributed, ProcessesSharingAMachineGetTheirShareOfItsCores) {
   using perf::detail::shared_core_threads;
@@ -228,15 +198,16 @@ void expect_core_share(int processes, int before) {
 
 }  // namespace
 
-// Two real processes on this machine: each counts two through the store and takes
-// its share of the cores (rank 0 warns saying so); told by LOCAL_WORLD_SIZE=1 (a
-// launcher's one process per machine), neither changes its threads.
-TEST(Distributed, TwoProcessesOnThisMachineShareItsCores) {
+// Rank 0 here, rank 1 in a second copy of this binary, over 127.0.0.1: the
+// collectives work, and each process counts two on this machine through the
+// store and takes its share of the cores (rank 0 warns saying so); told by
+// LOCAL_WORLD_SIZE=1 (a launcher's one process per machine), neither changes its threads.
+TEST(Distributed, TwoProcessesAllReduceAndBroadcastOverGloo) {
 #if PERF_WITH_GLOO
   if (is_worker()) GTEST_SKIP() << "skipped: this is the rank-1 copy";
   for (const std::string local : {"", "1"}) {
     SCOPED_TRACE(local.empty() ? "counted through the store" : "LOCAL_WORLD_SIZE=" + local);
-    test_util::ScopedJobThreads restore;
+    test_util::ScopedJobThreads restore;  // for the quick tests after this one in the process
     std::optional<test_util::ScopedEnv> local_world;
     if (!local.empty()) local_world.emplace("LOCAL_WORLD_SIZE", local.c_str());
     const int processes = local.empty() ? 2 : 1;
@@ -244,11 +215,12 @@ TEST(Distributed, TwoProcessesOnThisMachineShareItsCores) {
     const int before = at::get_num_threads();
     const int port = free_port();
     ASSERT_GT(port, 0);
-    const pid_t child = spawn_rank("Distributed.CoreShareOfRank1", port);
+    const pid_t child = spawn_rank("Distributed.Rank1OfTwoProcessTests", port);
     ASSERT_GT(child, 0);
     try {
       test_util::CollectWarnings warnings;
       auto pg = perf::init_process_group(loopback(2, 0, port, std::chrono::seconds(30)).backend("gloo"));
+      EXPECT_EQ(pg->getSize(), 2);
       expect_core_share(processes, before);
       const bool changed = at::get_num_threads() != before;
       size_t said = 0;
@@ -268,13 +240,14 @@ TEST(Distributed, TwoProcessesOnThisMachineShareItsCores) {
 #endif
 }
 
-// Not a test of its own: rank 1 of the test above.
-TEST(Distributed, CoreShareOfRank1) {
-  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as rank 1, started by Distributed.TwoProcessesOnThisMachine*";
+// Not a test of its own: rank 1 of the test above, from torchrun-style variables.
+TEST(Distributed, Rank1OfTwoProcessTests) {
+  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as rank 1, started by Distributed.TwoProcesses*";
   const char* expect = std::getenv("PERF_DIST_EXPECT_PROCESSES");
   ASSERT_NE(expect, nullptr);
   const int before = at::get_num_threads();
   auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend("gloo").timeout(std::chrono::seconds(30)));
+  EXPECT_EQ(pg->getRank(), 1);
   expect_core_share(std::stoi(expect), before);
   allreduce_and_broadcast(pg);
 }
