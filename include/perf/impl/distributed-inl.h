@@ -77,7 +77,7 @@ PERF_INLINE int count_processes_here(c10d::Store& store, int rank, int world, st
 // Several processes on one machine, each with LibTorch's default of one intra-op
 // thread per core, oversubscribe it: with libgomp's default the OpenMP threads
 // spin at every barrier while the thread they wait for has no core (DDP on 2
-// processes on 2 cores: 2.2-2.5x slower steps). torchrun sets OMP_NUM_THREADS=1
+// processes on 2 cores: 2.1-2.8x slower steps). torchrun sets OMP_NUM_THREADS=1
 // for this; a job launched without it gets its share of the cores here.
 PERF_INLINE void share_cores(int processes) {
   job_processes_here().store(processes);
@@ -92,7 +92,7 @@ PERF_INLINE void share_cores(int processes) {
   at::set_num_threads(share);
   TORCH_WARN("perf::init_process_group: ", processes, " processes of this job share this machine's ", cores,
              " physical cores, each with LibTorch's default of ", threads, " intra-op threads; each now has ", share,
-             " (oversubscribed, OpenMP's threads spin waiting for threads that have no core: 2.2-2.5x slower DDP "
+             " (oversubscribed, OpenMP's threads spin waiting for threads that have no core: 2.1-2.8x slower DDP "
              "steps measured with 2 processes on 2 cores; torchrun sets OMP_NUM_THREADS=1 for this). To choose "
              "another count, set OMP_NUM_THREADS, or perf::Settings().num_threads(n) after this call.");
 }
