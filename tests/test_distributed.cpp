@@ -178,20 +178,12 @@ TEST(Distributed, ProcessesSharingAMachineGetTheirShareOfItsCores) {
 
 namespace {
 
-bool thread_count_chosen() {
-  for (const char* var : {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}) {
-    const char* v = std::getenv(var);
-    if (v != nullptr && *v != '\0') return true;
-  }
-  return false;
-}
-
 // After init_process_group in a job of `processes` processes here: the count, and
 // the threads the rule gives (the same as `before` where it leaves them).
 void expect_core_share(int processes, int before) {
   EXPECT_EQ(perf::detail::job_processes_here().load(), processes);
-  const int share =
-      perf::detail::shared_core_threads(processes, perf::detail::physical_cores(), before, thread_count_chosen());
+  const int share = perf::detail::shared_core_threads(processes, perf::detail::physical_cores(), before,
+                                                      perf::detail::thread_count_set_by_environment());
   EXPECT_EQ(at::get_num_threads(), share ? share : before)
       << processes << " processes on " << perf::detail::physical_cores() << " cores, " << before << " threads before";
 }

@@ -565,6 +565,7 @@ TEST(Setup, OnGpuCudaSettingsApply) {
 
 TEST(Environment, DescribesVersionsDevicesAndFlags) {
   const KeepSettings keep;
+  const test_util::ScopedJobThreads alone(1);
   const perf::Environment e = perf::environment();
   // The Python torch from the same wheel reports the same version.
   const std::string py = test_util::python("import torch; print(torch.__version__)");
@@ -572,7 +573,9 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
   EXPECT_EQ(e.cuda_compiled, PERF_WITH_CUDA != 0);
   EXPECT_EQ(static_cast<int>(e.devices.size()), perf::detail::cuda_device_count());
   EXPECT_EQ(e.hardware_threads, std::thread::hardware_concurrency());
+  EXPECT_EQ(e.physical_cores, perf::detail::physical_cores());
   EXPECT_EQ(e.intraop_threads, at::get_num_threads());
+  EXPECT_EQ(e.job_processes, 1) << "no distributed job";
   const auto names = perf::setup().rows;
   ASSERT_EQ(e.flags.size(), names.size());
   for (size_t i = 0; i < names.size(); ++i) EXPECT_EQ(e.flags[i].first, names[i].setting);
@@ -582,6 +585,7 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
   EXPECT_NE(os.str().find("matmul_precision"), std::string::npos);
   EXPECT_EQ(e.cpu_autocast, perf::detail::cpu_bf16().autocast_choice());
   EXPECT_NE(os.str().find("autocast default " + e.cpu_autocast), std::string::npos);
+  EXPECT_EQ(os.str().find("distributed job:"), std::string::npos) << os.str();
   if (e.devices.empty()) {
     EXPECT_NE(os.str().find("CUDA devices: none"), std::string::npos);
   } else {
@@ -593,6 +597,38 @@ TEST(Environment, DescribesVersionsDevicesAndFlags) {
   const std::string py_cuda = test_util::python("import torch; print(torch.version.cuda)");
   EXPECT_EQ(py_cuda.rfind(std::to_string(e.cuda_runtime_version / 1000) + ".", 0), 0u) << py_cuda;
 #endif
+}
+
+// What sets the CPU threads, read from the environment as it is now: the thread
+// variables that are set (with their values, in a fixed order), and the processes of
+// a distributed job that share the machine (perf::init_process_group's count).
+TEST(Environment, SaysWhichThreadVariablesAreSetAndWhoSharesTheCores) {
+  const test_util::ScopedEnv omp("OMP_NUM_THREADS", "3");
+  const test_util::ScopedEnv mkl("MKL_NUM_THREADS", "");  // empty: not set
+  const test_util::ScopedEnv wait("OMP_WAIT_POLICY", "PASSIVE");
+  const test_util::ScopedJobThreads job(4);
+  const perf::Environment e = perf::environment();
+  using Variables = std::vector<std::pair<std::string, std::string>>;
+  EXPECT_EQ(e.thread_variables, (Variables{{"OMP_NUM_THREADS", "3"}, {"OMP_WAIT_POLICY", "PASSIVE"}}));
+  EXPECT_EQ(e.job_processes, 4);
+  std::ostringstream os;
+  os << e;
+  EXPECT_NE(os.str().find("thread variables: OMP_NUM_THREADS=3 OMP_WAIT_POLICY=PASSIVE\n"), std::string::npos)
+      << os.str();
+  EXPECT_NE(os.str().find("distributed job: 4 processes on this machine"), std::string::npos) << os.str();
+  EXPECT_TRUE(perf::detail::thread_count_set_by_environment());
+  {
+    const test_util::ScopedEnv no_omp("OMP_NUM_THREADS", "");
+    EXPECT_FALSE(perf::detail::thread_count_set_by_environment()) << "OMP_WAIT_POLICY alone chooses no count";
+    const test_util::ScopedEnv no_wait("OMP_WAIT_POLICY", "");
+    std::ostringstream none;
+    none << perf::environment();
+    EXPECT_NE(none.str().find("thread variables: none (OMP_NUM_THREADS, MKL_NUM_THREADS, OMP_WAIT_POLICY unset)"),
+              std::string::npos)
+        << none.str();
+  }
+  const test_util::ScopedEnv mkl_set("MKL_NUM_THREADS", "2");
+  EXPECT_TRUE(perf::detail::thread_count_set_by_environment());
 }
 
 // perf reads the CPU's bf16 features from ATen; on Linux they match /proc/cpuinfo.

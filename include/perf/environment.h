@@ -47,8 +47,15 @@ struct Environment {
   int64_t cudnn_version = 0;     // 0 when unavailable
   std::vector<DeviceInfo> devices;
   unsigned hardware_threads = 0;
+  int64_t physical_cores = 0;  // as ATen's cpuinfo counts them; 0 when unknown
   int intraop_threads = 0;
   int64_t interop_threads = 0;
+  /// Processes of this program's distributed job on this machine, sharing its cores
+  /// (counted by perf::init_process_group); 1 without a job.
+  int job_processes = 1;
+  /// OMP_NUM_THREADS, MKL_NUM_THREADS and OMP_WAIT_POLICY where the environment sets
+  /// them: name -> value. They change what a CPU benchmark measures.
+  std::vector<std::pair<std::string, std::string>> thread_variables;
   /// CPU bf16 features and perf's CPU autocast default, e.g. "off (fp32): avx512_bf16=no amx_bf16=no".
   std::string cpu_autocast;
   std::vector<std::pair<std::string, std::string>> flags;  // setting -> current value, in Report order

@@ -10,7 +10,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace perf {
 namespace detail {
@@ -60,6 +63,27 @@ inline int64_t physical_cores() {
 inline std::atomic<int>& job_processes_here() {
   static std::atomic<int> n{1};
   return n;
+}
+
+// The variables of this process's environment that set its CPU threads, as
+// (name, value): OMP_NUM_THREADS and MKL_NUM_THREADS choose LibTorch's intra-op
+// threads, OMP_WAIT_POLICY how OpenMP's idle threads wait (spinning, libgomp's
+// default, costs cores that other processes need). Unset or empty: left out.
+inline std::vector<std::pair<std::string, std::string>> thread_variables() {
+  std::vector<std::pair<std::string, std::string>> set;
+  for (const char* name : {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') set.emplace_back(name, value);
+  }
+  return set;
+}
+
+// Whether the environment chose the intra-op thread count (OMP_NUM_THREADS or
+// MKL_NUM_THREADS set), which perf then leaves as it is.
+inline bool thread_count_set_by_environment() {
+  for (const auto& [name, value] : thread_variables())
+    if (name != "OMP_WAIT_POLICY") return true;
+  return false;
 }
 
 }  // namespace detail

@@ -81,13 +81,9 @@ PERF_INLINE int count_processes_here(c10d::Store& store, int rank, int world, st
 // for this; a job launched without it gets its share of the cores here.
 PERF_INLINE void share_cores(int processes) {
   job_processes_here().store(processes);
-  const auto set = [](const char* var) {
-    const char* v = std::getenv(var);
-    return v != nullptr && *v != '\0';
-  };
   const int threads = at::get_num_threads();
   const int64_t cores = physical_cores();
-  const int share = shared_core_threads(processes, cores, threads, set("OMP_NUM_THREADS") || set("MKL_NUM_THREADS"));
+  const int share = shared_core_threads(processes, cores, threads, thread_count_set_by_environment());
   if (share == 0) return;
   at::set_num_threads(share);
   TORCH_WARN("perf::init_process_group: ", processes, " processes of this job share this machine's ", cores,

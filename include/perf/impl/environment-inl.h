@@ -10,8 +10,11 @@ namespace perf {
 PERF_INLINE Environment environment() {
   Environment e;
   e.hardware_threads = std::thread::hardware_concurrency();
+  e.physical_cores = detail::physical_cores();
   e.intraop_threads = at::get_num_threads();
   e.interop_threads = static_cast<int64_t>(at::get_num_interop_threads());
+  e.job_processes = std::max(1, detail::job_processes_here().load());
+  e.thread_variables = detail::thread_variables();
   e.cpu_autocast = detail::cpu_bf16().autocast_choice();
 #if PERF_WITH_CUDA
   int v = 0;
@@ -45,8 +48,17 @@ PERF_INLINE std::ostream& operator<<(std::ostream& os, const Environment& e) {
   os << "  CUDA support compiled: " << (e.cuda_compiled ? "yes" : "no") << "\n";
   os << "  CUDA runtime: " << version(e.cuda_runtime_version) << ", driver: " << version(e.cuda_driver_version)
      << ", cuDNN: " << (e.cudnn_version ? std::to_string(e.cudnn_version) : "n/a") << "\n";
-  os << "  CPU: " << e.hardware_threads << " hardware threads; intra-op " << e.intraop_threads << ", inter-op "
-     << e.interop_threads << "; autocast default " << e.cpu_autocast << "\n";
+  os << "  CPU: " << e.hardware_threads << " hardware threads, "
+     << (e.physical_cores > 0 ? std::to_string(e.physical_cores) : std::string("unknown"))
+     << " physical cores; intra-op " << e.intraop_threads << ", inter-op " << e.interop_threads << "; autocast default "
+     << e.cpu_autocast << "\n";
+  os << "  thread variables:";
+  if (e.thread_variables.empty()) os << " none (OMP_NUM_THREADS, MKL_NUM_THREADS, OMP_WAIT_POLICY unset)";
+  for (const auto& [name, value] : e.thread_variables) os << " " << name << "=" << value;
+  os << "\n";
+  if (e.job_processes > 1)
+    os << "  distributed job: " << e.job_processes
+       << " processes on this machine share its cores (counted by perf::init_process_group)\n";
   if (e.devices.empty()) os << "  CUDA devices: none\n";
   for (const auto& d : e.devices) {
     os << "  cuda:" << d.index << " " << d.name << ", sm_" << d.major << d.minor << ", " << std::fixed
