@@ -94,6 +94,18 @@ int main(int argc, char** argv) {
         (*c)(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
       });
     }
+    // On CUDA the same packages opened single-threaded: a call does not wait for the previous call's kernels,
+    // as the multi-threaded container (the rows above) does once its one runner has been used.
+    if (device.is_cuda()) {
+      for (const auto& c : compiled) {
+        if (!accepts(*c, batch)) continue;
+        perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
+        configs.emplace_back(label_of(*c) + ", single-threaded", [st, &x, dtype = c->inputs().at(0).dtype]() mutable {
+          c10::InferenceMode guard;
+          st(x.to(dtype));
+        });
+      }
+    }
     using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
     std::vector<decltype(perf::graph(Fn(), x))> graphs;
     if (device.is_cuda()) {

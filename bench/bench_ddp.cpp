@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <iomanip>
 #include <iostream>
-#include <thread>
 
 #include "resnet.h"
 
@@ -28,16 +27,16 @@ int main(int argc, char** argv) {
   app.add_option("--width", width)->check(CLI::PositiveNumber);
   app.add_option("--iters", iters)->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
-  app.add_option("--threads", threads, "intra-op threads per rank (0: cores / world)")->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", threads,
+                 "intra-op threads per rank (0: perf::init_process_group's share of the cores, physical cores / ranks "
+                 "on this machine)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   const torch::Device device(device_name);
 
   auto pg = perf::init_process_group(perf::ProcessGroupOptions().backend(device.is_cuda() ? "nccl" : "gloo"));
   const int rank = pg->getRank(), world = pg->getSize();
-  if (device.is_cpu()) {
-    at::set_num_threads(threads > 0 ? threads
-                                    : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world));
-  }
+  if (device.is_cpu() && threads > 0) at::set_num_threads(threads);
   torch::manual_seed(0);
   const auto x = torch::randn({batch, 3, image, image}, device);
   const auto y = torch::randint(0, 10, {batch}, torch::TensorOptions().device(device).dtype(torch::kLong));

@@ -24,6 +24,10 @@
 #include "compiled/models.h"
 #include "test_util.h"
 
+#if PERF_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 namespace {
 
 using test_util::TempDir;
@@ -249,6 +253,26 @@ TEST(Compiled, RunsUnderInferenceModeAndInsidePerfBenchmark) {
 
 TEST(Compiled, ConcurrentRunsWithSeveralRunnersGiveEachCallerItsAnswer) {
   perf::CompiledModel mlp(package("mlp.pt2"), perf::CompiledOptions().runners(2));
+  const auto ref = reference("mlp", 5);
+  std::vector<double> worst(4, 0.0);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < worst.size(); ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 25; ++i) {
+        const int64_t b = 1 + static_cast<int64_t>((t + i) % 5);
+        worst[t] = std::max(worst[t], max_diff(mlp(ref.in[0].slice(0, 0, b)), ref.out[0].slice(0, 0, b)));
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (double w : worst) EXPECT_LE(w, 1e-5);
+}
+
+// LibTorch's single-threaded entry point is "unsafe to call in a threaded
+// context" (aoti_runtime/model_base.h): perf lets one call in at a time, so
+// threads sharing a single-threaded model each get their own answer.
+TEST(Compiled, SingleThreadedModelCalledFromSeveralThreadsGivesEachCallerItsAnswer) {
+  perf::CompiledModel mlp(package("mlp.pt2"), perf::CompiledOptions().single_threaded(true));
   const auto ref = reference("mlp", 5);
   std::vector<double> worst(4, 0.0);
   std::vector<std::thread> threads;
@@ -732,6 +756,50 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   EXPECT_LE(max_diff(graphed(x).cpu(), python_cuda_mlp(3)), 1e-5);
   // Uncaptured calls of the same single-threaded model still work between replays.
   EXPECT_LE(max_diff(model(x).cpu(), plain(x).cpu()), 1e-6);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
+// A CUDA call only launches the package's kernels on the current stream. Behind
+// about a second of GPU work (a sleep kernel), two calls of a single-threaded
+// model return while that work still runs. LibTorch's multi-threaded container
+// (the default) waits, once its one runner has been used, for the previous
+// run's completion event before it starts the next (cudaEventSynchronize in
+// model_container.h's reclaim_finished_models): its second call returns only
+// after the sleep, so a loop of calls never queues ahead of the GPU. No timing
+// race: the sleep is hundreds of times longer than the calls' host time.
+TEST(Compiled, OnGpuSingleThreadedCallsDoNotWaitForTheGpu) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  TempDir dir;
+  const auto pkg = export_cuda_mlp(dir);
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
+  perf::CompiledModel single(pkg, perf::CompiledOptions().single_threaded(true));
+  perf::CompiledModel multi(pkg);
+  const auto x = at::randn({8, 16}, at::kCUDA);
+  const auto want = multi(x).cpu();  // the first calls fold the constants
+  single(x);
+  at::cuda::sleep(1000);  // the sleep kernel loaded
+  c10::cuda::device_synchronize();
+  const int64_t cycles = 2'000'000'000;  // 0.4 s at 5 GHz, faster than any GPU clock; about 1 s on an H100
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::cuda::CUDAEvent slept;
+  at::cuda::sleep(cycles);
+  slept.record(stream);
+  const auto a = single(x);
+  const auto b = single(x);
+  EXPECT_FALSE(slept.query()) << "a single-threaded call waited for the GPU";
+  EXPECT_LE(max_diff(b.cpu(), want), 1e-6);
+  c10::cuda::device_synchronize();
+  at::cuda::sleep(cycles);
+  slept.record(stream);
+  multi(x);  // its runner's last run has finished: no wait
+  EXPECT_FALSE(slept.query()) << "the multi-threaded container's first call waited";
+  const auto c = multi(x);  // waits for the previous run's event, behind the sleep
+  EXPECT_TRUE(slept.query()) << "LibTorch's multi-threaded container no longer waits for its runner's last run: "
+                                "README 'Compiled models' says it does";
+  EXPECT_LE(max_diff(c.cpu(), want), 1e-6);
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif

@@ -21,7 +21,11 @@
 // On CUDA the package runs on the current stream. Opened with
 // CompiledOptions().single_threaded(true) it runs through the container's
 // single-threaded entry point, which skips the per-run completion event, so it
-// can be captured into a CUDA graph (perf::graph). The default multi-threaded
+// can be captured into a CUDA graph (perf::graph), and a call does not wait for
+// the previous call's kernels (the multi-threaded container, once every runner
+// has been used, synchronizes with the oldest run's event before it starts
+// another: with one runner the host waits for each call's kernels before it
+// launches the next). The default multi-threaded
 // container queries that event (cudaEventQuery, not permitted while a stream
 // captures) and records it on the stream (an event recorded in a capture can
 // never be queried again, so every later call would fail): run() refuses a
@@ -71,8 +75,9 @@ struct CompiledOptions {
   /// Model instances, so that this many threads can run() at once without waiting.
   TORCH_ARG(size_t, runners) = 1;
   /// Run through the container's single-threaded entry point (LibTorch's
-  /// run_single_threaded): no per-run event, so CUDA graphs can capture it;
-  /// one thread at a time may call run().
+  /// run_single_threaded): no per-run event, so CUDA graphs can capture it and
+  /// a CUDA call never waits for the previous call's kernels; calls from
+  /// several threads take turns (perf lets one in at a time).
   TORCH_ARG(bool, single_threaded) = false;
   /// Check inputs before each call (a few comparisons). false: unchecked, the
   /// only way to run a package whose input specs perf cannot read, at the
@@ -281,6 +286,11 @@ class Package {
       stream = static_cast<void*>(at::cuda::getCurrentCUDAStream(device_.index()).stream());
     }
 #endif
+    // The single-threaded entry point is not safe for two callers at once (the model instance's
+    // state, its lazily loaded kernels): perf lets one call in at a time, so any thread may call.
+    // Each call only launches its kernels on its stream; it does not wait for the GPU.
+    std::unique_lock<std::mutex> one_at_a_time(single_call_, std::defer_lock);
+    if (single_threaded_) one_at_a_time.lock();
     if (!ran_.load()) {
       // LibTorch's container (aoti_runtime/model_container.h, run) folds the
       // constants on its first run under an exclusive lock it takes after
@@ -327,6 +337,7 @@ class Package {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   std::atomic<bool> ran_{false};  // a call outside capture has run (constants folded)
   std::mutex first_run_;          // held by the first call until it has run
+  std::mutex single_call_;        // single-threaded: held by the call running
 };
 
 // TORCH_WARN with emulated_bf16_reason() for this CPU, when there is one (a CPU package only).
