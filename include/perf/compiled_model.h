@@ -22,10 +22,10 @@
 // CompiledOptions().single_threaded(true) it runs through the container's
 // single-threaded entry point, which skips the per-run completion event, so it
 // can be captured into a CUDA graph (perf::graph), and a call does not wait for
-// the previous call's kernels (the multi-threaded container, once every runner
-// has been used, synchronizes with the oldest run's event before it starts
-// another: with one runner the host waits for each call's kernels before it
-// launches the next). The default multi-threaded
+// the previous call's kernels (the multi-threaded container, when every runner
+// has a run that has not finished, synchronizes with the oldest one's event:
+// with one runner the host waits for each call's kernels before it launches
+// the next). The default multi-threaded
 // container queries that event (cudaEventQuery, not permitted while a stream
 // captures) and records it on the stream (an event recorded in a capture can
 // never be queried again, so every later call would fail): run() refuses a
