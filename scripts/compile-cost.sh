@@ -12,7 +12,17 @@ runs=${1:-2}
 torch_root=$(cd "$PERF_TORCH_PREFIX/../.." && pwd)  # .../site-packages/torch
 inc="-isystem $torch_root/include -isystem $torch_root/include/torch/csrc/api/include"
 cxx=${CXX:-c++}
-flags="-std=c++17 -O3 -DNDEBUG -DPERF_WITH_CUDA=1 -Iinclude $inc -isystem /usr/local/cuda/include -w"
+# The definitions LibTorch's CMake target `torch` gives every consumer's translation unit (torch_cpu's and
+# torch_cuda's INTERFACE_COMPILE_DEFINITIONS: USE_DISTRIBUTED, USE_C10D_GLOO, USE_C10D_NCCL, ...). They
+# decide what perf/distributed.h includes: with USE_C10D_NCCL, c10d's ProcessGroupNCCL.hpp.
+torch_defs=$(awk '/^set_target_properties\((torch_cpu|torch_cuda) PROPERTIES/ { on = 1 }
+                  on && /INTERFACE_COMPILE_DEFINITIONS "/ {
+                    sub(/.*INTERFACE_COMPILE_DEFINITIONS "/, ""); sub(/".*/, "")
+                    n = split($0, d, ";"); for (i = 1; i <= n; i++) printf "-D%s ", d[i]; on = 0 }' \
+                 "$torch_root/share/cmake/Caffe2/Caffe2Targets.cmake")
+[ -n "$torch_defs" ] || { echo "compile-cost: no compile definitions of torch_cpu/torch_cuda found in $torch_root/share/cmake/Caffe2/Caffe2Targets.cmake" >&2; exit 1; }
+echo "LibTorch's definitions for consumers: $torch_defs" >&2
+flags="-std=c++17 -O3 -DNDEBUG -DPERF_WITH_CUDA=1 $torch_defs -Iinclude $inc -isystem /usr/local/cuda/include -w"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # CPU seconds (user + sys) of the compiler, best of `runs`: steadier than wall

@@ -33,10 +33,13 @@
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+// Which backends perf can form: their headers are found. Only init_process_group's
+// body (impl/distributed-inl.h) includes c10d's ProcessGroupGloo.hpp and
+// ProcessGroupNCCL.hpp, so a perf::perf_static user's translation units do not
+// compile them (NCCL's alone takes GCC about 200 MB; docs/compile-time.md).
 #if defined(USE_C10D_GLOO) && defined(__has_include)
 #if __has_include(<gloo/config.h>)
 #define PERF_WITH_GLOO 1
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #endif
 #ifndef PERF_WITH_GLOO
@@ -46,9 +49,6 @@
 #if PERF_WITH_CUDA && defined(USE_C10D_NCCL) && defined(__has_include)
 #if __has_include(<nccl.h>)
 #define PERF_WITH_NCCL 1
-#include <c10/cuda/CUDAFunctions.h>
-
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 #endif
 #ifndef PERF_WITH_NCCL

@@ -5,6 +5,15 @@
 
 #include <perf/distributed.h>
 
+#if PERF_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if PERF_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
 namespace perf {
 
 namespace detail {
