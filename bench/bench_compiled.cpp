@@ -45,9 +45,14 @@ int main(int argc, char** argv) {
   perf::setup();
   const c10::Device device(device_name);
   std::vector<std::unique_ptr<perf::CompiledModel>> compiled;
+  // On CUDA each package opened single-threaded too, once: its own rows (a call does not wait for the previous
+  // call's kernels, as the multi-threaded container does once its one runner has been used) and perf::graph's
+  // (the mode capture allows). Copies share the loaded package.
+  std::vector<perf::CompiledModel> single;
   for (const auto& p : packages) {
     compiled.push_back(std::make_unique<perf::CompiledModel>(p));
     std::cout << *compiled.back();
+    if (device.is_cuda()) single.emplace_back(p, perf::CompiledOptions().single_threaded(true));
   }
   auto label_of = [](const perf::CompiledModel& c) {
     const auto& in = c.inputs().at(0);
@@ -94,17 +99,13 @@ int main(int argc, char** argv) {
         (*c)(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
       });
     }
-    // On CUDA the same packages opened single-threaded: a call does not wait for the previous call's kernels,
-    // as the multi-threaded container (the rows above) does once its one runner has been used.
-    if (device.is_cuda()) {
-      for (const auto& c : compiled) {
-        if (!accepts(*c, batch)) continue;
-        perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
-        configs.emplace_back(label_of(*c) + ", single-threaded", [st, &x, dtype = c->inputs().at(0).dtype]() mutable {
-          c10::InferenceMode guard;
-          st(x.to(dtype));
-        });
-      }
+    for (size_t i = 0; i < single.size(); ++i) {
+      if (!accepts(single[i], batch)) continue;
+      configs.emplace_back(label_of(single[i]) + ", single-threaded",
+                           [st = single[i], &x, dtype = single[i].inputs().at(0).dtype]() mutable {
+                             c10::InferenceMode guard;
+                             st(x.to(dtype));
+                           });
     }
     using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
     std::vector<decltype(perf::graph(Fn(), x))> graphs;
@@ -112,15 +113,14 @@ int main(int argc, char** argv) {
       graphs.reserve(1 + compiled.size());
       std::vector<std::string> names = {"perf::graph(eager recipe)"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
-      // Each package opened single-threaded (the mode capture allows), its kernels replayed as one graph.
-      for (const auto& c : compiled) {
+      // Each single-threaded package's kernels replayed as one graph.
+      for (const auto& st : single) {
         if (!package_graphs) break;
-        if (!accepts(*c, batch)) continue;
-        perf::CompiledModel st(c->path(), perf::CompiledOptions().single_threaded(true));
-        const auto dtype = c->inputs().at(0).dtype;
-        graphs.push_back(perf::graph(Fn([st, dtype](const torch::Tensor& in) mutable { return st(in.to(dtype)); }), x,
-                                     perf::GraphOptions().eager_fallback(true)));
-        names.push_back("perf::graph(" + label_of(*c) + ")" + (graphs.back().graphed() ? "" : " (fell back: eager)"));
+        if (!accepts(st, batch)) continue;
+        const auto dtype = st.inputs().at(0).dtype;
+        graphs.push_back(perf::graph(Fn([m = st, dtype](const torch::Tensor& in) mutable { return m(in.to(dtype)); }),
+                                     x, perf::GraphOptions().eager_fallback(true)));
+        names.push_back("perf::graph(" + label_of(st) + ")" + (graphs.back().graphed() ? "" : " (fell back: eager)"));
       }
       for (size_t g = 0; g < graphs.size(); ++g) configs.emplace_back(names[g], [&graphs, g, &x] { graphs[g](x); });
     }
