@@ -312,7 +312,10 @@ if has tests; then
   # $(nproc) tests at once, oversubscribes the cores $(nproc)-fold, and OpenMP's spinning threads
   # then crawl (tests that start Python took 64-87 s under -j16 on an H100's 16 cores). Tests that
   # need a thread count set it themselves; the one-process run below keeps LibTorch's default.
-  within_budget 150 env OMP_NUM_THREADS="${PERF_GPU_TEST_THREADS:-2}" \
+  # Likewise one Inductor compile thread in each test's Python: its default, a compile pool of a process
+  # per core (compile_threads), is $(nproc) processes importing torch in each of $(nproc) tests at once
+  # (the exporter tests took 94-126 s under -j16 on an H100's 16 cores, 15-57 s on CI's 2).
+  within_budget 150 env OMP_NUM_THREADS="${PERF_GPU_TEST_THREADS:-2}" TORCHINDUCTOR_COMPILE_THREADS=1 \
     ctest --test-dir "$build" -j "$(nproc)" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
   tail -3 "$logs/ctest.log"
   echo "== GPU tests in one process"

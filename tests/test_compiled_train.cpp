@@ -837,7 +837,7 @@ TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
 // channels-last: the two tensors the GPU found wrong. With the exporter's compile_and_package, which empties
 // that cache first, the plans are the same.
 TEST(CompiledTrain, ExporterPlansTheChannelsLastCudaStepAsThePythonWrapperDoes) {
-  TempDir dir;
+  test_util::TempDir dir;
   const auto out = test_util::lines(test_util::simulated_cuda_python(
       "forget = e.forget_export_fake_results\n"
       "for amp in ('off', 'bf16'):\n"

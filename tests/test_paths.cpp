@@ -12,6 +12,9 @@
 #ifndef PERF_TEST_PACKAGES
 #define PERF_TEST_PACKAGES ""
 #endif
+#ifndef PERF_TEST_TIMEOUT_S
+#define PERF_TEST_TIMEOUT_S 300
+#endif
 
 namespace test_util {
 namespace {
@@ -26,4 +29,8 @@ std::string reference_python() { return env_or("PERF_PYTHON", PERF_PYTHON); }
 std::string source_dir() { return env_or("PERF_SOURCE_DIR", PERF_SOURCE_DIR); }
 std::string test_packages() { return env_or("PERF_TEST_PACKAGES", PERF_TEST_PACKAGES); }
 std::string fake_nvml_library() { return env_or("PERF_FAKE_NVML", PERF_FAKE_NVML); }
+int python_timeout_s() {
+  const int set = std::atoi(env_or("PERF_TEST_PYTHON_TIMEOUT", "0").c_str());
+  return set > 0 ? set : PERF_TEST_TIMEOUT_S > 45 ? PERF_TEST_TIMEOUT_S - 15 : 30;
+}
 }  // namespace test_util

@@ -7,6 +7,7 @@
 #include <perf/setup.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -764,4 +765,27 @@ TEST(Setup, CpuMallocCacheIsOneWayAndDefersToTheEnvironment) {
     EXPECT_EQ(r.at("cpu_malloc_cache").reason, "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 replaces malloc");
     EXPECT_EQ(r.at("cpu_malloc_cache").read_back, "n/a");
   }
+}
+
+// The harness that runs the tests' Python references: a stuck Python fails its test with its stack, and a
+// process it leaves behind does not keep the test waiting.
+TEST(TestHarness, StuckPythonFailsWithWhereItWasStuck) {
+  test_util::ScopedEnv quick("PERF_TEST_PYTHON_TIMEOUT", "2");
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    test_util::python("import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()");
+    ADD_FAILURE() << "a Python stopped by its timeout returned";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("command failed (exit 1)"), std::string::npos) << what;
+    EXPECT_NE(what.find("Timeout (0:00:02)"), std::string::npos) << what;
+    EXPECT_NE(what.find("in waiting_here"), std::string::npos) << what;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+TEST(TestHarness, ProcessLeftBehindDoesNotHoldTheTest) {
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(test_util::python("import subprocess\nsubprocess.Popen(['sleep', '40'])\nprint('done')"), "done");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }

@@ -8,6 +8,7 @@
 #include <perf/detail/cpu.h>
 #include <perf/setup.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <unistd.h>
@@ -83,15 +84,26 @@ struct TempDir {
 // _FORTIFY_SOURCE, std::system's result must be used).
 inline bool run_command(const std::string& command) { return std::system(command.c_str()) == 0; }
 
-// A shell command's stdout, trailing newlines trimmed; throws if it fails.
+// A shell command's stdout, trailing newlines trimmed; throws if it fails, with the end of its stderr.
+// Both go to files, not a pipe: a process the command leaves behind (a compile worker of Inductor's, say)
+// cannot keep the test waiting for the end of a pipe it still holds.
 inline std::string output_of(const std::string& command) {
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = std::fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int rc = ::pclose(pipe);
-  if (rc != 0) throw std::runtime_error("command failed (" + std::to_string(rc) + "): " + command);
+  TempDir dir;
+  const std::string out_path = dir / "stdout", err_path = dir / "stderr";
+  const int status = std::system(("( " + command + " ) > '" + out_path + "' 2> '" + err_path + "'").c_str());
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  std::string out = read(out_path);
+  if (status != 0) {
+    std::string err = read(err_path);
+    if (err.size() > 6000) err = "...\n" + err.substr(err.size() - 6000);  // a traceback's end, not a log
+    const std::string how = status == -1          ? "could not start"
+                            : WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                                  : "exit " + std::to_string(WEXITSTATUS(status));
+    throw std::runtime_error("command failed (" + how + "): " + command + "\nits stderr:\n" + err);
+  }
   while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
   return out;
 }
@@ -149,6 +161,11 @@ std::string reference_python();
 std::string source_dir();
 std::string test_packages();
 std::string fake_nvml_library();
+// How long one Python that a test starts (python() below) may run before it prints every thread's stack
+// and exits 1: PERF_TEST_PYTHON_TIMEOUT seconds, else 15 s less than ctest's limit for a test
+// (PERF_TEST_TIMEOUT, which scripts/gpu-check.sh lowers), so that a stuck Python fails its test with the
+// place it was stuck, where ctest would kill the test with nothing from Python.
+int python_timeout_s();
 
 // tests/compiled/models.py, whose factories and losses the test packages export.
 inline std::string compiled_models() { return source_dir() + "/tests/compiled/models.py"; }
@@ -209,7 +226,8 @@ inline std::string cuda_test_package(const std::string& name, const std::string&
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
 // overrides it when the binary runs on another machine) and returns its stdout, trimmed.
 inline std::string python(const std::string& code) {
-  return output_of(reference_python() + " -c \"" + code + "\" 2>/dev/null");
+  return output_of(reference_python() + " -c \"import faulthandler\nfaulthandler.dump_traceback_later(" +
+                   std::to_string(python_timeout_s()) + ", exit=True)\n" + code + "\"");
 }
 
 // Python defining perf_test::relayout, a custom op whose real kernel returns its input channels-last and
