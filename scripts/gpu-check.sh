@@ -314,7 +314,8 @@ if has tests; then
   # need a thread count set it themselves; the one-process run below keeps LibTorch's default.
   # Likewise one Inductor compile thread in each test's Python: its default, a compile pool of a process
   # per core (compile_threads), is $(nproc) processes importing torch in each of $(nproc) tests at once
-  # (the exporter tests took 94-126 s under -j16 on an H100's 16 cores, 15-57 s on CI's 2).
+  # (the exporter tests took 94-126 s under -j16 on an H100's 16 cores, 15-57 s on CI's 2; two of them at
+  # once on 2 cores with 16 compile threads each, as there: 45-47 s, with one each: 36-39 s).
   within_budget 150 env OMP_NUM_THREADS="${PERF_GPU_TEST_THREADS:-2}" TORCHINDUCTOR_COMPILE_THREADS=1 \
     ctest --test-dir "$build" -j "$(nproc)" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
   tail -3 "$logs/ctest.log"
