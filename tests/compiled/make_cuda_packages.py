@@ -89,7 +89,10 @@ def main() -> int:
     for name, args in EXPORTS.items():
         log = open(os.path.join(a.out, name[:-4] + ".log"), "w")
         cmd = [sys.executable, TOOL, *args, "-o", os.path.join(a.out, name[:-4] + ".tmp.pt2")]
-        env = {**os.environ, **ENV.get(name, {})}
+        # Inductor's compile pool (Triton's kernels) split between the exports running at once, rather than
+        # a process per core in each of them.
+        threads = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // len(EXPORTS)))}
+        env = {**threads, **os.environ, **ENV.get(name, {})}
         runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     lines = []
     for name, (proc, log) in runs.items():

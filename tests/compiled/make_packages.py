@@ -32,6 +32,7 @@ import time
 import zipfile
 
 import torch
+import torch._inductor.config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
@@ -201,6 +202,10 @@ def tasks() -> list:
 
 def run_task(out: str, threads: int, index: int) -> float:
     torch.set_num_threads(threads)
+    # No compile pool: the exports already run side by side, and Inductor's default pool is a process per
+    # core in each (on a 16-core GPU machine, 8 exports starting 128 processes that import torch, beside
+    # the C++ build); an AOTInductor CPU export compiles its code in one compiler process anyway.
+    torch._inductor.config.compile_threads = 1
     started = time.time()
     fn, args = tasks()[index]
     fn(out, *args)
