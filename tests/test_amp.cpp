@@ -9,10 +9,13 @@
 #include <perf/setup.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include "test_util.h"
 
@@ -597,6 +600,20 @@ struct ProbeImpl : torch::nn::Module {
 };
 TORCH_MODULE(Probe);
 
+// Sleeps 80 ms in its first call in each layout and precision: a stand-in for cuDNN's autotuning.
+struct SlowFirstImpl : torch::nn::Module {
+  SlowFirstImpl() { conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const bool cl = x.is_contiguous(torch::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+    const bool ac = at::autocast::is_autocast_enabled(at::kCPU);
+    if (seen.insert({cl, ac}).second) std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    return conv(x);
+  }
+  torch::nn::Conv2d conv{nullptr};
+  std::set<std::pair<bool, bool>> seen;
+};
+TORCH_MODULE(SlowFirst);
+
 }  // namespace
 
 TEST(Optimize, ConvertsInputsRunsAutocastKeepsTheModule) {
@@ -707,6 +724,28 @@ TEST(Optimize, AnExampleIsMeasuredAndTheFastestRecipeKept) {
                         "graph(true) needs a CUDA device");
   PERF_EXPECT_THROW_MSG(perf::optimize(net, perf::ModelOptions().example(x).tune_seconds(0)),
                         "tune_seconds must be > 0");
+}
+
+// The decision's time in parts: each candidate's first call (where cuDNN autotunes in benchmark mode, and
+// lazy initialisation happens) is timed apart from the calls tune_seconds bounds, so a slow first call
+// shows as what it is.
+TEST(Optimize, EachCandidatesFirstCallIsTimedApart) {
+  const ScopedCpuBf16 cpu(/*native=*/true);
+  SlowFirst net;
+  net->eval();
+  auto model = perf::optimize(net, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.2));
+  const auto& c = model.choice();
+  ASSERT_EQ(c.measured_ms.size(), 4u) << c;
+  EXPECT_EQ(net->seen.size(), 4u) << "every recipe ran";
+  EXPECT_GE(c.first_call_seconds, 4 * 0.08) << "the four first calls are counted as such: " << c;
+  EXPECT_LT(c.first_call_seconds, 4 * 0.08 + 0.3) << "and only they: " << c;
+  EXPECT_EQ(c.capture_seconds, 0.0) << "no CUDA graph on the CPU";
+  EXPECT_GE(c.seconds, c.first_call_seconds) << c;
+  for (const auto& [recipe, ms] : c.measured_ms) EXPECT_LT(ms, 40.0) << "no first call among the timed ones: " << c;
+  const std::string text = c.to_string();
+  EXPECT_NE(text.find("s: first calls "), std::string::npos) << text;
+  EXPECT_NE(text.find("measuring "), std::string::npos) << text;
+  EXPECT_EQ(text.find("CUDA graph captures"), std::string::npos) << text;
 }
 
 // A model without images: no channels-last candidate (nothing to lay out).

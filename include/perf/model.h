@@ -69,7 +69,11 @@ struct RecipeChoice {
   Recipe recipe;
   std::vector<std::pair<Recipe, double>> measured_ms;  ///< empty unless an example was measured
   std::string reason;
-  double seconds = 0;
+  double seconds = 0;  ///< the whole decision, of which:
+  /// each candidate's first call, untimed: lazy initialisation and, with cuDNN's benchmark mode on (perf::setup's
+  /// default on CUDA), its autotuning of every convolution shape the candidate runs, which later calls reuse
+  double first_call_seconds = 0;
+  double capture_seconds = 0;  ///< the CUDA graph captures (their warm-up calls included)
   std::string to_string() const;
 };
 std::ostream& operator<<(std::ostream& os, const RecipeChoice& c);
@@ -325,13 +329,34 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   std::vector<std::optional<c10::ScalarType>> precisions = {std::nullopt};
   if (options_.autocast() && (options_.autocast_dtype() || Autocast::default_enabled(device_)))
     precisions.push_back(Autocast::resolve_dtype(device_, options_.autocast_dtype()));
-  // One untimed call of the plain model: what a call costs, for the budget.
+  // Each candidate's first call is timed apart (choice().first_call_seconds): it can cost far more than
+  // tune_seconds (on an H100, cuDNN autotuning 4 candidates' convolutions took most of 9.6 s), and the
+  // measured calls that tune_seconds bounds would otherwise start with it.
+  choice_.first_call_seconds = choice_.capture_seconds = 0;
+  const auto first_call = [this](const std::function<void()>& call) {
+    Timer timer(device_);
+    timer.start();
+    call();
+    timer.stop();
+    choice_.first_call_seconds += timer.elapsed_ms() / 1e3;
+  };
+  const auto timed_capture = [this](const at::Tensor& x) {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      capture(x);
+    } catch (...) {
+      choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      throw;
+    }
+    choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // The plain model's first call, then one timed call: what a call costs, for the budget.
   detail::relayout(*module_, false);
   double call_s = 0;
   {
     InferenceScope scope(*module_);
     choice_.recipe = Recipe();
-    eager_forward(example);
+    first_call([&] { eager_forward(example); });
     Timer timer(device_);
     timer.start();
     eager_forward(example);
@@ -363,6 +388,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
           choice_.recipe = recipes[k];
           eager_forward(example);
         });
+        if (pass == 0 && k > 0) first_call(group.back().second);  // the plain model's (k = 0) was above
       }
       const auto stats = compare(group, BenchOptions().warmup(warmup).iters(iters).device(device_));
       for (size_t p = 0; p < stats.size(); ++p) samples[l * precisions.size() + p].push_back(stats[p].median_ms);
@@ -381,7 +407,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
         for (size_t p = 0; p < precisions.size(); ++p) {
           choice_.recipe = Recipe(recipes[l * precisions.size() + p]).graph(true);
           try {
-            capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, and says why
+            timed_capture(example);  // a forward that cannot be captured (a sync, a CPU op) stays eager, says why
           } catch (const std::exception& e) {
             graph_failed = detail::first_line(e);
             break;
@@ -424,7 +450,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   detail::relayout(*module_, choice_.recipe.channels_last());
   if (choice_.recipe.graph()) {
     try {
-      capture(example);  // measured above on this layout; captured again for the parameters' addresses now
+      timed_capture(example);  // measured above on this layout; captured again for the parameters' addresses now
     } catch (const std::exception& e) {
       graph_.reset();
       choice_.recipe = recipes[detail::fastest(ms, candidates)];
