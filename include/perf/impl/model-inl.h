@@ -66,10 +66,11 @@ PERF_INLINE std::ostream& operator<<(std::ostream& os, const RecipeChoice& c) {
        << std::fixed << std::setprecision(3) << std::setw(9) << ms << " ms  " << std::setprecision(2) << std::setw(5)
        << base / ms << "x\n";
   }
-  os << "  decided in " << std::fixed << std::setprecision(2) << c.seconds << " s: first calls " << c.first_call_seconds
-     << " s (lazy initialisation; cuDNN autotuning where its benchmark mode is on), ";
+  // First calls: lazy set-up and, on CUDA in cuDNN's benchmark mode, its autotuning (RecipeChoice).
+  os << "  decided in " << std::fixed << std::setprecision(2) << c.seconds << " s (first calls " << c.first_call_seconds
+     << " s, ";
   if (c.capture_seconds > 0) os << "CUDA graph captures " << c.capture_seconds << " s, ";
-  os << "measuring " << std::max(0.0, c.seconds - c.first_call_seconds - c.capture_seconds) << " s\n";
+  os << "measured calls " << std::max(0.0, c.seconds - c.first_call_seconds - c.capture_seconds) << " s)\n";
   return os;
 }
 
