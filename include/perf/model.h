@@ -70,8 +70,9 @@ struct RecipeChoice {
   std::vector<std::pair<Recipe, double>> measured_ms;  ///< empty unless an example was measured
   std::string reason;
   double seconds = 0;  ///< the whole decision, of which:
-  /// each candidate's first call, untimed: lazy initialisation and, with cuDNN's benchmark mode on (perf::setup's
-  /// default on CUDA), its autotuning of every convolution shape the candidate runs, which later calls reuse
+  /// each candidate's first call, kept out of the measured medians: lazy initialisation and, with cuDNN's benchmark
+  /// mode on (perf::setup's default on CUDA), its autotuning of every convolution shape the candidate runs, which
+  /// later calls reuse
   double first_call_seconds = 0;
   double capture_seconds = 0;  ///< the CUDA graph captures (their warm-up calls included)
   std::string to_string() const;
@@ -329,9 +330,9 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   std::vector<std::optional<c10::ScalarType>> precisions = {std::nullopt};
   if (options_.autocast() && (options_.autocast_dtype() || Autocast::default_enabled(device_)))
     precisions.push_back(Autocast::resolve_dtype(device_, options_.autocast_dtype()));
-  // Each candidate's first call is timed apart (choice().first_call_seconds): it can cost far more than
-  // tune_seconds (on an H100, cuDNN autotuning 4 candidates' convolutions took most of 9.6 s), and the
-  // measured calls that tune_seconds bounds would otherwise start with it.
+  // Each candidate's first call is timed apart (choice().first_call_seconds): tune_seconds bounds the measured
+  // calls, not these (on an H100 a whole decision took 9.6 s against tune_seconds' 1.5 s), and the measured
+  // calls would otherwise start with them.
   choice_.first_call_seconds = choice_.capture_seconds = 0;
   const auto first_call = [this](const std::function<void()>& call) {
     Timer timer(device_);
@@ -342,13 +343,16 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   };
   const auto timed_capture = [this](const at::Tensor& x) {
     const auto t0 = std::chrono::steady_clock::now();
+    const auto count = [&] {
+      choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
     try {
       capture(x);
     } catch (...) {
-      choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      count();  // a failed capture's time is the decision's too
       throw;
     }
-    choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    count();
   };
   // The plain model's first call, then one timed call: what a call costs, for the budget.
   detail::relayout(*module_, false);
