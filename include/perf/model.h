@@ -16,6 +16,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <perf/amp.h>
 #include <perf/bench.h>
 #include <perf/config.h>
@@ -343,16 +344,10 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   };
   const auto timed_capture = [this](const at::Tensor& x) {
     const auto t0 = std::chrono::steady_clock::now();
-    const auto count = [&] {
+    const auto count = c10::make_scope_exit([&] {  // a failed capture's time is counted too
       choice_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    };
-    try {
-      capture(x);
-    } catch (...) {
-      count();  // a failed capture's time is the decision's too
-      throw;
-    }
-    count();
+    });
+    capture(x);
   };
   // The plain model's first call, then one timed call: what a call costs, for the budget.
   detail::relayout(*module_, false);
