@@ -13,6 +13,7 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -614,6 +615,20 @@ struct SlowFirstImpl : torch::nn::Module {
 };
 TORCH_MODULE(SlowFirst);
 
+// Every call slow: counts the calls each recipe gets.
+struct SlowEveryImpl : torch::nn::Module {
+  SlowEveryImpl() { conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const bool cl = x.is_contiguous(torch::MemoryFormat::ChannelsLast) && !x.is_contiguous();
+    ++calls[{cl, at::autocast::is_autocast_enabled(at::kCPU)}];
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    return conv(x);
+  }
+  torch::nn::Conv2d conv{nullptr};
+  std::map<std::pair<bool, bool>, int> calls;
+};
+TORCH_MODULE(SlowEvery);
+
 }  // namespace
 
 TEST(Optimize, ConvertsInputsRunsAutocastKeepsTheModule) {
@@ -746,6 +761,24 @@ TEST(Optimize, EachCandidatesFirstCallIsTimedApart) {
   EXPECT_NE(text.find(" s (first calls 0."), std::string::npos) << text;
   EXPECT_NE(text.find(" s, measured calls "), std::string::npos) << text;
   EXPECT_EQ(text.find("CUDA graph captures"), std::string::npos) << text;
+}
+
+// A model too slow for tune_seconds to hold several calls of each recipe: each
+// candidate runs three times (its first call, then two timed), the plain model
+// once more (the timed call that sizes the budget); no further warm-up call, so
+// the decision costs 13 calls of the model, not 17.
+TEST(Optimize, ASlowModelsDecisionRunsEachRecipeThreeTimes) {
+  const ScopedCpuBf16 cpu(/*native=*/true);
+  SlowEvery net;
+  net->eval();
+  auto model = perf::optimize(net, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.1));
+  const auto& c = model.choice();
+  ASSERT_EQ(c.measured_ms.size(), 4u) << c;
+  const std::map<std::pair<bool, bool>, int> expected = {
+      {{false, false}, 4}, {{false, true}, 3}, {{true, false}, 3}, {{true, true}, 3}};
+  EXPECT_EQ(net->calls, expected) << c;
+  for (const auto& [recipe, ms] : c.measured_ms) EXPECT_GE(ms, 40.0) << "timed calls, each over the sleep: " << c;
+  EXPECT_GE(c.seconds, 13 * 0.04) << c;
 }
 
 // A model without images: no channels-last candidate (nothing to lay out).

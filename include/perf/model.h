@@ -367,7 +367,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   const bool try_graphs = detail::graphable_forward<M>::value && device_.is_cuda();
   // Calls per candidate within tune_seconds (the plain model's cost standing
   // for all): two alternating passes where there is room, else one pass of
-  // three calls, so a slow model's decision stays near the budget.
+  // two timed calls after the first, so a slow model's decision stays near the budget.
   const double calls =
       options_.tune_seconds() / ((try_graphs ? 2.0 : 1.0) * static_cast<double>(candidates) * std::max(call_s, 1e-5));
   const int passes = calls >= 10 ? 2 : 1;
@@ -389,7 +389,10 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
         });
         if (pass == 0 && k > 0) first_call(group.back().second);  // the plain model's (k = 0) was above
       }
-      const auto stats = compare(group, BenchOptions().warmup(warmup).iters(iters).device(device_));
+      // Pass 0: every candidate's first call has just run (above) and is its first warm-up call; on a slow
+      // model (one pass) one call in four fewer.
+      const int group_warmup = pass == 0 ? warmup - 1 : warmup;
+      const auto stats = compare(group, BenchOptions().warmup(group_warmup).iters(iters).device(device_));
       for (size_t p = 0; p < stats.size(); ++p) samples[l * precisions.size() + p].push_back(stats[p].median_ms);
     }
   }
