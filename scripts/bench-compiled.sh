@@ -3,11 +3,15 @@
 # times them against LibTorch eager and perf::optimize in bench/bench_compiled,
 # then Python (eager, torch.compile modes) on the same model and batches
 # (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md.
-#   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32]
+#   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32] [--full]
+# --full: Python's torch.compile max-autotune on the CPU too (minutes to compile; on CUDA it always runs).
 # PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch).
 source "$(dirname "$0")/common.sh"
-device=cpu width=32 image=64
-args=("$@")
+device=cpu width=32 image=64 full=()
+args=()
+for arg in "$@"; do  # --full is the Python peer's alone
+  if [[ $arg == --full ]]; then full=(--full); else args+=("$arg"); fi
+done
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
     --device) device=${args[i + 1]} ;;
@@ -35,9 +39,9 @@ for variant in fp32 fp32_b1 bf16_nhwc; do
 done
 results=bench-results/compiled-$device.jsonl
 rm -f "$results"
-./build/bench/bench_compiled "${packages[@]}" --json "$results" "$@"
+./build/bench/bench_compiled "${packages[@]}" --json "$results" "${args[@]}"
 # Python's side on the same model and batches: eager, torch.compile modes.
-peer_args=(--device "$device" --width "$width" --image "$image" --json "$results")
+peer_args=(--device "$device" --width "$width" --image "$image" --json "$results" "${full[@]}")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
     --batches)
