@@ -3,14 +3,14 @@
 # times them against LibTorch eager and perf::optimize in bench/bench_compiled,
 # then Python (eager, torch.compile modes) on the same model and batches
 # (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md.
-#   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32] [--full]
-# --full: Python's torch.compile max-autotune on the CPU too (minutes to compile; on CUDA it always runs).
+#   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32] [--no-max-autotune]
+# --no-max-autotune: leave out Python's torch.compile max-autotune row (minutes to compile on CUDA).
 # PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch).
 source "$(dirname "$0")/common.sh"
-device=cpu width=32 image=64 full=()
+device=cpu width=32 image=64 peer_only=()
 args=()
-for arg in "$@"; do  # --full is the Python peer's alone
-  if [[ $arg == --full ]]; then full=(--full); else args+=("$arg"); fi
+for arg in "$@"; do  # --no-max-autotune is the Python peer's alone
+  if [[ $arg == --no-max-autotune ]]; then peer_only=(--no-max-autotune); else args+=("$arg"); fi
 done
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
@@ -41,7 +41,7 @@ results=bench-results/compiled-$device.jsonl
 rm -f "$results"
 ./build/bench/bench_compiled "${packages[@]}" --json "$results" "${args[@]}"
 # Python's side on the same model and batches: eager, torch.compile modes.
-peer_args=(--device "$device" --width "$width" --image "$image" --json "$results" "${full[@]}")
+peer_args=(--device "$device" --width "$width" --image "$image" --json "$results" "${peer_only[@]}")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case ${args[i]} in
     --batches)
