@@ -14,7 +14,6 @@
 #include <filesystem>
 #include <limits>
 #include <map>
-#include <set>
 #include <sstream>
 #include <thread>
 
@@ -601,33 +600,23 @@ struct ProbeImpl : torch::nn::Module {
 };
 TORCH_MODULE(Probe);
 
-// Sleeps 80 ms in its first call in each layout and precision: a stand-in for cuDNN's autotuning.
-struct SlowFirstImpl : torch::nn::Module {
-  SlowFirstImpl() { conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3))); }
+// A convolution whose calls sleep: first_ms more in its first call in each layout and precision (a stand-in
+// for cuDNN's autotuning), every_ms in every call. Counts the calls each recipe (layout, autocast) gets.
+struct SlowImpl : torch::nn::Module {
+  SlowImpl(int first_ms, int every_ms) : first_ms(first_ms), every_ms(every_ms) {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)));
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     const bool cl = x.is_contiguous(torch::MemoryFormat::ChannelsLast) && !x.is_contiguous();
-    const bool ac = at::autocast::is_autocast_enabled(at::kCPU);
-    if (seen.insert({cl, ac}).second) std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    const int n = ++calls[{cl, at::autocast::is_autocast_enabled(at::kCPU)}];
+    std::this_thread::sleep_for(std::chrono::milliseconds(every_ms + (n == 1 ? first_ms : 0)));
     return conv(x);
   }
-  torch::nn::Conv2d conv{nullptr};
-  std::set<std::pair<bool, bool>> seen;
-};
-TORCH_MODULE(SlowFirst);
-
-// Every call slow: counts the calls each recipe gets.
-struct SlowEveryImpl : torch::nn::Module {
-  SlowEveryImpl() { conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3))); }
-  torch::Tensor forward(const torch::Tensor& x) {
-    const bool cl = x.is_contiguous(torch::MemoryFormat::ChannelsLast) && !x.is_contiguous();
-    ++calls[{cl, at::autocast::is_autocast_enabled(at::kCPU)}];
-    std::this_thread::sleep_for(std::chrono::milliseconds(40));
-    return conv(x);
-  }
+  int first_ms, every_ms;
   torch::nn::Conv2d conv{nullptr};
   std::map<std::pair<bool, bool>, int> calls;
 };
-TORCH_MODULE(SlowEvery);
+TORCH_MODULE(Slow);
 
 }  // namespace
 
@@ -746,12 +735,12 @@ TEST(Optimize, AnExampleIsMeasuredAndTheFastestRecipeKept) {
 // shows as what it is.
 TEST(Optimize, EachCandidatesFirstCallIsTimedApart) {
   const ScopedCpuBf16 cpu(/*native=*/true);
-  SlowFirst net;
+  Slow net(/*first_ms=*/80, /*every_ms=*/0);
   net->eval();
   auto model = perf::optimize(net, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.2));
   const auto& c = model.choice();
   ASSERT_EQ(c.measured_ms.size(), 4u) << c;
-  EXPECT_EQ(net->seen.size(), 4u) << "every recipe ran";
+  EXPECT_EQ(net->calls.size(), 4u) << "every recipe ran";
   EXPECT_GE(c.first_call_seconds, 4 * 0.08) << "the four first calls are counted as such: " << c;
   EXPECT_LT(c.first_call_seconds, 4 * 0.08 + 0.3) << "and only they: " << c;
   EXPECT_EQ(c.capture_seconds, 0.0) << "no CUDA graph on the CPU";
@@ -769,7 +758,7 @@ TEST(Optimize, EachCandidatesFirstCallIsTimedApart) {
 // the decision costs 13 calls of the model, not 17.
 TEST(Optimize, ASlowModelsDecisionRunsEachRecipeThreeTimes) {
   const ScopedCpuBf16 cpu(/*native=*/true);
-  SlowEvery net;
+  Slow net(/*first_ms=*/0, /*every_ms=*/40);
   net->eval();
   auto model = perf::optimize(net, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.1));
   const auto& c = model.choice();
