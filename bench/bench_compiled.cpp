@@ -2,7 +2,8 @@
 // measuring the recipes on the batch) vs the AOTInductor packages of the same
 // ResNet-style CNN (bench/resnet.h, bench/resnet.py), side by side, batch 1 and
 // 32. On CUDA also perf::graph of the eager recipe and of the package (opened
-// single-threaded, the mode CUDA graphs can capture). --json appends one line
+// single-threaded, the mode CUDA graphs can capture), and perf::optimize decided
+// with cuDNN's benchmark mode off (what autotuning costs the decision). --json appends one line
 // per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
 // Python rows. scripts/bench-compiled.sh exports the packages and runs all of it.
 // A package exported for one batch size (no --dynamic-batch) is timed at that
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <memory>
 
 #include "resnet.h"
 
@@ -92,6 +94,20 @@ int main(int argc, char** argv) {
     auto tuned = perf::optimize(perf_bench::ResNet(width), perf::ModelOptions().device(device).example(x));
     std::cout << tuned.choice();
     configs.emplace_back("perf::optimize(example)", [&] { tuned.infer(x); });
+    // On CUDA the same decision again with cuDNN's benchmark mode off while it decides (heuristic algorithms):
+    // how much of the decision's time is cuDNN autotuning each candidate's convolutions, and what the model
+    // decided and captured that way then runs at (a graph keeps the heuristic kernels; its eager calls use
+    // benchmark mode again). Made after the first, so it does not pay the process's CUDA start-up, which
+    // the first decision at the first batch does.
+    std::unique_ptr<decltype(tuned)> heuristic;
+    if (device.is_cuda()) {
+      perf::ScopedSettings no_benchmark(perf::Settings().cudnn_benchmark(false));
+      heuristic.reset(
+          new auto(perf::optimize(perf_bench::ResNet(width), perf::ModelOptions().device(device).example(x))));
+      std::cout << "with cuDNN's benchmark mode off while deciding:\n" << heuristic->choice();
+      configs.emplace_back("perf::optimize(example), cuDNN benchmark off while deciding",
+                           [&heuristic, &x] { heuristic->infer(x); });
+    }
     for (auto& c : compiled) {
       if (!accepts(*c, batch)) continue;
       configs.emplace_back(label_of(*c), [&c, &x, dtype = c->inputs().at(0).dtype] {
