@@ -770,6 +770,25 @@ TEST(Optimize, ASlowModelsDecisionRunsEachRecipeThreeTimes) {
   EXPECT_GE(c.seconds, 13 * 0.04) << c;
 }
 
+// The same slow model where autocast is no candidate (a CPU without native bf16): the plain recipe is alone in
+// its layout, so the timed call that sized the budget is its first timed call too. Each recipe runs three times
+// (6 calls, not 7), and the plain recipe's time is still the median of two timed calls (not the first).
+TEST(Optimize, ASlowModelsBudgetCallIsThePlainRecipesFirstTimedCall) {
+  const ScopedCpuBf16 cpu(/*native=*/false);
+  Slow net(/*first_ms=*/200, /*every_ms=*/40);
+  net->eval();
+  auto model = perf::optimize(net, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.1));
+  const auto& c = model.choice();
+  ASSERT_EQ(c.measured_ms.size(), 2u) << c;
+  const std::map<std::pair<bool, bool>, int> expected = {{{false, false}, 3}, {{true, false}, 3}};
+  EXPECT_EQ(net->calls, expected) << c;
+  for (const auto& [recipe, ms] : c.measured_ms) {
+    EXPECT_GE(ms, 40.0) << "timed calls, each over the sleep: " << c;
+    EXPECT_LT(ms, 200.0) << "no first call (200 ms more) among the timed ones: " << c;
+  }
+  EXPECT_GE(c.first_call_seconds, 2 * 0.24) << c;
+}
+
 // A model without images: no channels-last candidate (nothing to lay out).
 TEST(Optimize, AnMlpExampleMeasuresPrecisionsOnly) {
   const ScopedCpuBf16 cpu(/*native=*/true);
