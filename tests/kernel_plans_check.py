@@ -2,10 +2,17 @@
 training step (the recipe bench/e2e runs on CUDA, batch 2) planned for a simulated H100 both ways: perf's
 package may not plan other extern kernels than torch.compile, nor its convolution backwards in other layouts,
 nor more than 15% more fused kernels or bytes.
-Run by ctest (e2e_kernel_plans):
+Alone, in one process:
 
     python tests/kernel_plans_check.py
+
+ctest plans the two sides in two processes at once (each about half the time) and compares them afterwards:
+
+    python tests/kernel_plans_check.py --side perf --out DIR      # e2e_kernel_plans_perf
+    python tests/kernel_plans_check.py --side compile --out DIR   # e2e_kernel_plans_compile
+    python tests/kernel_plans_check.py --compare DIR              # e2e_kernel_plans, after both
 """
+import argparse
 import collections
 import os
 import sys
@@ -42,17 +49,48 @@ def the_rule():
            f"backward convolutions in another layout: {nchw}")
 
 
+STEP = ["--job", "cnn", "--amp", "bf16", "--layout", "channels-last", "--batch", "2"]
+
+
+def planned(argv, failure):
+    try:
+        kernel_plans.main(argv)
+    except SystemExit as stop:
+        expect(not stop.code, failure)
+
+
 def main():
-    the_rule()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--side", choices=["perf", "compile"], help="plan this side only, into --out")
+    parser.add_argument("--out", help="the folder of the sides' plans (--side, --compare)")
+    parser.add_argument("--compare", metavar="DIR", help="compare the plans the two --side runs left in DIR")
+    a = parser.parse_args()
+    if a.side and not a.out:
+        parser.error("--side needs --out DIR")
+    if a.side and a.compare:
+        parser.error("--side plans, --compare reads plans: use one of them")
+    if not a.side:
+        the_rule()
     if not torch.backends.cudnn.is_available():
         print("skipped: this torch has no cuDNN, so no fake convolution takes its layout")
         return
-    try:
-        kernel_plans.main(["--job", "cnn", "--amp", "bf16", "--layout", "channels-last", "--batch", "2",
-                           "--check", "0.15"])
-    except SystemExit as stop:
-        expect(not stop.code, "perf's plan of the CNN step does more than torch.compile's (above)")
-    print("kernel_plans: the rule, and the CNN step's plans, checked")
+    failure = "perf's plan of the CNN step does more than torch.compile's (above)"
+    if a.side:
+        os.makedirs(a.out, exist_ok=True)
+        saved = os.path.join(a.out, f"{a.side}.json")
+        if os.path.exists(saved):
+            os.remove(saved)  # a failed run leaves no plans of an earlier one behind
+        planned(STEP + ["--side", a.side, "--save", saved], f"planning the {a.side} side failed (above)")
+        print(f"kernel_plans: the {a.side} side planned into {saved}")
+    elif a.compare:
+        sides = [os.path.join(a.compare, f"{side}.json") for side in ("perf", "compile")]
+        missing = [path for path in sides if not os.path.exists(path)]
+        expect(not missing, f"no plans in {missing}: run --side perf and --side compile with --out {a.compare} first")
+        planned(["--load", sides[0], "--load", sides[1], "--check", "0.15"], failure)
+        print("kernel_plans: the rule, and the CNN step's plans, checked")
+    else:
+        planned(STEP + ["--check", "0.15"], failure)
+        print("kernel_plans: the rule, and the CNN step's plans, checked")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,19 @@ CPU's kernels (extern, as on CUDA).
 
     python bench/e2e/kernel_plans.py --job cnn --batch 8 --amp bf16 --layout contiguous
 
+The two sides can run in separate processes (at once, on two cores) and be compared afterwards:
+
+    python bench/e2e/kernel_plans.py --side perf --save perf.json ...
+    python bench/e2e/kernel_plans.py --side compile --save compile.json ...
+    python bench/e2e/kernel_plans.py --load perf.json --load compile.json --check 0.15
+
 Nothing runs for real either (the exporter's probes and torch.compile's first step run on fake tensors), so it
 takes under a minute per side for the CNN on 2 cores, with or without native bf16 on the CPU."""
 import argparse
 import collections
 import copy
 import importlib.util
+import json
 import os
 import sys
 from unittest import mock
@@ -100,6 +107,9 @@ def summarize(graph) -> dict:
             mix_order += isinstance(node, s.FusedMixOrderReductions)
     return {"fused": fused, "bytes": nbytes, "mix_order": mix_order, "extern": extern,
             "layout_opt": bool(graph.layout_opt), "conv_backward": conv_backward}
+
+
+PERF, COMPILE = "perf package (AOTInductor, joint graph)", "torch.compile (forward + backward)"
 
 
 def perf_plans(models, job, size, batch, amp, channels_last) -> list:
@@ -219,36 +229,58 @@ def main(argv=None) -> None:
     parser.add_argument("--amp", default="off", choices=["off", "bf16"])
     parser.add_argument("--layout", default="channels-last", choices=["channels-last", "contiguous"])
     parser.add_argument("--side", default="both", choices=["both", "perf", "compile"])
+    parser.add_argument("--save", metavar="FILE", help="also write the plans made to FILE (JSON), for --load")
+    parser.add_argument("--load", metavar="FILE", action="append", default=[],
+                        help="plan nothing: read the plans --save wrote (once per file, e.g. one per side)")
     parser.add_argument("--check", type=float, metavar="FRACTION",
                         help="exit 1 where perf's plan has other extern kernels than torch.compile's, or more "
                              "fused kernels or bytes than this fraction more (0.15: 15%%)")
     a = parser.parse_args(argv)
-    if a.check is not None and a.side != "both":
-        parser.error("--check compares both sides: leave --side at both")
-    models = e2e_models()
-    size = dict(models.JOBS[a.job]["cuda"])
-    torch.manual_seed(0)
-    x, y = models.make_data(a.job, size, a.batch)
-    channels_last = a.layout == "channels-last"
+    if a.load and a.save:
+        parser.error("--save writes plans made here, --load plans nothing: use one of them")
+    if a.check is not None and not a.load and a.side != "both":
+        parser.error("--check compares both sides: plan both (--side both), or --load both sides' files")
     plans = {}
-    if a.side in ("both", "perf"):
-        plans["perf package (AOTInductor, joint graph)"] = perf_plans(models, a.job, size, (x, y), a.amp,
-                                                                      channels_last)
-    if a.side in ("both", "compile"):
-        plans["torch.compile (forward + backward)"] = compile_plans(models, a.job, size, (x, y), a.amp,
-                                                                    channels_last)
-    print(f"{a.job} (CUDA size, batch {a.batch}), amp {a.amp}, {a.layout}, simulated H100:\n")
+    if a.load:
+        step = None
+        for path in a.load:
+            with open(path) as f:
+                saved = json.load(f)
+            if step is not None and saved["step"] != step:
+                parser.error(f"--load {path}: plans of another step ({saved['step']}) than the files before "
+                             f"it ({step})")
+            step = saved["step"]
+            for label, side in saved["plans"].items():
+                plans[label] = [{**p, "extern": collections.Counter(p["extern"]),
+                                 "conv_backward": collections.Counter(p["conv_backward"])} for p in side]
+    else:
+        models = e2e_models()
+        size = dict(models.JOBS[a.job]["cuda"])
+        torch.manual_seed(0)
+        x, y = models.make_data(a.job, size, a.batch)
+        channels_last = a.layout == "channels-last"
+        step = {"job": a.job, "batch": a.batch, "amp": a.amp, "layout": a.layout}
+        if a.side in ("both", "perf"):
+            plans[PERF] = perf_plans(models, a.job, size, (x, y), a.amp, channels_last)
+        if a.side in ("both", "compile"):
+            plans[COMPILE] = compile_plans(models, a.job, size, (x, y), a.amp, channels_last)
+        if a.save:
+            with open(a.save, "w") as f:
+                json.dump({"step": step, "plans": plans}, f)
+    if a.check is not None and set(plans) != {PERF, COMPILE}:
+        parser.error("--check compares both sides: plan both (--side both), or --load both sides' files")
+    print(f"{step['job']} (CUDA size, batch {step['batch']}), amp {step['amp']}, {step['layout']}, "
+          "simulated H100:\n")
     print("| step | graphs | layout optimization | fused kernels | MB read + written by them | of them mix-order "
           "reductions | extern kernels | convolution backwards' layout |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(row(label, p) for label, p in plans.items()))
+    print("\n".join(row(label, plans[label]) for label in (PERF, COMPILE) if label in plans))
     if a.check is not None:
-        problems = check(*(totals(p) for p in plans.values()), a.check)
+        problems = check(totals(plans[PERF]), totals(plans[COMPILE]), a.check)
         for problem in problems:
             print("kernel_plans: perf's plan does more:", problem, file=sys.stderr)
         if problems or any(not p for p in plans.values()):
             sys.exit(1)
-
 
 if __name__ == "__main__":
     main()
