@@ -282,5 +282,6 @@ def main(argv=None) -> None:
         if problems or any(not p for p in plans.values()):
             sys.exit(1)
 
+
 if __name__ == "__main__":
     main()
