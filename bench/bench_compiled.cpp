@@ -108,6 +108,17 @@ int main(int argc, char** argv) {
       configs.emplace_back("perf::optimize(example), cuDNN benchmark off while deciding",
                            [&heuristic, &x] { heuristic->infer(x); });
     }
+    // The decision's winner pinned on a fresh model (ModelOptions().recipe): captured as the decision captures it,
+    // with no decision before. Beside the graph of the eager recipe below (and its NHWC-input twin), it splits a
+    // gap between perf::optimize and a graph of the same recipe into what the decision leaves behind and what
+    // the capture does differently.
+    std::unique_ptr<decltype(tuned)> pinned;
+    if (device.is_cuda()) {
+      pinned.reset(new auto(perf::optimize(perf_bench::ResNet(width),
+                                           perf::ModelOptions().device(device).example(x).recipe(tuned.recipe()))));
+      configs.emplace_back("perf::optimize(recipe pinned: " + tuned.recipe().name() + ")",
+                           [&pinned, &x] { pinned->infer(x); });
+    }
     for (auto& c : compiled) {
       if (!accepts(*c, batch)) continue;
       configs.emplace_back(label_of(*c), [&c, &x, dtype = c->inputs().at(0).dtype] {
@@ -126,9 +137,12 @@ int main(int argc, char** argv) {
     using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
     std::vector<decltype(perf::graph(Fn(), x))> graphs;
     if (device.is_cuda()) {
-      graphs.reserve(1 + 2 * single.size());
-      std::vector<std::string> names = {"perf::graph(eager recipe)"};
+      graphs.reserve(2 + 2 * single.size());
+      std::vector<std::string> names = {"perf::graph(eager recipe)", "perf::graph(eager recipe), NHWC static input"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
+      // Captured from a channels-last example, as perf::optimize captures its graph: each call's NCHW input is
+      // converted by the copy into the static input, outside the graph, rather than inside it.
+      graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), perf::channels_last(x)));
       // Each single-threaded package's kernels replayed as one graph: as a user gets it (each call returns
       // its own copy of the output), and handing back the graph's own output tensor, which the next replay
       // overwrites, as torch.compile's reduce-overhead does (GraphOptions().clone_outputs(false)).
