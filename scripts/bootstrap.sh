@@ -12,6 +12,9 @@
 #
 # A user who already has LibTorch (official zip, source build, other wheel)
 # does not need this script: pass -DTorch_DIR=... or CMAKE_PREFIX_PATH to CMake.
+#
+# Without apt (a lent GPU machine): PERF_DEPS_DIR=perf-deps (scripts/gpu-deps.sh)
+# and PERF_VENV=<a venv with torch and numpy>; it then installs nothing.
 set -euo pipefail
 
 TORCH_VERSION=${PERF_TORCH_VERSION:-2.11.0}  # scripts/test-matrix.sh picks others
@@ -19,11 +22,54 @@ PERF_VENV=${PERF_VENV:-$HOME/.cache/perf/venv-torch-$TORCH_VERSION}
 
 log() { echo "[bootstrap] $*" >&2; }
 
-need_pkgs=()
+py="$PERF_VENV/bin/python"
+torch_ok="" torch_prefix=""  # asked once: importing torch takes seconds
+torch_ready() {
+  if [ -z "$torch_ok" ]; then
+    read -r torch_ok torch_prefix < <("$py" -c "import torch, numpy
+print(int(torch.__version__.split('+')[0] == '$TORCH_VERSION'), torch.utils.cmake_prefix_path)" 2>/dev/null || echo 0)
+  fi
+  [ "$torch_ok" = 1 ]
+}
+
+# A package counts as there when Debian has it installed, or when what the build takes from it is there
+# otherwise: a tool on PATH, or the offline copy in PERF_DEPS_DIR that scripts/gpu-deps.sh makes. So a
+# machine without a package manager or internet (a lent GPU machine: PERF_DEPS_DIR=perf-deps,
+# PERF_VENV=/opt/torch/.venv) runs the whole suite as well.
+deps=${PERF_DEPS_DIR:-}
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+provided() {
+  case $1 in
+    cmake | g++ | ccache) command -v "$1" ;;
+    clang) command -v clang++ ;;
+    ninja-build) command -v ninja ;;
+    googletest | libgtest-dev) [ -f "$deps/googletest/CMakeLists.txt" ] ;;
+    libbenchmark-dev) [ -d "$deps/benchmark-prefix/include/benchmark" ] ;;
+    libcli11-dev) [ -f "$deps/CLI11/CLI/CLI.hpp" ] ;;
+    libgloo-dev) [ -f "$deps/gloo-include/gloo/config.h" ] ;;
+    python3-venv) torch_ready ;;  # only needed to make the venv
+    *) false ;;
+  esac
+} >/dev/null 2>&1
+optional() { [ "$1" = clang ] || [ "$1" = ccache ]; }  # without them: consumer_clang skips; no compile cache
+
+need_pkgs=()
 for p in cmake g++ clang ninja-build ccache googletest libgtest-dev libbenchmark-dev libcli11-dev libgloo-dev python3-venv; do
-  have "$p" || need_pkgs+=("$p")
+  have "$p" || provided "$p" || need_pkgs+=("$p")
 done
+if ((${#need_pkgs[@]})) && ! command -v apt-get >/dev/null; then
+  missing=()
+  for p in "${need_pkgs[@]}"; do
+    if optional "$p"; then log "no $p and no apt-get: going on without it"; else missing+=("$p"); fi
+  done
+  ((${#missing[@]} == 0)) || {
+    log "missing ${missing[*]}, and no apt-get to install them. Tools must be on PATH; GoogleTest, Google" \
+      "Benchmark, CLI11 and Gloo's headers can come from PERF_DEPS_DIR (made on a connected machine by" \
+      "scripts/gpu-deps.sh DIR); LibTorch from PERF_VENV (a venv with torch==$TORCH_VERSION and numpy)"
+    exit 1
+  }
+  need_pkgs=()
+fi
 if ((${#need_pkgs[@]})); then
   log "installing Debian packages: ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
@@ -31,11 +77,12 @@ if ((${#need_pkgs[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >&2
 fi
 
-py="$PERF_VENV/bin/python"
-if ! "$py" -c "import torch, numpy, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+if ! torch_ready; then
   log "installing torch==$TORCH_VERSION into $PERF_VENV (a few GB, once)"
   PY=${PERF_BASE_PYTHON:-python3}
   [ -x "$py" ] || "$PY" -m venv "$PERF_VENV" >&2
   "$py" -m pip install --quiet --progress-bar off --disable-pip-version-check "torch==$TORCH_VERSION" numpy >&2
+  torch_ok=""
+  torch_ready || { log "torch==$TORCH_VERSION with numpy still does not import from $py"; exit 1; }
 fi
-"$py" -c "import torch; print(torch.utils.cmake_prefix_path)"
+echo "$torch_prefix"

@@ -27,9 +27,15 @@ if [[ -n $perf_cuda_root ]]; then
   export CUDA_PATH=$perf_cuda_root CUDACXX=${CUDACXX:-$perf_cuda_root/bin/nvcc}
 fi
 
+# Where bootstrap.sh went on without them (a machine without apt): no compile cache; GoogleTest,
+# Google Benchmark, CLI11 and Gloo's headers from PERF_DEPS_DIR (scripts/gpu-deps.sh).
+perf_cmake_extra=()
+command -v ccache >/dev/null && perf_cmake_extra+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+[[ -n ${PERF_DEPS_DIR:-} ]] && perf_cmake_extra+=(-DPERF_DEPS_DIR="$(cd "$PERF_DEPS_DIR" && pwd)")
+
 perf_configure() {  # <build dir> [extra cmake args...]
   local dir=$1
   shift
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PERF_TORCH_PREFIX" \
-        -DCMAKE_CXX_COMPILER_LAUNCHER=ccache "$@"
+        "${perf_cmake_extra[@]}" "$@"
 }
