@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
       // Captured from a channels-last example, as perf::optimize captures its graph: each call's NCHW input is
       // converted by the copy into the static input, outside the graph, rather than inside it.
-      graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), perf::channels_last(x)));
+      graphs.push_back(
+          perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), perf::channels_last(x)));
       // Each single-threaded package's kernels replayed as one graph: as a user gets it (each call returns
       // its own copy of the output), and handing back the graph's own output tensor, which the next replay
       // overwrites, as torch.compile's reduce-overhead does (GraphOptions().clone_outputs(false)).

@@ -9,6 +9,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -788,4 +789,21 @@ TEST(TestHarness, ProcessLeftBehindDoesNotHoldTheTest) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(test_util::python("import subprocess\nsubprocess.Popen(['sleep', '40'])\nprint('done')"), "done");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// The ThreadSanitizer build hides CUDA's devices from its tests (tests/sanitizers/defaults.cpp: the driver
+// is not instrumented).
+TEST(TestHarness, TheThreadSanitizerBuildHidesCudaDevices) {
+#if defined(__SANITIZE_THREAD__)
+  constexpr bool tsan = true;
+#elif defined(__has_feature)
+  constexpr bool tsan = __has_feature(thread_sanitizer);
+#else
+  constexpr bool tsan = false;
+#endif
+  if (!tsan) GTEST_SKIP() << "skipped: not the ThreadSanitizer build";
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  ASSERT_NE(visible, nullptr);
+  EXPECT_STREQ(visible, "");
+  EXPECT_FALSE(at::hasCUDA() && at::getNumGPUs() > 0) << "a CUDA device is visible under TSan";
 }

@@ -18,3 +18,24 @@ PERF_SANITIZER_EXPORT const char* __ubsan_default_options() { return "print_stac
 PERF_SANITIZER_EXPORT const char* __tsan_default_options() {
   return "suppressions=" PERF_SANITIZER_DIR "/tsan.supp:halt_on_error=1:second_deadlock_stack=1";
 }
+
+#if defined(__SANITIZE_THREAD__)  // GCC
+#define PERF_TSAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define PERF_TSAN 1
+#endif
+#endif
+
+#ifdef PERF_TSAN
+#include <cstdlib>
+
+// No CUDA device in the ThreadSanitizer build: CUDA's driver is not instrumented, so the
+// synchronisation it does (events, stream waits) is invisible to ThreadSanitizer, and what these
+// tests check is perf's own threads. They take the CPU paths, as on a machine without a GPU; the
+// plain build runs the GPU tests. Set before main, so before anything starts CUDA, and inherited
+// by the processes the tests start.
+namespace {
+[[maybe_unused]] const bool perf_tsan_hides_cuda = [] { return setenv("CUDA_VISIBLE_DEVICES", "", 1) == 0; }();
+}  // namespace
+#endif
