@@ -791,19 +791,19 @@ TEST(TestHarness, ProcessLeftBehindDoesNotHoldTheTest) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
-// The ThreadSanitizer build hides CUDA's devices from its tests (tests/sanitizers/defaults.cpp: the driver
-// is not instrumented).
-TEST(TestHarness, TheThreadSanitizerBuildHidesCudaDevices) {
-#if defined(__SANITIZE_THREAD__)
-  constexpr bool tsan = true;
+// The ThreadSanitizer and AddressSanitizer builds hide CUDA's devices from their tests
+// (tests/sanitizers/defaults.cpp: the driver is not instrumented).
+TEST(TestHarness, TheSanitizerBuildsHideCudaDevices) {
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  constexpr bool sanitized = true;
 #elif defined(__has_feature)
-  constexpr bool tsan = __has_feature(thread_sanitizer);
+  constexpr bool sanitized = __has_feature(thread_sanitizer) || __has_feature(address_sanitizer);
 #else
-  constexpr bool tsan = false;
+  constexpr bool sanitized = false;
 #endif
-  if (!tsan) GTEST_SKIP() << "skipped: not the ThreadSanitizer build";
+  if (!sanitized) GTEST_SKIP() << "skipped: not a ThreadSanitizer or AddressSanitizer build";
   const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
   ASSERT_NE(visible, nullptr);
   EXPECT_STREQ(visible, "");
-  EXPECT_FALSE(at::hasCUDA() && at::getNumGPUs() > 0) << "a CUDA device is visible under TSan";
+  EXPECT_FALSE(at::hasCUDA() && at::getNumGPUs() > 0) << "a CUDA device is visible to a sanitizer build";
 }
