@@ -9,6 +9,20 @@
 #   build-tsan/   the threaded suites (prefetcher, loader, concurrent setup())
 #                 under ThreadSanitizer.
 # Installs what is missing first (scripts/bootstrap.sh).
+
+# PERF_TEST_SUITES picks some of the three (default: all, which is what CI runs), so that a machine
+# lent for 10-minute commands runs them in two calls: PERF_TEST_SUITES=cuda, then asan,tsan.
+suites=${PERF_TEST_SUITES:-cuda,asan,tsan}
+n_suites=0
+for s in ${suites//,/ }; do
+  case $s in cuda | asan | tsan) n_suites=$((n_suites + 1)) ;; *)
+    echo "test.sh: PERF_TEST_SUITES has '$s'; valid: cuda, asan, tsan (comma-separated; default all three)" >&2
+    exit 2 ;;
+  esac
+done
+((n_suites > 0)) || { echo "test.sh: PERF_TEST_SUITES='$suites' names no suite; valid: cuda, asan, tsan" >&2; exit 2; }
+wanted() { [[ ",$suites," == *",$1,"* ]]; }
+
 run_started=$(date +%s)
 source "$(dirname "$0")/common.sh"
 jobs=${PERF_JOBS:-$(nproc)}
@@ -28,6 +42,7 @@ run_report() {
   read -r hits misses < <(ccache_counts)
   line="$((hits - ccache_hits0)) compiles from the cache, $((misses - ccache_misses0)) compiled"
   command -v ccache >/dev/null || line="no ccache"
+  [ "$suites" = cuda,asan,tsan ] || line+=", suites $suites only"
   echo "== ccache ($CCACHE_DIR): $line"
   echo "$(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo '-') exit $rc" \
        "$(($(date +%s) - run_started)) s, $line, $PWD" >>"$HOME/.cache/perf/test-runs.log" 2>/dev/null || true
@@ -51,10 +66,16 @@ run_suite() {  # <build dir> <extra cmake args...>
   (cd "$dir" && env "${test_env[@]}" ctest --output-on-failure -j "$jobs")
 }
 
-echo "== perf tests, CUDA support as LibTorch reports it, _FORTIFY_SOURCE=2 (as Ubuntu's g++ builds by default)"
-run_suite build -DCMAKE_CXX_FLAGS=-D_FORTIFY_SOURCE=2 -DPERF_PROGRAMS_UNITY=ON
-echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer, perf::perf_static"
-run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
-  -DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON
-echo "== perf threaded tests, ThreadSanitizer"
-run_suite build-tsan -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_SANITIZE=thread
+if wanted cuda; then
+  echo "== perf tests, CUDA support as LibTorch reports it, _FORTIFY_SOURCE=2 (as Ubuntu's g++ builds by default)"
+  run_suite build -DCMAKE_CXX_FLAGS=-D_FORTIFY_SOURCE=2 -DPERF_PROGRAMS_UNITY=ON
+fi
+if wanted asan; then
+  echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer, perf::perf_static"
+  run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
+    -DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON
+fi
+if wanted tsan; then
+  echo "== perf threaded tests, ThreadSanitizer"
+  run_suite build-tsan -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_SANITIZE=thread
+fi
