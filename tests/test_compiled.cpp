@@ -473,9 +473,9 @@ TEST(Compiled, ExporterRefusesAWrongInferencePackageAndNamesTheKernel) {
 }
 
 // CUDA convolutions of a channels-last CNN, planned by AOTInductor as cuDNN lays them out: torch.export traces
-// with cuDNN off, FakeTensorMode cached those contiguous layouts, and AOTInductor planned from the cache (the
-// wrong channels-last CUDA training steps; README "Channels-last on CUDA"). The exporter empties the cache
-// before compiling (forget_export_fake_results). Shown without a GPU on fake CUDA tensors, lowered up to code
+// with cuDNN off, FakeTensorMode cached those contiguous layouts, and AOTInductor planned from the cache (the wrong
+// channels-last CUDA training steps; docs/compiled-training.md). The exporter empties the cache before compiling
+// (forget_export_fake_results). Shown without a GPU on fake CUDA tensors, lowered up to code
 // generation for a simulated H100 (tests/compiled/simulated_cuda.py), through the exporter's own
 // compile_and_package; and before that with the cache left alone, to show the plan this test would catch.
 // The parameters do not require grad, as in a training package (state passed in) or a model frozen with

@@ -800,7 +800,7 @@ TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
 // on it: a fake CUDA convolution on channels-last tensors cached then says
 // "contiguous" (a non-cuDNN backend's layout) to a later compile in the same
 // fake mode, AOTInductor's, while cuDNN returns channels-last; the package read
-// it in the wrong order (README, "Channels-last on CUDA"). The exporter empties
+// it in the wrong order (docs/compiled-training.md, "Channels-last on CUDA"). The exporter empties
 // the cache before compiling. Fake CUDA tensors need no GPU.
 TEST(CompiledTrain, ExporterForgetsFakeConvolutionsTracedWithCudnnOff) {
   const auto out = test_util::lines(test_util::exporter_python(
@@ -1103,7 +1103,7 @@ void expect_cuda_cnn_tracks_eager(const std::string& name, const std::string& ar
 // fake results torch.export had cached with cuDNN off. The exporter now empties
 // that cache (forget_export_fake_results); should it still refuse the package
 // as the compiler's wrong build, this test and the fp32 one skip, quoting it:
-// README, "Channels-last on CUDA").
+// docs/compiled-training.md, "Channels-last on CUDA").
 TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";

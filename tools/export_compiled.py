@@ -219,7 +219,7 @@ def forget_export_fake_results(program) -> None:
     torch.compile's C++ wrapper) compiles in the export's fake mode (compile_fx._extract_inputs_from_exported_gm):
     its plan for a CUDA convolution on channels-last tensors came from that cache, contiguous, while cuDNN
     returns channels-last, and the package read it in the wrong order (the channels-last CNN's wrong first
-    weight gradient, README "Channels-last on CUDA"). Inductor's Python wrapper traces in a fake mode of its
+    weight gradient; docs/compiled-training.md). Inductor's Python wrapper traces in a fake mode of its
     own, whose shape environment's settings key the cache apart, and was right. Emptied, the caches make the
     compile ask again, with cuDNN on."""
     from torch._subclasses.fake_tensor import FakeTensorMode

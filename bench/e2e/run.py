@@ -107,8 +107,8 @@ def job_package(job, size, a, amp, options):
     arguments `a`): (path, export seconds), or False where it could not be made (reported on stderr)."""
     layouts = [a.compiled_layout]
     if job == "cnn" and a.compiled_layout == "channels-last":
-        # A channels-last package the exporter refuses as a wrong program (the CUDA bug of README "Compiled
-        # training"): the best C++ can run is the contiguous one, labelled so.
+        # A channels-last package the exporter refuses as a wrong program (the CUDA bug of docs/compiled-training.md,
+        # "Channels-last on CUDA"): the best C++ can run is the contiguous one, labelled so.
         layouts.append("contiguous")
     while layouts:
         layout = layouts.pop(0)
