@@ -158,7 +158,7 @@ TEST(Compare, SeveralConfigurationsRoundRobin) {
                                        sleep_ms(3);
                                      }},
                                     {"c", [&] { order += 'C'; }}},
-                                   perf::BenchOptions().warmup(1).iters(3).items_per_call(10));
+                                   perf::BenchOptions().warmup(1).iters(3).items_per_call(10).device(c10::kCPU));
   EXPECT_EQ(order, "ABCABCABCABC");
   ASSERT_EQ(stats.size(), 3u);
   EXPECT_EQ(stats[1].name, "b");
@@ -167,6 +167,46 @@ TEST(Compare, SeveralConfigurationsRoundRobin) {
   EXPECT_GT(stats[0].items_per_second, stats[1].items_per_second);
   PERF_EXPECT_THROW_MSG(perf::compare({}), "no configurations");
   PERF_EXPECT_THROW_MSG(perf::compare({{"empty", std::function<void()>()}}), "\"empty\" has no function");
+}
+
+// An event times the GPU's timeline. Round-robin without a sync, a host-bound call ("host": 5 ms on the host,
+// then one tiny kernel) right after a GPU-heavy one ("gpu": a 20-ms-plus sleep kernel, launched at once) had
+// its start event wait behind that kernel while the host slept, and measured the tiny kernel alone. Each timed
+// call now starts from an idle GPU, and a short one (under 10 ms) after an untimed call of its own, as in a
+// loop of it: "host" is primed every round, "gpu" only in the first (nothing measured yet). Lower bounds only
+// (load can only lengthen a sleep), so the test holds under ctest -j16.
+TEST(Compare, OnGpuEachTimedCallStartsFromAnIdleGpu) {
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  at::cuda::sleep(1000);  // the sleep kernel loaded before anything is timed
+  c10::cuda::device_synchronize();
+  const int64_t cycles = 100'000'000;  // at least 20 ms: no GPU clocks 5 GHz
+  std::string order;
+  const auto stats = perf::compare({{"gpu",
+                                     [&] {
+                                       order += 'G';
+                                       at::cuda::sleep(cycles);
+                                     }},
+                                    {"host",
+                                     [&] {
+                                       order += 'H';
+                                       sleep_ms(5);
+                                       at::cuda::sleep(1000);
+                                     }}},
+                                   perf::BenchOptions().warmup(1).iters(3).device(c10::Device(c10::kCUDA, 0)));
+  EXPECT_EQ(order,
+            "GH"    // warm-up
+            "GGHH"  // round 0: both primed
+            "GHH"   // then "gpu" (over 10 ms) alone, "host" primed
+            "GHH");
+  ASSERT_EQ(stats.size(), 2u);
+  EXPECT_GE(stats[0].min_ms, 100e6 / 5e9 * 1e3) << "the sleep kernel, timed on the GPU";
+  EXPECT_GE(stats[1].min_ms, 4.5) << "the host's 5 ms count (less an event's latency): no earlier kernel hides them";
+  // One function alone keeps back-to-back calls (a loop's timing): no sync, no extra call.
+  int calls = 0;
+  perf::benchmark([&] { ++calls; }, perf::BenchOptions().warmup(1).iters(4).device(c10::Device(c10::kCUDA, 0)));
+  EXPECT_EQ(calls, 5);
+#endif
 }
 
 TEST(Memory, CpuReportsRssAndSaysWhatIsMissing) {

@@ -8,7 +8,9 @@
 //
 // GPU work is asynchronous: a host clock around a launch measures the launch,
 // not the work. On a CUDA device these tools record CUDA events on the current
-// stream and synchronise only when the result is read.
+// stream and synchronise only when the result is read; compare() also before
+// each timed call, so that one configuration's queued kernels do not shift
+// another's events.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -19,6 +21,7 @@
 #if PERF_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -90,6 +93,10 @@ std::ostream& operator<<(std::ostream& os, const Stats& s);
 Stats benchmark(const std::function<void()>& fn, const BenchOptions& options = BenchOptions());
 
 /// A and B measured alternately (A B A B ...) so that drift hits both alike.
+/// On CUDA each timed call starts from an idle GPU (a device sync) and, when it
+/// takes under 10 ms, right after an untimed call of the same function: timed as
+/// in a loop of its own, never behind the other's queued kernels. So a function
+/// runs up to twice per timed call there.
 struct Comparison {
   Stats a, b;
   /// a.median / b.median: how many times faster B is than A.
@@ -102,7 +109,8 @@ Comparison compare(const std::string& name_a, const std::function<void()>& a, co
                    const std::function<void()>& b, const BenchOptions& options = BenchOptions());
 
 /// Several configurations measured round-robin (A B C A B C ...), one Stats
-/// each, in order; ratios: stats[0].median_ms / stats[k].median_ms.
+/// each, in order; ratios: stats[0].median_ms / stats[k].median_ms. On CUDA each
+/// timed call is isolated as for two (above).
 std::vector<Stats> compare(const std::vector<std::pair<std::string, std::function<void()>>>& configurations,
                            const BenchOptions& options = BenchOptions());
 
@@ -124,7 +132,12 @@ PERF_INLINE std::string fmt_ms(double ms);
 namespace detail {
 
 // Runs `fns` round-robin after warm-up; returns each one's per-call durations.
-// CUDA: one event pair per call, read after the loop (no sync inside it).
+// CUDA: one event pair per call, read after the loop. One function: its calls
+// back to back, as a loop runs them (no sync inside). Several: a device sync
+// before each timed call, and for a call under kPrimeBelowMs one untimed call
+// of the same function between the sync and it.
+inline constexpr double kPrimeBelowMs = 10.0;
+PERF_INLINE void idle(const c10::Device& device);  // waits for every stream of a CUDA device
 PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<const std::function<void()>*>& fns,
                                                               const BenchOptions& o);
 
