@@ -137,7 +137,7 @@ namespace detail {
 // before each timed call, and for a call under kPrimeBelowMs one untimed call
 // of the same function between the sync and it.
 inline constexpr double kPrimeBelowMs = 10.0;
-PERF_INLINE void idle(const c10::Device& device);  // waits for every stream of a CUDA device
+PERF_INLINE void idle(const c10::Device& device);  // waits for every stream of a CUDA device; else nothing
 PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<const std::function<void()>*>& fns,
                                                               const BenchOptions& o);
 

@@ -130,6 +130,7 @@ namespace detail {
 
 PERF_INLINE void idle(const c10::Device& device) {
 #if PERF_WITH_CUDA
+  if (!device.is_cuda()) return;
   c10::cuda::OptionalCUDAGuard guard;
   if (device.has_index()) guard.set_index(device.index());
   c10::cuda::device_synchronize();
