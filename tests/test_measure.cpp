@@ -170,8 +170,8 @@ TEST(Compare, SeveralConfigurationsRoundRobin) {
 }
 
 // An event times the GPU's timeline. Round-robin without a sync, a host-bound call ("host": 5 ms on the host,
-// then one tiny kernel) right after a GPU-heavy one ("gpu": a 20-ms-plus sleep kernel, launched at once) had
-// its start event wait behind that kernel while the host slept, and measured the tiny kernel alone. Each timed
+// then one tiny kernel) right after a GPU-heavy one ("gpu": a 20-ms-plus sleep kernel, launched at once) would
+// have its start event wait behind that kernel while the host slept, and measure the tiny kernel alone. Each timed
 // call now starts from an idle GPU, and a short one (under 10 ms) after an untimed call of its own, as in a
 // loop of it: "host" is primed every round, "gpu" only in the first (nothing measured yet). Lower bounds only
 // (load can only lengthen a sleep), so the test holds under ctest -j16.
