@@ -93,10 +93,10 @@ std::ostream& operator<<(std::ostream& os, const Stats& s);
 Stats benchmark(const std::function<void()>& fn, const BenchOptions& options = BenchOptions());
 
 /// A and B measured alternately (A B A B ...) so that drift hits both alike.
-/// On CUDA each timed call starts from an idle GPU (a device sync) and, when it
-/// takes under 10 ms, right after an untimed call of the same function: timed as
-/// in a loop of its own, never behind the other's queued kernels. So a function
-/// runs up to twice per timed call there.
+/// On CUDA each timed call starts from an idle GPU (a device sync), right after
+/// an untimed call of the same function: timed as in a loop of its own, never
+/// behind the other's queued kernels. So a function runs twice per timed call
+/// there.
 struct Comparison {
   Stats a, b;
   /// a.median / b.median: how many times faster B is than A.
@@ -134,9 +134,8 @@ namespace detail {
 // Runs `fns` round-robin after warm-up; returns each one's per-call durations.
 // CUDA: one event pair per call, read after the loop. One function: its calls
 // back to back, as a loop runs them (no sync inside). Several: a device sync
-// before each timed call, and for a call under kPrimeBelowMs one untimed call
-// of the same function between the sync and it.
-inline constexpr double kPrimeBelowMs = 10.0;
+// before each timed call, and one untimed call of the same function between
+// the sync and it.
 PERF_INLINE void idle(const c10::Device& device);  // waits for every stream of a CUDA device; else nothing
 PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<const std::function<void()>*>& fns,
                                                               const BenchOptions& o);

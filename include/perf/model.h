@@ -371,8 +371,8 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   // Calls per candidate within tune_seconds (the plain model's cost standing
   // for all): two alternating passes where there is room, else one pass of
   // two timed calls after the first, so a slow model's decision stays near the budget.
-  // On CUDA compare() runs a short call once more, untimed, before each timed one (perf/bench.h).
-  const double runs_per_timed_call = device_.is_cuda() && call_s * 1e3 < detail::kPrimeBelowMs ? 2.0 : 1.0;
+  // On CUDA compare() runs each call once more, untimed, before each timed one (perf/bench.h).
+  const double runs_per_timed_call = device_.is_cuda() ? 2.0 : 1.0;
   const double calls = options_.tune_seconds() / ((try_graphs ? 2.0 : 1.0) * runs_per_timed_call *
                                                   static_cast<double>(candidates) * std::max(call_s, 1e-5));
   const int passes = calls >= 10 ? 2 : 1;

@@ -165,11 +165,11 @@ PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<
         // An event times the GPU's timeline, so a call whose start event waits behind another
         // configuration's queued kernels loses the host time it spent launching meanwhile (a
         // host-bound row after a graph replay measured up to that replay's time too fast). Each
-        // call starts from an idle GPU instead, and a short one after an untimed call of its own,
-        // so that it overlaps its own previous call as in a loop of it (and as the Python peers
-        // time theirs); over kPrimeBelowMs the launch is too small a share to matter.
+        // call starts from an idle GPU instead, after an untimed call of its own, so that it
+        // overlaps its own previous call as in a loop of it (as the Python peers time theirs).
+        // Always, not by the time measured: ranks that call collectives must call alike.
         idle(device);
-        if (timers[k].empty() || timers[k].back().elapsed_ms() < kPrimeBelowMs) (*fns[k])();
+        (*fns[k])();
       }
       Timer t(device);
       t.start();
