@@ -14,6 +14,7 @@
 #include <map>
 #include <thread>
 
+#include "sanitizers/hides_cuda.h"
 #include "test_util.h"
 
 namespace {
@@ -794,10 +795,8 @@ TEST(TestHarness, ProcessLeftBehindDoesNotHoldTheTest) {
 // The ThreadSanitizer and AddressSanitizer builds hide CUDA's devices from their tests
 // (tests/sanitizers/defaults.cpp: the driver is not instrumented).
 TEST(TestHarness, TheSanitizerBuildsHideCudaDevices) {
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+#ifdef PERF_TEST_HIDES_CUDA
   constexpr bool sanitized = true;
-#elif defined(__has_feature)
-  constexpr bool sanitized = __has_feature(thread_sanitizer) || __has_feature(address_sanitizer);
 #else
   constexpr bool sanitized = false;
 #endif

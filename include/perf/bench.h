@@ -17,11 +17,11 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <torch/arg.h>
+#include <torch/cuda.h>
 
 #if PERF_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 

@@ -19,15 +19,9 @@ PERF_SANITIZER_EXPORT const char* __tsan_default_options() {
   return "suppressions=" PERF_SANITIZER_DIR "/tsan.supp:halt_on_error=1:second_deadlock_stack=1";
 }
 
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)  // GCC
-#define PERF_HIDE_CUDA 1
-#elif defined(__has_feature)  // clang
-#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
-#define PERF_HIDE_CUDA 1
-#endif
-#endif
+#include "hides_cuda.h"
 
-#ifdef PERF_HIDE_CUDA
+#ifdef PERF_TEST_HIDES_CUDA
 #include <cstdlib>
 
 // No CUDA device in the sanitizer builds, on a GPU machine as on CI's. CUDA's driver is not

@@ -129,14 +129,7 @@ PERF_INLINE std::ostream& operator<<(std::ostream& os, const Stats& s) {
 namespace detail {
 
 PERF_INLINE void idle(const c10::Device& device) {
-#if PERF_WITH_CUDA
-  if (!device.is_cuda()) return;
-  c10::cuda::OptionalCUDAGuard guard;
-  if (device.has_index()) guard.set_index(device.index());
-  c10::cuda::device_synchronize();
-#else
-  (void)device;
-#endif
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());  // -1: the current device
 }
 
 PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<const std::function<void()>*>& fns,
