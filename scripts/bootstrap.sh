@@ -71,10 +71,17 @@ if ((${#need_pkgs[@]})) && ! command -v apt-get >/dev/null; then
   need_pkgs=()
 fi
 if ((${#need_pkgs[@]})); then
+  # The optional ones install apart, and a failure there is not the run's: a lent GPU machine has apt-get
+  # but no network, and goes on without clang and ccache as a machine without apt-get does.
+  required=() wished=()
+  for p in "${need_pkgs[@]}"; do if optional "$p"; then wished+=("$p"); else required+=("$p"); fi; done
   log "installing Debian packages: ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >&2
+  $SUDO apt-get update -qq >&2 || ((${#required[@]} == 0))
+  ((${#required[@]} == 0)) || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${required[@]}" >&2
+  if ((${#wished[@]})) && ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${wished[@]}" >&2; then
+    log "could not install ${wished[*]}: going on without them"
+  fi
 fi
 
 if ! torch_ready; then

@@ -5,7 +5,9 @@
 # Runs it with a PATH that has no apt-get, a dpkg-query that knows no package and the
 # tools as links, three ways: everything there (prints LibTorch's prefix), the offline
 # copies missing (a clear error naming them and scripts/gpu-deps.sh), clang++ and
-# ccache missing too (it goes on without them, saying so).
+# ccache missing too (it goes on without them, saying so). Then with an apt-get that
+# cannot reach its archive (a lent GPU machine has one, without a network): without
+# clang++ and ccache it goes on, saying so; without a package the build needs it stops.
 set -uo pipefail
 root=$1 python=$2
 venv=$(dirname "$(dirname "$python")")
@@ -56,4 +58,19 @@ run "$bin" "$deps"
 check "no clang++, no ccache: exit 0 (got $rc)" [ "$rc" -eq 0 ]
 check "no clang++, no ccache: says it goes on without them" grep -q "no clang and no apt-get: going on without it" "$work/err"
 check "no clang++, no ccache: ccache too" grep -q "no ccache and no apt-get" "$work/err"
+
+printf '#!/bin/sh\necho "apt-get $*" >>"%s/apt-calls"\necho "E: Unable to locate package" >&2\nexit 100\n' "$work" \
+  >"$bin/apt-get"
+printf '#!/bin/sh\nexec "$@"\n' >"$bin/sudo"  # bootstrap.sh calls apt-get through sudo when not root
+chmod +x "$bin/apt-get" "$bin/sudo"
+run "$bin" "$deps"
+check "apt-get without a network, no clang++, no ccache: exit 0 (got $rc; stderr: $(tail -c 300 "$work/err"))" \
+  [ "$rc" -eq 0 ]
+check "apt-get without a network: it tried them" grep -q "install -y -qq clang ccache" "$work/apt-calls"
+check "apt-get without a network: says it goes on without them" \
+  grep -q "could not install clang ccache: going on without them" "$work/err"
+check "apt-get without a network: LibTorch's prefix on the last line" [ "$(tail -n 1 "$work/out")" = "$prefix" ]
+run "$bin" "$work/nothing"
+check "apt-get without a network, no offline copies: fails (got $rc)" [ "$rc" -ne 0 ]
+check "apt-get without a network, no offline copies: prints no LibTorch prefix" [ ! -s "$work/out" ]
 ((fails == 0))
