@@ -455,11 +455,11 @@ if has e2e; then
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}" --profile-steps 2); ((quick)) && e2e_args+=(--quick)
   e2e_args+=("${e2e_more[@]}")  # after ours: PERF_E2E_ARGS="--profile-steps 0" turns the profile off
-  rm -f "$work"/profile-*.md  # an earlier call's jobs: not this one's
+  rm -f "$work"/profile-*.md "$work"/failed-*.log  # an earlier call's jobs: not this one's
   # Stopped by the budget, the runs that finished are reported (run.py appends each to results.jsonl).
   PYTHONUNBUFFERED=1 within_budget 20 "$py" bench/e2e/run.py --e2e "$build/bench/e2e" --device cuda --out "$work" "${e2e_args[@]}" \
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
-  cp "$work/results.jsonl" "$work"/profile-*.md "$logs/" 2>/dev/null || true
+  cp "$work/results.jsonl" "$work"/profile-*.md "$work"/failed-*.log "$logs/" 2>/dev/null || true
   # The table needs only Python; the charts are drawn where matplotlib is installed
   # (else: report.py on results.jsonl elsewhere).
   if [ -s "$logs/results.jsonl" ]; then

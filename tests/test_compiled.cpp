@@ -119,6 +119,31 @@ TEST(Compiled, EveryBadInputIsRejectedWithItsMessage) {
   EXPECT_LE(max_diff(out[1], ref.out[1]), 1e-5);
 }
 
+// A failure inside the package's own run (here: check_inputs(false) lets a wrong
+// input count through to the generated code) is a c10::Error that names the
+// package and the runner's failed call, and says where the cause went (the
+// generated code writes it to stderr; the runner's std::runtime_error says only
+// "API call failed"). On an H100 a CUDA step failed that way, and the message
+// that reached the caller named no package. The model still answers afterwards,
+// its first call included.
+TEST(Compiled, AFailureInsideThePackageNamesItAndWhereItsCauseWent) {
+  perf::CompiledModel unchecked(package("mlp.pt2"), perf::CompiledOptions().check_inputs(false));
+  testing::internal::CaptureStderr();
+  PERF_EXPECT_THROW_MSG(unchecked.run({}),
+                        "perf::CompiledModel '" + package("mlp.pt2") + "': the package's run failed");
+  try {
+    unchecked.run({});
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("API call failed"), std::string::npos) << what;
+    EXPECT_NE(what.find("wrote the cause to stderr"), std::string::npos) << what;
+  }
+  const std::string stderr_text = testing::internal::GetCapturedStderr();
+  EXPECT_NE(stderr_text.find("expected inputs vector size to be 1, but got 0"), std::string::npos) << stderr_text;
+  const auto ref = reference("mlp", 5);
+  EXPECT_LE(max_diff(unchecked(ref.in[0]), ref.out[0]), 1e-5);
+}
+
 TEST(Compiled, InputsInAnotherLayoutAreCopiedToTheExportedOne) {
   perf::CompiledModel mlp(package("mlp.pt2"));
   const auto ref = reference("mlp", 5);

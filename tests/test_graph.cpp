@@ -104,6 +104,11 @@ TEST(Graph, RejectsWhatWouldBeSilentlyWrong) {
       perf::graph([](const std::vector<torch::Tensor>& in) { return in[0] + 1; }, {x, torch::empty({4}, torch::kMeta)}),
       "example input 1 is on meta but input 0 is on cpu");
   PERF_EXPECT_THROW_MSG(perf::graph(model, x, perf::GraphOptions().batch_sizes({0, 4})), "batch_sizes: must be >= 1");
+  // A failure that is not LibTorch's own error (AOTInductor's runner throws
+  // std::runtime_error) still reaches the caller with perf's context and its own text.
+  PERF_EXPECT_THROW_MSG(
+      perf::graph([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("run_func_ failed"); }, x),
+      "perf::graph: the function failed on the example inputs: run_func_ failed");
 }
 
 namespace {

@@ -81,6 +81,7 @@ struct Args {
   int profile_steps = 0;  // more steps after the timed ones, traced by LibTorch's profiler into `profile`
   std::string profile;
   bool cpu_malloc_cache = true;  // perf configurations: perf::Settings::cpu_malloc_cache (run.py --malloc-ab)
+  bool cudnn_benchmark = true;   // perf configurations: perf::Settings::cudnn_benchmark (run.py --cpp-cudnn-benchmark)
 };
 
 struct Result {
@@ -221,6 +222,7 @@ void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) 
   }
   perf::Settings settings;  // perf's defaults; run.py --malloc-ab turns the malloc cache off for its A/B
   if (!a.cpu_malloc_cache) settings.cpu_malloc_cache(false);
+  if (!a.cudnn_benchmark) settings.cudnn_benchmark(false);  // run.py --cpp-cudnn-benchmark off: a diagnosis
   perf::setup(settings);
   // A compiled step takes the parameters in the layout its package was exported for.
   bool channels_last = true;
@@ -285,9 +287,7 @@ void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) 
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   CLI::App app("perf end-to-end training run (bench/e2e/run.py drives it)");
   Args a;
   bool info = false;
@@ -307,6 +307,7 @@ int main(int argc, char** argv) {
   app.add_option("--window", a.window);
   app.add_option("--threads", a.threads);
   app.add_option("--cpu-malloc-cache", a.cpu_malloc_cache, "perf configurations: perf::setup()'s cpu_malloc_cache");
+  app.add_option("--cudnn-benchmark", a.cudnn_benchmark, "perf configurations: perf::setup()'s cudnn_benchmark");
   app.add_option("--profile-steps", a.profile_steps, "steps after the timed ones traced by the profiler (--profile)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--profile", a.profile, "where --profile-steps' trace goes (Chrome trace JSON)");
@@ -339,4 +340,19 @@ int main(int argc, char** argv) {
     run(e2e::mlp(s.at("inputs"), s.at("hidden"), s.at("classes")), a, x, y);
   }
   return 0;
+}
+
+}  // namespace
+
+// An error ends the run with its message last, where run.py's report of a failed run looks (the
+// backtrace of a LibTorch error before it).
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const c10::Error& e) {
+    std::cerr << e.what() << "\ne2e: failed: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "e2e: failed: " << e.what() << std::endl;
+  }
+  return 1;
 }

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,17 @@ def configs(device, quick, full):
     if (device.startswith("cuda") and not quick) or full:
         order += [("python", "compile_max_autotune")]  # slow to compile (255 s for the CNN on an H100)
     return order
+
+
+def without_frames(text):
+    """A failed run's stderr with the backtrace lines of LibTorch's errors left out ("frame #12: ..."): they
+    fill the end of it, and the messages before them (AOTInductor's "Exception in aoti_torch: <the cause>") are
+    what says why."""
+    lines = text.splitlines()
+    kept = [l for l in lines if not re.match(r"\s*frame #\d+: ", l)]
+    if len(kept) < len(lines):
+        kept.append(f"({len(lines) - len(kept)} backtrace frame lines left out)")
+    return "\n".join(kept)
 
 
 def training_package(job, size, device, amp, out, layout="channels-last", options=None, max_autotune=False):
@@ -157,6 +169,12 @@ def main():
                    help="trace N more steps of every configuration after its timed ones (not timed; the first run "
                         "of each) and write <out>/profile-<job>.md: wall and GPU-busy time per step, the top kernels "
                         "(operators on the CPU); the traces stay in <out>")
+    p.add_argument("--configs", metavar="LIST",
+                   help="only these configurations, comma-separated (eager_fp32, compile_recipe, perf_compiled_graph, "
+                        "...; README \"End to end\"), in the usual order: a GPU call that looks at one row")
+    p.add_argument("--cpp-cudnn-benchmark", choices=["on", "off"], default="on",
+                   help="perf::setup()'s cudnn_benchmark in the C++ perf rows (off: a diagnosis, the Python rows "
+                        "keep theirs)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
@@ -196,6 +214,13 @@ def main():
     else:
         warmup, steps, window = 5, 40, 5
     runs = [("python", "eager_fp32"), ("cpp", "stock")] if a.check else configs(a.device, a.quick, a.full)
+    if a.configs:
+        wanted = a.configs.split(",")
+        known = [config for _, config in runs]
+        unknown = [c for c in wanted if c not in known]
+        if unknown:
+            p.error(f"--configs: {', '.join(unknown)} is not a configuration of this run; valid: {', '.join(known)}")
+        runs = [(lang, config) for lang, config in runs if config in wanted]
     runs = [(lang, config, None) for lang, config in runs]
     if a.malloc_ab:
         runs = [("cpp", config, cache) for config in ("perf", "perf_compiled") for cache in (False, True)]
@@ -246,6 +271,8 @@ def main():
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
                 if cache is not None:
                     cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
+                if a.cpp_cudnn_benchmark == "off" and config != "stock":
+                    cmd += ["--cudnn-benchmark", "false"]
             if a.profile_steps and (lang, config) not in traces:
                 traces[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
                 if os.path.exists(traces[lang, config]):
@@ -271,9 +298,13 @@ def main():
             line = next((l for l in reversed(said) if l.startswith(f"{lang} {job} {config}:")), said[-1] if said else "")
             if proc.returncode != 0:
                 timed = line.startswith(f"{lang} {job} {config}:")  # then results.jsonl has its row (the profile failed)
+                kept = os.path.join(a.out, f"failed-{lang}-{job}-{config}.log")
+                with open(kept, "w") as f:
+                    f.write(proc.stderr)
                 print(f"FAILED {lang} {job} {config} (rc {proc.returncode})"
-                      f"{' after its timed steps, whose result is kept: ' + line if timed else ''}:\n"
-                      f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+                      f"{' after its timed steps, whose result is kept: ' + line if timed else ''}; its stderr "
+                      f"without backtrace frames (all of it: {kept}):\n{without_frames(proc.stderr)[-4000:]}",
+                      file=sys.stderr, flush=True)
                 failed.append(f"{lang} {job} {config}")
                 profiled(lang, config, f"the run failed (rc {proc.returncode})")
                 continue

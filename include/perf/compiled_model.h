@@ -300,12 +300,12 @@ class Package {
       // The first call goes alone; capture is refused above until it has run.
       std::lock_guard<std::mutex> alone(first_run_);
       if (!ran_.load()) {
-        auto outputs = loader_->run(inputs, stream);
+        auto outputs = run_package(inputs, stream);
         ran_ = true;
         return outputs;
       }
     }
-    return loader_->run(inputs, stream);
+    return run_package(inputs, stream);
   }
 
   const std::string& path() const noexcept { return path_; }
@@ -327,6 +327,21 @@ class Package {
   torch::inductor::AOTIModelPackageLoader& loader() { return *loader_; }
 
  private:
+  // The runner's own error says only which of its calls failed ("run_func_(...) API call
+  // failed at model_container_runner.cpp"); the cause went to stderr, where the package's
+  // code logs it. The error names the package and says so.
+  std::vector<at::Tensor> run_package(const std::vector<at::Tensor>& inputs, void* stream) {
+    try {
+      return loader_->run(inputs, stream);
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, who_, ": the package's run failed: ", e.what(),
+                  ". The package's code wrote the cause to stderr just before (AOTInductor's lines \"Exception in "
+                  "aoti_torch: ...\" and \"Error: ...\")");
+    }
+  }
+
   std::string path_;
   bool single_threaded_;
   std::string who_;

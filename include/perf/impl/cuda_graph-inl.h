@@ -34,6 +34,10 @@ PERF_INLINE const char* capture_hint() {
   } catch (c10::Error& e) {
     e.add_context(context);
     throw;
+  } catch (const std::exception& e) {
+    // Not LibTorch's (AOTInductor's runner throws std::runtime_error): a c10::Error that
+    // says where, with the cause's own message.
+    TORCH_CHECK(false, context, ": ", e.what());
   }
 }
 
