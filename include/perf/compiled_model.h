@@ -327,18 +327,20 @@ class Package {
   torch::inductor::AOTIModelPackageLoader& loader() { return *loader_; }
 
  private:
-  // The runner's own error says only which of its calls failed ("run_func_(...) API call
-  // failed at model_container_runner.cpp"); the cause went to stderr, where the package's
-  // code logs it. The error names the package and says so.
+  // Where the package's code failed, the runner's error says only which of its calls did
+  // ("run_func_(...) API call failed at model_container_runner.cpp"): the cause went to stderr,
+  // where that code logs it. The error names the package and, then, says so.
   std::vector<at::Tensor> run_package(const std::vector<at::Tensor>& inputs, void* stream) {
     try {
       return loader_->run(inputs, stream);
     } catch (const c10::Error&) {
       throw;
     } catch (const std::exception& e) {
+      const bool logged = std::string(e.what()).find("API call failed") != std::string::npos;
       TORCH_CHECK(false, who_, ": the package's run failed: ", e.what(),
-                  ". The package's code wrote the cause to stderr just before (AOTInductor's lines \"Exception in "
-                  "aoti_torch: ...\" and \"Error: ...\")");
+                  logged ? ". The package's code wrote the cause to stderr just before (AOTInductor's lines "
+                           "\"Exception in aoti_torch: ...\" and \"Error: ...\")"
+                         : "");
     }
   }
 
