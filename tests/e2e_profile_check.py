@@ -1,5 +1,6 @@
 """bench/e2e's profile (run.py --profile-steps): trace_table.py's arithmetic on hand-made GPU and CPU traces, the
-reasons run.py gives where a configuration has no trace, then a real --check run of the MLP job, Python and C++ each tracing 2 steps after their timed ones, read back from
+reasons run.py gives where a configuration has no trace, what run.py shows and keeps of a C++ run that fails (its
+error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job, Python and C++ each tracing 2 steps after their timed ones, read back from
 <out>/profile-mlp.md. Run by ctest (e2e_profile_tables):
 
     python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
@@ -87,6 +88,32 @@ def without_trace(out):
     check("| Python eager fp32 | no profile: FileNotFoundError: " in table and "never-written.json" in table, table)
 
 
+def failed_run(e2e, out):
+    """A C++ run that fails: the runner ends with its error (e2e's main), run.py reports it with the backtrace frames
+    of LibTorch's error left out, keeps the whole stderr in <out>, says why the row has no profile, and exits 1."""
+    os.makedirs(out, exist_ok=True)
+    broken = os.path.join(out, "e2e-without-data")
+    with open(broken, "w") as f:  # the real runner, its --data pointing nowhere (`--info` works: run.py asks it)
+        f.write('#!/usr/bin/env bash\nargs=()\nwhile (($#)); do\n  if [ "$1" = --data ]; then args+=(--data '
+                '/nonexistent/e2e-data.pt); shift 2; else args+=("$1"); shift; fi\ndone\n'
+                f'exec {e2e} "${{args[@]}}"\n')
+    os.chmod(broken, 0o755)
+    cmd = [sys.executable, os.path.join(E2E, "run.py"), "--e2e", broken, "--check", "--jobs", "mlp", "--configs",
+           "stock", "--profile-steps", "2", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    check(proc.returncode == 1, f"run.py exit {proc.returncode} (want 1):\n{proc.stderr[-3000:]}")
+    kept = os.path.join(out, "failed-cpp-mlp-stock.log")
+    check(f"FAILED cpp mlp stock (rc 1); its stderr without backtrace frames (all of it: {kept}):" in proc.stderr,
+          proc.stderr[-3000:])
+    check("e2e failed: e2e: cannot open /nonexistent/e2e-data.pt" in proc.stderr, proc.stderr[-3000:])
+    check("frame #" not in proc.stderr and "backtrace frame lines left out)" in proc.stderr, proc.stderr[-3000:])
+    with open(kept) as f:
+        whole = f.read()
+    check("frame #0: " in whole and whole.rstrip().endswith("e2e failed: e2e: cannot open /nonexistent/e2e-data.pt"),
+          f"the kept stderr, LibTorch's backtrace included, the message last:\n{whole[-2000:]}")
+    check("profile mlp C++ stock LibTorch fp32: no profile (the run failed (rc 1))" in proc.stderr, proc.stderr[-3000:])
+
+
 def real_run(e2e, out):
     cmd = [sys.executable, os.path.join(E2E, "run.py"), "--e2e", e2e, "--check", "--jobs", "mlp", "--profile-steps",
            "2", "--out", out]
@@ -113,6 +140,7 @@ def main():
     a = p.parse_args()
     hand_made()
     without_trace(os.path.join(a.out, "without-trace"))
+    failed_run(a.e2e, os.path.join(a.out, "failed-run"))
     real_run(a.e2e, a.out)
     print("e2e profile tables: ok")
 

@@ -350,9 +350,9 @@ int main(int argc, char** argv) {
   try {
     return run_main(argc, argv);
   } catch (const c10::Error& e) {
-    std::cerr << e.what() << "\ne2e: failed: " << e.what_without_backtrace() << std::endl;
+    std::cerr << e.what() << "\ne2e failed: " << e.what_without_backtrace() << std::endl;
   } catch (const std::exception& e) {
-    std::cerr << "e2e: failed: " << e.what() << std::endl;
+    std::cerr << "e2e failed: " << e.what() << std::endl;
   }
   return 1;
 }
