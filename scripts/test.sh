@@ -51,19 +51,26 @@ trap run_report EXIT
 trap 'exit 130' INT  # so that the report says how a stopped run ended
 trap 'exit 143' TERM
 
-# On many cores (a GPU machine's 16) each of the $jobs tests at once gets two intra-op threads and one
-# Inductor compile thread, as scripts/gpu-check.sh runs them: LibTorch's and Inductor's defaults, a thread
-# and a compile process per core in every test, oversubscribe the cores $jobs-fold (tests that start
-# Python took 64-126 s under -j16 on an H100's 16 cores). CI's 2 cores keep the defaults.
+# On many cores (a GPU machine's 16) each test gets two intra-op threads and one Inductor compile
+# thread, as scripts/gpu-check.sh runs them: LibTorch's and Inductor's defaults, a thread and a compile
+# process per core in every test, oversubscribe the cores many-fold (tests that start Python took
+# 64-126 s under -j16 on an H100's 16 cores). And ctest runs cores / 2 tests at once, not one per
+# core: 16 at once on an H100 machine (32 threads) had the five Python exporter tests at 60-80 s
+# (dba86b3), over the 60 s a test may take, against 27-34 s on CI's 2 cores two at a time. The build
+# keeps every core. CI's 2 cores keep the defaults.
 test_env=()
-((jobs >= 8)) && test_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}")
+ctest_jobs=$jobs
+if ((jobs >= 8)); then
+  test_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}")
+  ctest_jobs=$((jobs / 2))
+fi
 
 run_suite() {  # <build dir> <extra cmake args...>
   local dir=$1
   shift
   perf_configure "$dir" "$@"
   cmake --build "$dir" -j "$jobs"
-  (cd "$dir" && env "${test_env[@]}" ctest --output-on-failure -j "$jobs")
+  (cd "$dir" && env "${test_env[@]}" ctest --output-on-failure -j "$ctest_jobs")
 }
 
 if wanted cuda; then
