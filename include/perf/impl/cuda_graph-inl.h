@@ -215,6 +215,13 @@ PERF_INLINE CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10
   stream_wait(main, side);
   c10::cuda::device_synchronize();
   if (after_warmup) after_warmup();
+  // As torch.cuda.graph does before it captures (torch/cuda/graphs.py, __enter__): give back
+  // what the warm-up left cached. The capture allocates from its own pool, where those cached
+  // blocks cannot serve it, and the allocator frees no cached block while a capture is under
+  // way; kept, they would leave a step whose working set is over half the free memory out of
+  // memory under capture. The pinned host cache likewise.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  at::getHostAllocator(at::kCUDA)->empty_cache();
   const c10::MempoolId_t pool_id = pool.value_or(at::cuda::graph_pool_handle());  // explicit: abandon() knows it
   {
     c10::cuda::CUDAStreamGuard g(side);
