@@ -14,6 +14,7 @@ ctest plans the two sides in two processes at once (each about half the time) an
 """
 import argparse
 import collections
+import json
 import os
 import sys
 
@@ -87,6 +88,11 @@ def main():
         missing = [path for path in sides if not os.path.exists(path)]
         expect(not missing, f"no plans in {missing}: run --side perf and --side compile with --out {a.compare} first")
         planned(["--load", sides[0], "--load", sides[1], "--check", "0.15"], failure)
+        for path in sides:  # each graph's peak buffer memory, Inductor's estimate: some bytes, below 1 TB
+            with open(path) as f:
+                for label, plans in json.load(f)["plans"].items():
+                    peaks = [p.get("peak", 0) for p in plans]
+                    expect(plans and all(0 < peak < 1e12 for peak in peaks), f"{label}: peak estimates {peaks}")
         print("kernel_plans: the rule, and the CNN step's plans, checked")
     else:
         planned(STEP + ["--check", "0.15"], failure)

@@ -578,8 +578,7 @@ TEST(Graph, OnGpuCapturesAgainWhenTheModulesWeightsAreLoaded) {
 // which those cached blocks cannot serve, and the allocator releases no cached
 // block while a capture is under way. A function whose temporary takes 55% of
 // the free memory runs out under capture unless they are: the shape of a
-// large training step (bench/e2e's CNN at batch 128 died in a convolution of
-// its package while perf::CompiledTrainStep captured it on an H100's 80 GB).
+// training step whose working set is over half the GPU's memory.
 TEST(Graph, OnGpuCaptureGivesBackWhatTheWarmupCached) {
 #if PERF_WITH_CUDA
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";

@@ -5,7 +5,8 @@ torch.compile (AOTAutograd's partition into a forward and a backward graph, each
 Both are traced on the CPU, retargeted to CUDA and lowered for a simulated H100 (tests/compiled/simulated_cuda.py)
 up to Inductor's scheduler, which fuses the graph into the kernels it would generate. Nothing runs on a device,
 so this tells the two plans apart, not their speed: how many fused (Triton) kernels, which extern kernels
-(cuDNN convolutions, matmuls), the bytes the fused kernels read and write (Inductor's own estimate), whether
+(cuDNN convolutions, matmuls), the bytes the fused kernels read and write and each graph's peak buffer memory
+(Inductor's own estimates), whether
 layout optimization (channels-last convolutions) is on, the layout each convolution backward gets (the one
 the traced graph recorded, even where the forward convolutions were made channels-last), and the mix-order
 reductions (a row-wise and a column-wise reduction of one input in one kernel, as in LayerNorm's backward), which
@@ -91,13 +92,27 @@ def backward_conv_formats(graph) -> collections.Counter:
     return formats
 
 
+def peak_memory(graph, sched) -> int:
+    """Inductor's own estimate of the graph's peak buffer memory in bytes (torch._inductor.memory, as its
+    reorder_for_peak_memory plans it): the buffers it allocates, each from its first writer to its last reader;
+    the graph's outputs are not counted (for perf's joint graph, the gradients; for torch.compile's forward, the
+    activations it saves for the backward)."""
+    from torch._inductor import memory
+    from torch.utils._ordered_set import OrderedSet
+
+    peak, _ = memory.prepare_planning_info(sched.nodes, sched.name_to_buf, sched.name_to_fused_node,
+                                           OrderedSet(graph.graph_inputs), OrderedSet(graph.get_output_names()))
+    return int(peak)
+
+
 def summarize(graph) -> dict:
     from torch._inductor import scheduler as s
 
     graph.init_wrapper_code()
     conv_backward = backward_conv_formats(graph)
     fused, nbytes, mix_order, extern = 0, 0, 0, collections.Counter()
-    for node in s.Scheduler(graph.operations).nodes:
+    sched = s.Scheduler(graph.operations)
+    for node in sched.nodes:
         if isinstance(node, s.ExternKernelSchedulerNode):
             name = getattr(node.node, "python_kernel_name", None) or type(node.node).__name__
             extern[str(name).replace("extern_kernels.", "")] += 1
@@ -106,7 +121,7 @@ def summarize(graph) -> dict:
             nbytes += int(node.get_read_write_buffers_sizes())
             mix_order += isinstance(node, s.FusedMixOrderReductions)
     return {"fused": fused, "bytes": nbytes, "mix_order": mix_order, "extern": extern,
-            "layout_opt": bool(graph.layout_opt), "conv_backward": conv_backward}
+            "layout_opt": bool(graph.layout_opt), "conv_backward": conv_backward, "peak": peak_memory(graph, sched)}
 
 
 PERF, COMPILE = "perf package (AOTInductor, joint graph)", "torch.compile (forward + backward)"
@@ -216,9 +231,10 @@ def check(perf: dict, compiled: dict, slack: float) -> list:
 def row(label, plans) -> str:
     t = totals(plans)
     listed = lambda counts: ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"  # noqa: E731
+    peaks = ", ".join(f"{p['peak'] / 2**30:.2f}" if "peak" in p else "-" for p in plans)  # older --save files: none
     return (f"| {label} | {len(plans)} | {', '.join('on' if p['layout_opt'] else 'off' for p in plans)} | "
             f"{t['fused']} | {t['bytes'] / 1e6:.0f} | {t['mix_order']} | {listed(t['extern'])} | "
-            f"{listed(t['conv_backward'])} |")
+            f"{listed(t['conv_backward'])} | {peaks} |")
 
 
 def main(argv=None) -> None:
@@ -272,8 +288,9 @@ def main(argv=None) -> None:
     print(f"{step['job']} (CUDA size, batch {step['batch']}), amp {step['amp']}, {step['layout']}, "
           "simulated H100:\n")
     print("| step | graphs | layout optimization | fused kernels | MB read + written by them | of them mix-order "
-          "reductions | extern kernels | convolution backwards' layout |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "reductions | extern kernels | convolution backwards' layout | peak memory of each graph's buffers, GiB "
+          "(Inductor's estimate, the graph's outputs left out: torch.compile's forward returns what it saves) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(row(label, plans[label]) for label in (PERF, COMPILE) if label in plans))
     if a.check is not None:
         problems = check(totals(plans[PERF]), totals(plans[COMPILE]), a.check)
