@@ -82,6 +82,7 @@ struct Args {
   std::string profile;
   bool cpu_malloc_cache = true;  // perf configurations: perf::Settings::cpu_malloc_cache (run.py --malloc-ab)
   bool cudnn_benchmark = true;   // perf configurations: perf::Settings::cudnn_benchmark (run.py --cpp-cudnn-benchmark)
+  bool check_syncs = true;  // CUDA-graph configurations: the last warm-up call's sync checks (run.py --cpp-check-syncs)
 };
 
 struct Result {
@@ -257,7 +258,8 @@ void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) 
     const bool graph = a.config == "perf_compiled_graph";
     TORCH_CHECK(!graph || device.is_cuda(), "e2e: perf_compiled_graph needs --device cuda (CUDA graphs)");
     // The model is on the device and in the package's layout already (perf::optimize, above).
-    perf::CompiledTrainStep step(a.package, model, opt, perf::CompiledTrainOptions().graph(graph));
+    perf::CompiledTrainStep step(a.package, model, opt,
+                                 perf::CompiledTrainOptions().graph(graph).check_syncs(a.check_syncs));
     r.amp = step.amp() == "off" ? "off" : step.amp();
     r.package_layout = step.channels_last() ? "channels_last" : "contiguous";
     const auto& meta = step.metadata();
@@ -279,7 +281,8 @@ void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) 
         [&](const at::Tensor& xb, const at::Tensor& yb) {
           if (!step) {
             step.emplace(
-                model, [&](const at::Tensor& in, const at::Tensor& t) { return loss_of(fast(in), t); }, opt, xb, yb);
+                model, [&](const at::Tensor& in, const at::Tensor& t) { return loss_of(fast(in), t); }, opt, xb, yb,
+                perf::TrainStepOptions().check_syncs(a.check_syncs));
           }
           return step->step(xb, yb);
         },
@@ -308,6 +311,7 @@ int run_main(int argc, char** argv) {
   app.add_option("--threads", a.threads);
   app.add_option("--cpu-malloc-cache", a.cpu_malloc_cache, "perf configurations: perf::setup()'s cpu_malloc_cache");
   app.add_option("--cudnn-benchmark", a.cudnn_benchmark, "perf configurations: perf::setup()'s cudnn_benchmark");
+  app.add_option("--check-syncs", a.check_syncs, "CUDA-graph configurations: check_syncs of their step's options");
   app.add_option("--profile-steps", a.profile_steps, "steps after the timed ones traced by the profiler (--profile)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--profile", a.profile, "where --profile-steps' trace goes (Chrome trace JSON)");

@@ -175,6 +175,9 @@ def main():
     p.add_argument("--cpp-cudnn-benchmark", choices=["on", "off"], default="on",
                    help="perf::setup()'s cudnn_benchmark in the C++ perf rows (off: a diagnosis, the Python rows "
                         "keep theirs)")
+    p.add_argument("--cpp-check-syncs", choices=["on", "off"], default="on",
+                   help="the C++ CUDA-graph rows' check_syncs: their last warm-up call under CUDA's sync-debug mode "
+                        "\"error\" (off: a diagnosis)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
@@ -273,6 +276,8 @@ def main():
                     cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
                 if a.cpp_cudnn_benchmark == "off" and config != "stock":
                     cmd += ["--cudnn-benchmark", "false"]
+                if a.cpp_check_syncs == "off":
+                    cmd += ["--check-syncs", "false"]
             if a.profile_steps and (lang, config) not in traces:
                 traces[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
                 if os.path.exists(traces[lang, config]):
