@@ -93,14 +93,21 @@ def failed_run(e2e, out):
     of LibTorch's error left out, keeps the whole stderr in <out>, says why the row has no profile, and exits 1."""
     os.makedirs(out, exist_ok=True)
     broken = os.path.join(out, "e2e-without-data")
+    calls = os.path.join(out, "calls.txt")
     with open(broken, "w") as f:  # the real runner, its --data pointing nowhere (`--info` works: run.py asks it)
-        f.write('#!/usr/bin/env bash\nargs=()\nwhile (($#)); do\n  if [ "$1" = --data ]; then args+=(--data '
-                '/nonexistent/e2e-data.pt); shift 2; else args+=("$1"); shift; fi\ndone\n'
+        f.write(f'#!/usr/bin/env bash\necho "$*" >>{calls}\nargs=()\nwhile (($#)); do\n  if [ "$1" = --data ]; '
+                'then args+=(--data /nonexistent/e2e-data.pt); shift 2; else args+=("$1"); shift; fi\ndone\n'
                 f'exec {e2e} "${{args[@]}}"\n')
     os.chmod(broken, 0o755)
+    if os.path.exists(calls):
+        os.remove(calls)
     cmd = [sys.executable, os.path.join(E2E, "run.py"), "--e2e", broken, "--check", "--jobs", "mlp", "--configs",
-           "stock", "--profile-steps", "2", "--out", out]
+           "stock", "--profile-steps", "2", "--out", out, "--cpp-cudnn-benchmark", "off", "--cpp-check-syncs", "off"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    with open(calls) as f:  # the diagnosis flags reach the runner: stock LibTorch has no perf::setup() to change
+        stock = [line for line in f if "--config stock" in line]
+    check(len(stock) == 1 and "--check-syncs false" in stock[0] and "--cudnn-benchmark" not in stock[0],
+          f"the runner's arguments: {stock}")
     check(proc.returncode == 1, f"run.py exit {proc.returncode} (want 1):\n{proc.stderr[-3000:]}")
     kept = os.path.join(out, "failed-cpp-mlp-stock.log")
     check(f"FAILED cpp mlp stock (rc 1); its stderr without backtrace frames (all of it: {kept}):" in proc.stderr,
