@@ -890,6 +890,92 @@ TEST(Optimize, OnGpuAnExampleAlsoMeasuresEachRecipeAsACudaGraph) {
   EXPECT_EQ(torch::ones({3}, torch::kCUDA).sum().item<float>(), 3.0f) << "CUDA still usable after the failed capture";
 }
 
+namespace {
+// Records cuDNN's benchmark flag at each forward call.
+struct BenchmarkSpyImpl : torch::nn::Module {
+  BenchmarkSpyImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen.push_back(at::globalContext().benchmarkCuDNN());
+    return conv(x);
+  }
+  torch::nn::Conv2d conv{nullptr};
+  std::vector<bool> seen;
+};
+TORCH_MODULE(BenchmarkSpy);
+}  // namespace
+
+// autotune_candidates(false) is about cuDNN's autotuning on CUDA: on the CPU the
+// decision is the same and the program's benchmark flag is left as it is.
+TEST(Optimize, AutotuneCandidatesChangesNothingOnTheCpu) {
+  const bool before = at::globalContext().benchmarkCuDNN();
+  const auto restore = c10::make_scope_exit([&] { at::globalContext().setBenchmarkCuDNN(before); });
+  at::globalContext().setBenchmarkCuDNN(true);
+  BenchmarkSpy spy;
+  spy->eval();
+  auto model = perf::optimize(
+      spy, perf::ModelOptions().example(torch::randn({2, 3, 16, 16})).tune_seconds(0.1).autotune_candidates(false));
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+  ASSERT_FALSE(spy->seen.empty());
+  for (const bool b : spy->seen) EXPECT_TRUE(b) << "the CPU's calls saw the flag as the program set it";
+  EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
+}
+
+// On CUDA with benchmark mode on, autotune_candidates(false) measures every
+// candidate with it off (cuDNN's heuristic algorithms: no candidate autotunes
+// its convolutions) and turns it back on before the winner's capture, whose
+// warm-up calls autotune the winner alone; the program's flag is as it was
+// afterwards. Left on (the default), every call autotunes, as before. With the
+// program's benchmark mode off, nothing changes.
+TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest").cudnn_benchmark(true));
+  const auto x = torch::randn({4, 3, 32, 32}, torch::kCUDA);
+  const auto options = perf::ModelOptions().device(torch::kCUDA).example(x).tune_seconds(0.3);
+  {
+    BenchmarkSpy spy;
+    spy->eval();
+    auto model = perf::optimize(spy, perf::ModelOptions(options).autotune_candidates(false));
+    const auto& c = model.choice();
+    EXPECT_TRUE(at::globalContext().benchmarkCuDNN()) << "the program's flag back";
+    EXPECT_NE(c.reason.find("measured on cuDNN's heuristic algorithms (autotune_candidates(false))"), std::string::npos)
+        << c;
+    const auto& seen = spy->seen;
+    size_t off = 0;
+    while (off < seen.size() && !seen[off]) ++off;
+    EXPECT_GE(off, c.measured_ms.size()) << "every candidate measured with benchmark mode off: " << c;
+    for (size_t i = off; i < seen.size(); ++i) EXPECT_TRUE(seen[i]) << "call " << i << ": the winner's capture";
+    if (c.recipe.graph()) {
+      EXPECT_GE(seen.size() - off, 1u) << "the winner's capture (its warm-up calls) autotunes: " << c;
+    } else {
+      EXPECT_EQ(off, seen.size()) << "an eager winner autotunes at its first call after the decision: " << c;
+    }
+    const auto before = spy->seen.size();
+    model.infer(x);
+    if (!c.recipe.graph()) {
+      ASSERT_EQ(spy->seen.size(), before + 1);
+      EXPECT_TRUE(spy->seen.back());
+    }
+  }
+  {
+    BenchmarkSpy spy;
+    spy->eval();
+    auto model = perf::optimize(spy, options);
+    for (const bool b : spy->seen) EXPECT_TRUE(b) << "autotune_candidates(true), the default: every call autotunes";
+    EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
+  }
+  {
+    perf::ScopedSettings off(perf::Settings().tf32(false).matmul_precision("highest").cudnn_benchmark(false));
+    BenchmarkSpy spy;
+    spy->eval();
+    auto model = perf::optimize(spy, perf::ModelOptions(options).autotune_candidates(false));
+    EXPECT_FALSE(at::globalContext().benchmarkCuDNN());
+    for (const bool b : spy->seen) EXPECT_FALSE(b);
+    EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
+  }
+}
+
 // --------------------------------------------------------------------------- Conv-BN fusion
 
 TEST(FuseConvBn, MatchesPythonFuseConvBnEval) {

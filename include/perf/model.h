@@ -103,6 +103,13 @@ struct ModelOptions {
   TORCH_ARG(std::optional<Recipe>, recipe);
   /// About how long measuring the example may take.
   TORCH_ARG(double, tune_seconds) = 1.5;
+  /// CUDA, with cuDNN's benchmark mode on (perf::setup()'s default): whether each candidate autotunes its
+  /// convolutions while it is measured. Autotuning every shape of every layout and precision is most of a
+  /// decision's time on a GPU (on an H100, 2.7 of 3.8 s for bench_compiled's CNN at batch 32, in the candidates'
+  /// first calls); false measures the candidates on cuDNN's heuristic algorithms and turns benchmark mode back on
+  /// before the winner is captured (or first called), so only the winner autotunes. The ranking may then differ
+  /// where autotuning would change it.
+  TORCH_ARG(bool, autotune_candidates) = true;
 };
 
 namespace detail {
@@ -335,6 +342,12 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   // calls, not these (on an H100 a whole decision took 9.6 s against tune_seconds' 1.5 s), and the measured
   // calls would otherwise start with them.
   choice_.first_call_seconds = choice_.capture_seconds = 0;
+  // autotune_candidates(false): cuDNN's heuristic algorithms while the candidates are measured, the program's
+  // benchmark mode back for the winner's capture below (and in any case when this returns or throws).
+  const bool benchmark = at::globalContext().benchmarkCuDNN();
+  const bool heuristics = device_.is_cuda() && benchmark && !options_.autotune_candidates();
+  const auto restore = c10::make_scope_exit([&] { at::globalContext().setBenchmarkCuDNN(benchmark); });
+  if (heuristics) at::globalContext().setBenchmarkCuDNN(false);
   const auto first_call = [this](const std::function<void()>& call) {
     detail::idle(device_);  // so that no earlier queued kernel delays the start event (perf/bench.h)
     Timer timer(device_);
@@ -463,8 +476,10 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
     why << " (" << candidates << " eager, " << recipes.size() - candidates << " as CUDA graphs)";
   why << " on " << example.sizes() << " " << example.scalar_type() << " on " << device_;
   if (!graph_failed.empty()) why << "; not as a CUDA graph: capture failed (" << graph_failed << ")";
+  if (heuristics) why << "; measured on cuDNN's heuristic algorithms (autotune_candidates(false))";
   choice_.recipe = recipes[best];
   detail::relayout(*module_, choice_.recipe.channels_last());
+  at::globalContext().setBenchmarkCuDNN(benchmark);  // the winner autotunes in its capture's warm-up
   if (choice_.recipe.graph()) {
     try {
       timed_capture(example);  // measured above on this layout; captured again for the parameters' addresses now
