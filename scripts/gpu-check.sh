@@ -29,8 +29,9 @@
 # step the budget stops, or leaves no time for, is named in the summary, and
 # what ran is reported. Each test is bounded by ctest at PERF_GPU_TEST_TIMEOUT
 # (default 120 s) and runs with PERF_GPU_TEST_THREADS intra-op threads (default
-# 2; ctest runs as many tests at once as cores / those threads). A test that crashes or hangs the one-process GPU run is
-# named, and the tests after it run on in a new process.
+# 2; ctest runs as many tests at once as cores / those threads). A test that
+# crashes or hangs the one-process GPU run is named, and the tests after it run
+# on in a new process.
 #
 # Offline by design: never runs apt or pip.
 #   LibTorch   from PERF_PYTHON's torch (default python3), or Torch_DIR.

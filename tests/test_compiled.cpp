@@ -129,6 +129,7 @@ TEST(Compiled, EveryBadInputIsRejectedWithItsMessage) {
 // answers afterwards, its first call included.
 TEST(Compiled, AFailureInsideThePackageNamesItAndWhereItsCauseWent) {
   const std::string who = "perf::CompiledModel '" + package("mlp.pt2") + "': the package's run failed: ";
+  const auto ref = reference("mlp", 5);
   perf::CompiledModel unchecked(package("mlp.pt2"), perf::CompiledOptions().check_inputs(false));
   PERF_EXPECT_THROW_MSG(unchecked.run({}), who + "expected inputs vector size to be 1, but got 0");
   {
@@ -146,10 +147,8 @@ TEST(Compiled, AFailureInsideThePackageNamesItAndWhereItsCauseWent) {
     EXPECT_NE(what.find("API call failed"), std::string::npos) << what;
     EXPECT_NE(what.find("The package's code wrote the cause to stderr just before"), std::string::npos) << what;
     EXPECT_NE(stderr_text.find("input_handles[0]: unmatched dtype"), std::string::npos) << stderr_text;
-    const auto ref = reference("mlp", 5);
     EXPECT_LE(max_diff(checked_by_its_code(ref.in[0]), ref.out[0]), 1e-5);
   }
-  const auto ref = reference("mlp", 5);
   EXPECT_LE(max_diff(unchecked(ref.in[0]), ref.out[0]), 1e-5);
 }
 
