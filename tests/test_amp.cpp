@@ -891,17 +891,18 @@ TEST(Optimize, OnGpuAnExampleAlsoMeasuresEachRecipeAsACudaGraph) {
 }
 
 namespace {
-// Records cuDNN's benchmark flag at each forward call.
+// Records cuDNN's benchmark flag at each forward call: the calls that run in
+// `seen`, those a CUDA graph capture records in `captured`.
 struct BenchmarkSpyImpl : torch::nn::Module {
   BenchmarkSpyImpl() {
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    seen.push_back(at::globalContext().benchmarkCuDNN());
+    (perf::optim::detail::capturing_cuda_graph() ? captured : seen).push_back(at::globalContext().benchmarkCuDNN());
     return conv(x);
   }
   torch::nn::Conv2d conv{nullptr};
-  std::vector<bool> seen;
+  std::vector<bool> seen, captured;
 };
 TORCH_MODULE(BenchmarkSpy);
 }  // namespace
@@ -927,7 +928,8 @@ TEST(Optimize, AutotuneCandidatesChangesNothingOnTheCpu) {
 // its convolutions) and turns it back on before the winner's capture, whose
 // warm-up calls autotune the winner alone; the program's flag is as it was
 // afterwards. Left on (the default), every call autotunes, as before. With the
-// program's benchmark mode off, nothing changes.
+// program's benchmark mode off, nothing changes. Either way a capture records
+// its calls with the mode off (perf's capture: the warm-up has autotuned).
 TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest").cudnn_benchmark(true));
@@ -945,9 +947,10 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     size_t off = 0;
     while (off < seen.size() && !seen[off]) ++off;
     EXPECT_GE(off, c.measured_ms.size()) << "every candidate measured with benchmark mode off: " << c;
-    for (size_t i = off; i < seen.size(); ++i) EXPECT_TRUE(seen[i]) << "call " << i << ": the winner's capture";
+    for (size_t i = off; i < seen.size(); ++i) EXPECT_TRUE(seen[i]) << "call " << i << ": the winner's warm-up";
     if (c.recipe.graph()) {
       EXPECT_GE(seen.size() - off, 1u) << "the winner's capture (its warm-up calls) autotunes: " << c;
+      EXPECT_FALSE(spy->captured.empty()) << c;
     } else {
       EXPECT_EQ(off, seen.size()) << "an eager winner autotunes at its first call after the decision: " << c;
     }
@@ -957,12 +960,15 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
       ASSERT_EQ(spy->seen.size(), before + 1);
       EXPECT_TRUE(spy->seen.back());
     }
+    for (const bool b : spy->captured) EXPECT_FALSE(b) << "captured with benchmark mode off";
   }
   {
     BenchmarkSpy spy;
     spy->eval();
     auto model = perf::optimize(spy, options);
+    EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
     for (const bool b : spy->seen) EXPECT_TRUE(b) << "autotune_candidates(true), the default: every call autotunes";
+    for (const bool b : spy->captured) EXPECT_FALSE(b) << "captured with benchmark mode off";
     EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
   }
   {
@@ -972,6 +978,7 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     auto model = perf::optimize(spy, perf::ModelOptions(options).autotune_candidates(false));
     EXPECT_FALSE(at::globalContext().benchmarkCuDNN());
     for (const bool b : spy->seen) EXPECT_FALSE(b);
+    for (const bool b : spy->captured) EXPECT_FALSE(b);
     EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
   }
 }

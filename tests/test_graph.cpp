@@ -1,6 +1,7 @@
 // Tests for perf/cuda_graph.h: eager-fallback semantics here, capture on a GPU.
 #include <gtest/gtest.h>
 #include <perf/cuda_graph.h>
+#include <perf/memory.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <torch/torch.h>
@@ -576,32 +577,84 @@ TEST(Graph, OnGpuCapturesAgainWhenTheModulesWeightsAreLoaded) {
 // What the warm-up calls left in the caching allocator is given back before
 // capture, as torch.cuda.graph does: the capture allocates from its own pool,
 // which those cached blocks cannot serve, and the allocator releases no cached
-// block while a capture is under way. A function whose temporary takes 55% of
-// the free memory runs out under capture unless they are: the shape of a
-// training step whose working set is over half the GPU's memory.
+// block while a capture is under way, so a training step whose working set is
+// over half the GPU's memory would run out under capture. Read from this
+// process's allocator statistics as the function starts each call (a 256 MiB
+// temporary, freed at return: cached), not by filling the GPU: ctest runs other
+// GPU tests beside this one, and their memory is not this test's to count on.
 TEST(Graph, OnGpuCaptureGivesBackWhatTheWarmupCached) {
 #if PERF_WITH_CUDA
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  constexpr int64_t big_bytes = int64_t{256} << 20;
   c10::cuda::CUDACachingAllocator::emptyCache();
-  size_t free_bytes = 0, total_bytes = 0;
-  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
-  const int64_t n = static_cast<int64_t>(static_cast<double>(free_bytes) * 0.55) / 4;  // floats
+  struct Call {
+    bool capturing;
+    int64_t reserved;
+  };
+  std::vector<Call> calls;
   const auto x = torch::randn({64}, torch::kCUDA);
   {
     auto g = perf::graph(
-        [n](const torch::Tensor& in) {
-          const auto big = torch::full({n}, 2.0f, in.options());  // freed at return: cached
+        [&calls](const torch::Tensor& in) {
+          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+          EXPECT_EQ(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status), cudaSuccess);
+          calls.push_back({status == cudaStreamCaptureStatusActive, *perf::memory_stats(in.device()).reserved});
+          const auto big = torch::full({big_bytes / 4}, 2.0f, in.options());
           return in * big.narrow(0, 0, in.numel());
         },
-        x);
+        x, perf::GraphOptions().warmup(2));
     EXPECT_TRUE(g.graphed());
     const auto y = torch::randn({64}, torch::kCUDA);
     EXPECT_TRUE(torch::equal(g(y), y * 2));
   }
+  ASSERT_EQ(calls.size(), 3u) << "two warm-up calls, then the capture";
+  EXPECT_FALSE(calls[1].capturing);
+  EXPECT_GE(calls[1].reserved, big_bytes) << "the first warm-up call's temporary, cached";
+  EXPECT_TRUE(calls[2].capturing);
+  EXPECT_LT(calls[2].reserved, big_bytes) << "given back before the capture began";
   c10::cuda::CUDACachingAllocator::emptyCache();  // the graph's pool, for the tests after this one
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif
+}
+
+// With cuDNN's benchmark mode on (perf::setup's default), a convolution that
+// reaches the capture without a usable cached plan (its cached plan found no
+// memory for its workspace under capture, or its shape had no warm-up) would
+// benchmark again inside the capture (Conv_v8.cpp, run_single_conv: timed runs
+// and syncs) and fail it in the convolution. perf captures with the mode off, so
+// cuDNN's heuristics plan it instead; the flag is back on after the capture,
+// whether it succeeded or threw. Here the capture's call pads its input to a
+// shape (odd sizes, this test's own) that no call before it ran.
+TEST(Graph, OnGpuCaptureWithCudnnBenchmarkPlansAConvolutionTheWarmupDidNot) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings recipe(perf::Settings().cudnn_benchmark(true).tf32(false).matmul_precision("highest"));
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(5, 7, 3));
+  conv->to(torch::kCUDA);
+  std::vector<bool> flag_in_capture;
+  auto f = [&](const torch::Tensor& in) {
+    const bool capturing = perf::optim::detail::capturing_cuda_graph();
+    if (capturing) flag_in_capture.push_back(at::globalContext().benchmarkCuDNN());
+    const auto x = capturing ? torch::constant_pad_nd(in, {0, 4, 0, 2}) : in;
+    return conv(x).amax({2, 3});
+  };
+  auto reference = [&](const torch::Tensor& in) { return conv(torch::constant_pad_nd(in, {0, 4, 0, 2})).amax({2, 3}); };
+  torch::NoGradGuard no_grad;
+  const auto x = torch::randn({3, 5, 29, 37}, torch::kCUDA);
+  auto g = perf::graph(f, x);
+  EXPECT_TRUE(g.graphed());
+  EXPECT_EQ(flag_in_capture, std::vector<bool>{false});
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN()) << "back on after the capture";
+  for (int i = 0; i < 3; ++i) {
+    const auto y = torch::randn({3, 5, 29, 37}, torch::kCUDA);
+    EXPECT_TRUE(torch::allclose(g(y), reference(y), 1e-4, 1e-5)) << "replay " << i;
+  }
+  auto bad = [](const torch::Tensor& t) {
+    if (perf::optim::detail::capturing_cuda_graph() && t.sum().item<float>() > 1e30f) return t * 2;
+    return t + 1;
+  };
+  PERF_EXPECT_THROW_MSG(perf::graph(bad, torch::ones({8}, torch::kCUDA)), "CUDA graph capture failed");
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN()) << "back on after a capture that threw";
 }
 
 TEST(Graph, OnGpuCaptureErrorsNameTheCause) {

@@ -34,6 +34,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <perf/amp.h>
 #include <perf/config.h>
 #include <perf/detail/cuda.h>

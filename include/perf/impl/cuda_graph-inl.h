@@ -225,6 +225,19 @@ PERF_INLINE CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10
   const c10::MempoolId_t pool_id = pool.value_or(at::cuda::graph_pool_handle());  // explicit: abandon() knows it
   {
     c10::cuda::CUDAStreamGuard g(side);
+    // cuDNN's benchmark mode off while capturing, back on after. The warm-up has
+    // autotuned every convolution and cached its plan (per thread, for these shapes);
+    // a cached plan runs as it would with the mode on. But a convolution whose cached
+    // plan cannot get its workspace under capture, or that finds none cached, would with
+    // the mode on benchmark again (aten/src/ATen/native/cudnn/Conv_v8.cpp,
+    // run_single_conv: timed runs and syncs, which a capture cannot contain) and fail
+    // the capture inside the convolution; with it off, it takes the first heuristic
+    // plan whose workspace fits.
+    const bool benchmark = at::globalContext().benchmarkCuDNN();
+    if (benchmark) at::globalContext().setBenchmarkCuDNN(false);
+    const auto restore_benchmark = c10::make_scope_exit([benchmark] {
+      if (benchmark) at::globalContext().setBenchmarkCuDNN(true);
+    });
     graph.capture_begin(pool_id, to_cuda(mode));
     try {
       body();
