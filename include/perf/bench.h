@@ -65,7 +65,9 @@ struct BenchOptions {
   TORCH_ARG(int, warmup) = 10;
   /// Timed calls (at least).
   TORCH_ARG(int, iters) = 100;
-  /// Keep timing past `iters` until this many seconds were measured.
+  /// Keep timing past `iters` until this many seconds were measured. The bound is
+  /// this process's clock: functions that call collectives (DDP) must keep it 0,
+  /// or ranks that stop after different counts would leave collectives unmatched.
   TORCH_ARG(double, min_time) = 0.0;
   /// Items (samples, images, tokens) per call, for items/s; 0 = not reported.
   TORCH_ARG(double, items_per_call) = 0.0;
