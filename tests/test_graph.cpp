@@ -607,11 +607,13 @@ TEST(Graph, OnGpuCaptureGivesBackWhatTheWarmupCached) {
     const auto y = torch::randn({64}, torch::kCUDA);
     EXPECT_TRUE(torch::equal(g(y), y * 2));
   }
+  // Relative to what the process held as the first call began: the tests run
+  // before this one in the same process may hold memory of their own.
   ASSERT_EQ(calls.size(), 3u) << "two warm-up calls, then the capture";
   EXPECT_FALSE(calls[1].capturing);
-  EXPECT_GE(calls[1].reserved, big_bytes) << "the first warm-up call's temporary, cached";
+  EXPECT_GE(calls[1].reserved, calls[0].reserved + big_bytes) << "the first warm-up call's temporary, cached";
   EXPECT_TRUE(calls[2].capturing);
-  EXPECT_LT(calls[2].reserved, big_bytes) << "given back before the capture began";
+  EXPECT_LE(calls[2].reserved + big_bytes, calls[1].reserved) << "given back before the capture began";
   c10::cuda::CUDACachingAllocator::emptyCache();  // the graph's pool, for the tests after this one
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
