@@ -1161,6 +1161,67 @@ TEST(CompiledTrain, OnGpuChannelsLastFp32CnnTrainsWithFusedAdamW) {
 #endif
 }
 
+// Dropout inside the captured step: the test transformer (p = 0.1 after the
+// attention and after the MLP) exported for CUDA with the exporter's default,
+// dropout drawing from ATen's generator as eager's does. With the learning rate
+// 0 and the same batch every step, only the masks change the loss: each replay
+// must draw new ones (the generator's offset advances per replay) and, as perf
+// puts the generator back after the warm-up, the same ones as the uncaptured
+// step and as eager training of the C++ twin from the same seed, step by step
+// (on the CPU the compiled step's draws equal Python eager's: the test above).
+TEST(CompiledTrain, OnGpuDropoutDrawsNewMasksInEveryReplay) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  test_util::TempDir dir;
+  const std::string pkg =
+      cuda_train_package("gpt_train_cuda.pt2", "make_tiny_gpt", "--input 4,8:int64 --input 4,8:int64", dir);
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
+  TrainReference ref("gpt_train");
+  const c10::Device cuda(c10::kCUDA, 0);
+  const auto x = ref.list("x", 0).to(cuda), y = ref.list("y", 0).to(cuda);
+  auto train = [&](int mode) {  // 0: eager, 1: compiled uncaptured, 2: compiled graphed
+    TinyGpt gpt;
+    load_state(gpt, ref.state("init"));
+    gpt.to(cuda);
+    perf::optim::AdamW opt(gpt.parameters(), perf::optim::AdamWOptions(0.0));
+    std::unique_ptr<perf::CompiledTrainStep> step;
+    if (mode > 0)
+      step = std::make_unique<perf::CompiledTrainStep>(pkg, gpt, opt, perf::CompiledTrainOptions().graph(mode == 2));
+    torch::manual_seed(kDropoutSeed);
+    std::vector<double> losses;
+    for (int i = 0; i < 6; ++i) {
+      if (mode == 0) {
+        opt.zero_grad();
+        auto loss = classify_loss(gpt.forward(x), y);
+        loss.backward();
+        opt.step();
+        losses.push_back(loss.item<double>());
+      } else {
+        losses.push_back(step->step(x, y).item<double>());
+      }
+    }
+    if (step) {
+      EXPECT_EQ(step->graphed(), mode == 2);
+    }
+    EXPECT_TRUE(torch::equal(gpt.head->weight.cpu(), ref.state("init").at("head.weight").toTensor()))
+        << "learning rate 0: the weights stay";
+    return losses;
+  };
+  const auto eager = train(0), uncaptured = train(1), graphed = train(2);
+  for (size_t i = 1; i < graphed.size(); ++i) {
+    EXPECT_NE(graphed[i], graphed[i - 1]) << "replay " << i << " drew the previous replay's masks";
+    EXPECT_NE(eager[i], eager[i - 1]) << "step " << i;
+  }
+  for (size_t i = 0; i < graphed.size(); ++i) {
+    EXPECT_NEAR(graphed[i], uncaptured[i], 1e-5 * std::abs(uncaptured[i])) << "step " << i << ": the same draws";
+    EXPECT_NEAR(uncaptured[i], eager[i], 1e-4 * std::abs(eager[i])) << "step " << i << ": eager's draws";
+  }
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
 // A CUDA test package whose export the build tried and the exporter refused
 // (its check against eager, say) fails the test that needs it at once, with the
 // build's log, rather than exporting it again: the lent GPU's minutes go to

@@ -12,6 +12,7 @@ exported here, beside the compilation, the tests find them in OUT:
     OUT/cnn_train_cl_cuda.pt2 the CNN's training step, bf16 autocast and channels-last, batch 8
     OUT/cnn_train_bf16_cuda.pt2     the same without channels-last
     OUT/cnn_train_cl_fp32_cuda.pt2  the same with channels-last, without autocast
+    OUT/gpt_train_cuda.pt2    the test transformer's training step (dropout), batch 4 of 8 tokens
     OUT/cnn_train_cl_fp32_code_cuda.pt2  the channels-last fp32 step again, with TORCH_LOGS=output_code:
                               no test uses it; its log holds the code each compilation generated
                               (AOTInductor's C++ wrapper, and where the exporter refuses the package,
@@ -53,6 +54,8 @@ EXPORTS = {
                                 "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--amp", "bf16"],
     "cnn_train_cl_fp32_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
                                    "8,3,32,32", "--input", "8:int64", "--device", "cuda", "--channels-last"],
+    "gpt_train_cuda.pt2": [f"{MODELS}:make_tiny_gpt", "--train", "--loss", f"{MODELS}:classify_loss", "--input",
+                           "4,8:int64", "--input", "4,8:int64", "--device", "cuda"],
     "cnn_train_cl_fp32_code_cuda.pt2": [f"{MODELS}:make_cnn", "--train", "--loss", f"{MODELS}:classify_loss",
                                         "--input", "8,3,32,32", "--input", "8:int64", "--device", "cuda",
                                         "--channels-last"],
