@@ -1,4 +1,5 @@
 // Tests for perf/cuda_graph.h: eager-fallback semantics here, capture on a GPU.
+#include <c10/util/ScopeExit.h>
 #include <gtest/gtest.h>
 #include <perf/cuda_graph.h>
 #include <perf/memory.h>
@@ -618,6 +619,43 @@ TEST(Graph, OnGpuCaptureGivesBackWhatTheWarmupCached) {
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
 #endif
+}
+
+// The scope perf's captures (and perf::optimize's autotune_candidates(false))
+// turn cuDNN's benchmark mode off in: only where it was on, and back on at
+// release() or the scope's end, also when it ends by an exception.
+TEST(Graph, CudnnBenchmarkOffGivesTheProgramsSettingBack) {
+  // Set directly: perf::setup() leaves cuDNN's settings alone on a machine without CUDA.
+  auto& context = at::globalContext();
+  const bool before = context.benchmarkCuDNN();
+  const auto restore = c10::make_scope_exit([&] { context.setBenchmarkCuDNN(before); });
+  context.setBenchmarkCuDNN(true);
+  {
+    perf::detail::CudnnBenchmarkOff off;
+    EXPECT_TRUE(off.active());
+    EXPECT_FALSE(context.benchmarkCuDNN());
+    off.release();
+    EXPECT_FALSE(off.active());
+    EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+  }
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN()) << "released once, not turned on again at the end";
+  try {
+    perf::detail::CudnnBenchmarkOff off;
+    throw std::runtime_error("mid-scope");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+  {
+    perf::detail::CudnnBenchmarkOff off(/*wanted=*/false);
+    EXPECT_FALSE(off.active());
+    EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+  }
+  context.setBenchmarkCuDNN(false);
+  {
+    perf::detail::CudnnBenchmarkOff off;
+    EXPECT_FALSE(off.active());
+  }
+  EXPECT_FALSE(at::globalContext().benchmarkCuDNN()) << "not turned on where the program had it off";
 }
 
 // With cuDNN's benchmark mode on (perf::setup's default), a convolution that

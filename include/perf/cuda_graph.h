@@ -34,7 +34,6 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
-#include <c10/util/ScopeExit.h>
 #include <perf/amp.h>
 #include <perf/config.h>
 #include <perf/detail/cuda.h>
@@ -352,7 +351,8 @@ PERF_INLINE std::string first_line(const std::exception& e);
 PERF_INLINE const char* capture_hint();
 
 // Adds perf's context to a c10::Error and rethrows the same object (its type,
-// e.g. c10::OutOfMemoryError, is kept); other exceptions pass unchanged.
+// e.g. c10::OutOfMemoryError, is kept); another exception becomes a c10::Error
+// with the context and its message.
 [[noreturn]] PERF_INLINE void rethrow_with_context(const std::string& context);
 
 // Turns the autocast weight cache off for a scope (and empties it): cached
@@ -369,6 +369,27 @@ class AutocastCacheOff {
 
  private:
   bool prev_;
+};
+
+// Turns cuDNN's benchmark mode off for a scope where `wanted` and the mode is on;
+// the program's setting comes back at release() or at the scope's end.
+class CudnnBenchmarkOff {
+ public:
+  explicit CudnnBenchmarkOff(bool wanted = true) : active_(wanted && at::globalContext().benchmarkCuDNN()) {
+    if (active_) at::globalContext().setBenchmarkCuDNN(false);
+  }
+  ~CudnnBenchmarkOff() { release(); }
+  CudnnBenchmarkOff(const CudnnBenchmarkOff&) = delete;
+  CudnnBenchmarkOff& operator=(const CudnnBenchmarkOff&) = delete;
+  /// Whether this scope turned the mode off (and has not given it back yet).
+  bool active() const noexcept { return active_; }
+  void release() {
+    if (active_) at::globalContext().setBenchmarkCuDNN(true);
+    active_ = false;
+  }
+
+ private:
+  bool active_;
 };
 
 // Keeps an optimizer's updates skipped on the device for a scope.

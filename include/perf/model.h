@@ -344,12 +344,8 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   choice_.first_call_seconds = choice_.capture_seconds = 0;
   // autotune_candidates(false): cuDNN's heuristic algorithms while the candidates are measured, the program's
   // benchmark mode back for the winner's capture below (and in any case when this returns or throws).
-  const bool benchmark = at::globalContext().benchmarkCuDNN();
-  const bool heuristics = device_.is_cuda() && benchmark && !options_.autotune_candidates();
-  const auto restore = c10::make_scope_exit([&] {
-    if (heuristics) at::globalContext().setBenchmarkCuDNN(benchmark);
-  });
-  if (heuristics) at::globalContext().setBenchmarkCuDNN(false);
+  detail::CudnnBenchmarkOff heuristic_plans(device_.is_cuda() && !options_.autotune_candidates());
+  const bool heuristics = heuristic_plans.active();
   const auto first_call = [this](const std::function<void()>& call) {
     detail::idle(device_);  // so that no earlier queued kernel delays the start event (perf/bench.h)
     Timer timer(device_);
@@ -481,7 +477,7 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   if (heuristics) why << "; measured on cuDNN's heuristic algorithms (autotune_candidates(false))";
   choice_.recipe = recipes[best];
   detail::relayout(*module_, choice_.recipe.channels_last());
-  if (heuristics) at::globalContext().setBenchmarkCuDNN(benchmark);  // the winner autotunes in its capture's warm-up
+  heuristic_plans.release();  // the winner autotunes in its capture's warm-up
   if (choice_.recipe.graph()) {
     try {
       timed_capture(example);  // measured above on this layout; captured again for the parameters' addresses now

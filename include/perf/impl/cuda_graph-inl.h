@@ -233,11 +233,7 @@ PERF_INLINE CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10
     // run_single_conv: timed runs and syncs, which a capture cannot contain) and fail
     // the capture inside the convolution; with it off, it takes the first heuristic
     // plan whose workspace fits.
-    const bool benchmark = at::globalContext().benchmarkCuDNN();
-    if (benchmark) at::globalContext().setBenchmarkCuDNN(false);
-    const auto restore_benchmark = c10::make_scope_exit([benchmark] {
-      if (benchmark) at::globalContext().setBenchmarkCuDNN(true);
-    });
+    CudnnBenchmarkOff heuristic_plans;
     graph.capture_begin(pool_id, to_cuda(mode));
     try {
       body();
