@@ -1,7 +1,8 @@
 """bench/e2e's profile (run.py --profile-steps): trace_table.py's arithmetic on hand-made GPU and CPU traces, the
 reasons run.py gives where a configuration has no trace, what run.py shows and keeps of a C++ run that fails (its
 error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job, Python and C++ each tracing 2 steps after their timed ones, read back from
-<out>/profile-mlp.md. Run by ctest (e2e_profile_tables):
+<out>/profile-mlp.md, and report.py's tables of that run's rows, with and without Python eager fp32. Run by ctest
+(e2e_profile_tables):
 
     python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
 """
@@ -140,6 +141,31 @@ def real_run(e2e, out):
         check(f"profile mlp {label}: " in proc.stdout, f"a line for {label} in run.py's output")
 
 
+def report_tables(out):
+    """report.py on the real run's rows: ratios to Python eager fp32; and on the same rows without it (run.py
+    --configs, as a GPU call that runs two rows writes them): ratios to the job's first row, saying so."""
+    with open(os.path.join(out, "results.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    check(sorted(r["config"] for r in rows) == ["eager_fp32", "stock"], f"the real run's rows: {rows}")
+    subset = os.path.join(out, "without-eager.jsonl")
+    with open(subset, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["config"] != "eager_fp32")
+    for results, name in ((os.path.join(out, "results.jsonl"), "all"), (subset, "subset")):
+        proc = subprocess.run([sys.executable, os.path.join(E2E, "report.py"), results, "--docs", out, "--name",
+                               f"report-{name}"], capture_output=True, text=True, timeout=120)
+        check(proc.returncode == 0, f"report.py on the {name} rows: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "report-all.md")) as f:
+        table = f.read()
+    check("| configuration | samples/s | vs Python eager fp32 |" in table and "| Python eager fp32 | " in table
+          and "No Python eager fp32 row" not in table and "C++ stock run the same fp32 job" in table, table)
+    with open(os.path.join(out, "report-subset.md")) as f:
+        table = f.read()
+    row = next((l for l in table.splitlines() if l.startswith("| C++ stock LibTorch fp32 |")), "")
+    check("No Python eager fp32 row in this run (run.py --configs): ratios are to C++ stock LibTorch fp32." in table
+          and "| configuration | samples/s | vs C++ stock LibTorch fp32 |" in table
+          and row.split("|")[3].strip() == "1.00x" and "| Python eager fp32 |" not in table, table)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--e2e", required=True)
@@ -149,6 +175,7 @@ def main():
     without_trace(os.path.join(a.out, "without-trace"))
     failed_run(a.e2e, os.path.join(a.out, "failed-run"))
     real_run(a.e2e, a.out)
+    report_tables(a.out)
     print("e2e profile tables: ok")
 
 

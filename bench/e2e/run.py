@@ -329,8 +329,12 @@ def main():
     if a.check:
         worst = 0.0
         for job in a.jobs.split(","):
-            py = next(r for r in rows if r["job"] == job and r["lang"] == "python")
-            cpp = next(r for r in rows if r["job"] == job and r["lang"] == "cpp")
+            py = next((r for r in rows if r["job"] == job and r["lang"] == "python"), None)
+            cpp = next((r for r in rows if r["job"] == job and r["lang"] == "cpp"), None)
+            if py is None or cpp is None:
+                print(f"{job}: --check compares Python eager fp32 with C++ stock; --configs {a.configs} left "
+                      f"{'Python eager fp32' if py is None else 'C++ stock'} out", file=sys.stderr)
+                return 1
             diff = max(abs(u - v) for u, v in zip(py["losses"], cpp["losses"]))
             print(f"{job}: Python eager fp32 vs C++ stock, {len(py['losses'])} steps, max |loss difference| {diff:.2e}")
             worst = max(worst, diff)
