@@ -1,8 +1,8 @@
 """bench/e2e's profile (run.py --profile-steps): trace_table.py's arithmetic on hand-made GPU and CPU traces, the
 reasons run.py gives where a configuration has no trace, what run.py shows and keeps of a C++ run that fails (its
-error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job, Python and C++ each tracing 2 steps after their timed ones, read back from
-<out>/profile-mlp.md, and report.py's tables of that run's rows, with and without Python eager fp32. Run by ctest
-(e2e_profile_tables):
+error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job,
+Python and C++ each tracing 2 steps after their timed ones, read back from <out>/profile-mlp.md, and report.py's
+tables of that run's rows, with and without Python eager fp32. Run by ctest (e2e_profile_tables):
 
     python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
 """
