@@ -18,5 +18,6 @@ kind=${device%%:*}
 "$python" bench/e2e/run.py --e2e build/bench/e2e --out "bench-results/e2e-$kind" "$@"
 machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
 [[ $kind == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
+# The run's rows are kept in docs/runs/ (report.py --keep), from which a later report can write a job's section.
 "$python" bench/e2e/report.py "bench-results/e2e-$kind/results.jsonl" --docs docs --name "e2e-$kind" \
-  --machine "$machine, $(nproc) cores"
+  --machine "$machine, $(nproc) cores" --keep docs/runs --command "bash scripts/bench-e2e.sh $*"

@@ -41,6 +41,8 @@
 # PERF_CMAKE_ARGS adds CMake arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+# This call as a user would type it, for the record of an e2e run (report.py --command).
+invocation="${PERF_E2E_ARGS:+PERF_E2E_ARGS=\"$PERF_E2E_ARGS\" }bash scripts/gpu-check.sh $*"
 parts="" quick=0 e2e=0 jobs_arg=() benches=all
 all_benches=setup,optim,amp,data,graph,ddp,compiled
 while (($#)); do
@@ -467,15 +469,17 @@ if has e2e; then
     >"$logs/e2e.txt" 2>&1 || { echo "   FAILED (see e2e.txt)"; st=1; }
   cp "$work/results.jsonl" "$work"/profile-*.md "$work"/failed-*.log "$logs/" 2>/dev/null || true
   # The table needs only Python; the charts are drawn where matplotlib is installed
-  # (else: report.py on results.jsonl elsewhere).
+  # (else: report.py on results.jsonl elsewhere). runs/e2e-cuda-<date>-<commit>.jsonl in e2e.tar.gz is
+  # this run for docs/runs/, from which docs/e2e-cuda.md is written (docs/gpu-runs.md, "Still to run").
   if [ -s "$logs/results.jsonl" ]; then
-    "$py" bench/e2e/report.py "$logs/results.jsonl" --docs "$logs" --name e2e-cuda \
-      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/e2e.txt" 2>&1 ||
+    "$py" bench/e2e/report.py "$logs/results.jsonl" --docs "$logs" --name e2e-cuda --keep "$logs/runs" \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --command "PERF_GPU_BUDGET_S=$budget $invocation" >>"$logs/e2e.txt" 2>&1 ||
       { echo "   report FAILED (see e2e.txt)"; st=1; }
   fi
   {
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
-    grep -E "^(python|cpp) |^exported|FAILED|e2e failed: |Exception in aoti_torch: " "$logs/e2e.txt" | cut -c1-600 || true
+    grep -E "^(python|cpp) |^exported|^kept the run|FAILED|e2e failed: |Exception in aoti_torch: " "$logs/e2e.txt" | cut -c1-600 || true
     grep -hE "^(## |\| )" "$logs/e2e-cuda.md" 2>/dev/null || true
     echo "-- where a step's time goes (profile-<job>.md in e2e.tar.gz has each configuration's top kernels)"
     grep -E "^profile |no profile" "$logs/e2e.txt" || true

@@ -2,7 +2,8 @@
 reasons run.py gives where a configuration has no trace, what run.py shows and keeps of a C++ run that fails (its
 error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job,
 Python and C++ each tracing 2 steps after their timed ones, read back from <out>/profile-mlp.md, and report.py's
-tables of that run's rows, with and without Python eager fp32. Run by ctest (e2e_profile_tables):
+tables of that run's rows, with and without Python eager fp32, with a failed run's row, and of runs kept (--keep)
+and merged. Run by ctest (e2e_profile_tables):
 
     python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
 """
@@ -120,6 +121,18 @@ def failed_run(e2e, out):
     check("frame #0: " in whole and whole.rstrip().endswith("e2e failed: e2e: cannot open /nonexistent/e2e-data.pt"),
           f"the kept stderr, LibTorch's backtrace included, the message last:\n{whole[-2000:]}")
     check("profile mlp C++ stock LibTorch fp32: no profile (the run failed (rc 1))" in proc.stderr, proc.stderr[-3000:])
+    with open(os.path.join(out, "results.jsonl")) as f:  # the failure, as a row that report.py shows
+        rows = [json.loads(line) for line in f]
+    check(len(rows) == 1 and rows[0]["config"] == "stock" and rows[0]["job"] == "mlp"
+          and rows[0]["failed"] == "rc 1: e2e failed: e2e: cannot open /nonexistent/e2e-data.pt"
+          and "samples_per_s" not in rows[0], f"results.jsonl: {rows}")
+    proc = subprocess.run([sys.executable, os.path.join(E2E, "report.py"), os.path.join(out, "results.jsonl"),
+                           "--docs", out, "--name", "report-failed"], capture_output=True, text=True, timeout=120)
+    with open(os.path.join(out, "report-failed.md")) as f:
+        table = f.read()
+    check(proc.returncode == 0 and "Every run of this job failed:" in table and "- C++ stock LibTorch fp32: rc 1: "
+          "e2e failed: e2e: cannot open /nonexistent/e2e-data.pt" in table and "| configuration |" not in table,
+          f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
 
 
 def real_run(e2e, out):
@@ -164,6 +177,90 @@ def report_tables(out):
     check("No Python eager fp32 row in this run (run.py --configs): ratios are to C++ stock LibTorch fp32." in table
           and "| configuration | samples/s | vs C++ stock LibTorch fp32 |" in table
           and row.split("|")[3].strip() == "1.00x" and "| Python eager fp32 |" not in table, table)
+    # The real run's Python row beside failed_run's failed C++ row: the table lists the failure and says why.
+    with open(os.path.join(out, "failed-run", "results.jsonl")) as f:
+        failed = [json.loads(line) for line in f]
+    mixed = os.path.join(out, "with-failure.jsonl")
+    with open(mixed, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [r for r in rows if r["config"] == "eager_fp32"] + failed)
+    proc = subprocess.run([sys.executable, os.path.join(E2E, "report.py"), mixed, "--docs", out, "--name",
+                           "report-with-failure"], capture_output=True, text=True, timeout=120)
+    with open(os.path.join(out, "report-with-failure.md")) as f:
+        table = f.read()
+    check(proc.returncode == 0 and "| Python eager fp32 | " in table
+          and "| C++ stock LibTorch fp32 | failed (below) | | | | |" in table
+          and "Failed: C++ stock LibTorch fp32: rc 1: e2e failed: e2e: cannot open /nonexistent/e2e-data.pt." in table
+          and "C++ stock run the same fp32 job" not in table, f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
+
+
+def kept_runs(out):
+    """report.py --keep writes the run it reports, each row stamped with its run (machine, commit, date, command);
+    given kept runs and a new one, each job's section comes from the last file that has the job and names its run;
+    runs on two devices are refused, with nothing written."""
+    report = os.path.join(E2E, "report.py")
+    kept_dir, docs = os.path.join(out, "kept"), os.path.join(out, "kept-docs")
+    for d in (kept_dir, docs):
+        if os.path.isdir(d):
+            for f in os.listdir(d):
+                os.remove(os.path.join(d, f))
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, report, *args, "--docs", docs], capture_output=True, text=True,
+                              timeout=120)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, log = run(os.path.join(out, "results.jsonl"), "--name", "new", "--keep", kept_dir, "--machine", "the VM",
+                  "--command", "run.py --check --jobs mlp")
+    check(rc == 0, f"report.py --keep: exit {rc}\n{log[-3000:]}")
+    kept = sorted(os.listdir(kept_dir))
+    check(len(kept) == 1 and kept[0].startswith("new-") and f"kept the run in {os.path.join(kept_dir, kept[0])}" in log,
+          f"one kept file, named by --name, and said: {kept}\n{log}")
+    with open(os.path.join(kept_dir, kept[0])) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(out, "results.jsonl")) as f:
+        fresh = [json.loads(line) for line in f]
+    stamp = rows[0]["run"]
+    check([{k: v for k, v in r.items() if k != "run"} for r in rows] == fresh and all(r["run"] == stamp for r in rows)
+          and stamp["machine"] == "the VM" and stamp["command"] == "run.py --check --jobs mlp"
+          and kept[0].endswith(f"-{stamp['commit']}.jsonl") and len(stamp["date"]) == 10,
+          f"the kept rows are the run's, each with its run: {rows[0]['run']} in {kept[0]}")
+    with open(os.path.join(docs, "new.md")) as f:
+        table = f.read()
+    check(f"Machine: the VM; torch {stamp['torch']}; commit `{stamp['commit']}`." in table
+          and "This run: " in table and "`run.py --check --jobs mlp`" in table and "Run: " not in table, table)
+
+    # An earlier run of another job (the CNN) and of the same job at another speed, kept by a GPU call.
+    earlier_run = {"machine": "Earlier GPU", "commit": "abc1234", "date": "2026-01-02", "torch": stamp["torch"],
+                   "command": "gpu-check.sh --part e2e --jobs cnn,mlp"}
+    earlier = os.path.join(kept_dir, "new-20260102-0304-abc1234.jsonl")
+    with open(earlier, "w") as f:
+        for r in fresh:
+            f.write(json.dumps(dict(r, job="cnn", run=earlier_run)) + "\n")
+            f.write(json.dumps(dict(r, samples_per_s=r["samples_per_s"] * 10, run=earlier_run)) + "\n")
+    rc, log = run(earlier, os.path.join(out, "results.jsonl"), "--name", "merged", "--machine", "the VM")
+    check(rc == 0, f"report.py on a kept run and a new one: exit {rc}\n{log[-3000:]}")
+    with open(os.path.join(docs, "merged.md")) as f:
+        table = f.read()
+    sections = table.split("\n## ")
+    cnn = next((s for s in sections if s.startswith("cnn ")), "")
+    mlp = next((s for s in sections if s.startswith("mlp ")), "")
+    eager = next((r["samples_per_s"] for r in fresh if r["config"] == "eager_fp32"), 0)
+    check("Each job's section comes from its own run" in table and "Machine: " not in table
+          and "Run: Earlier GPU; torch" in cnn and "commit `abc1234`; 2026-01-02;" in cnn
+          and "`gpu-check.sh --part e2e --jobs cnn,mlp`" in cnn
+          and "Run: the VM;" in mlp and f"| Python eager fp32 | {eager:.1f} | 1.00x |" in mlp, table)
+    # The same files the other way round: the earlier run is the last to have the MLP.
+    rc, log = run(os.path.join(out, "results.jsonl"), earlier, "--name", "swapped")
+    with open(os.path.join(docs, "swapped.md")) as f:
+        table = f.read()
+    check(rc == 0 and f"| Python eager fp32 | {eager * 10:.1f} | 1.00x |" in table and "Run: the VM" not in table
+          and table.index("## mlp") < table.index("## cnn"), f"exit {rc}, {log[-2000:]}\n{table}")
+    cuda_run = os.path.join(kept_dir, "cuda-run.jsonl")
+    with open(cuda_run, "w") as f:
+        f.writelines(json.dumps(dict(r, job="transformer", device="cuda", run=earlier_run)) + "\n" for r in fresh)
+    rc, log = run(os.path.join(out, "results.jsonl"), cuda_run, "--name", "mixed")
+    check(rc != 0 and "the runs given are on cpu and cuda; one document is one device" in log
+          and not os.path.exists(os.path.join(docs, "mixed.md")), f"exit {rc}: {log[-2000:]}")
 
 
 def main():
@@ -176,6 +273,7 @@ def main():
     failed_run(a.e2e, os.path.join(a.out, "failed-run"))
     real_run(a.e2e, a.out)
     report_tables(a.out)
+    kept_runs(a.out)
     print("e2e profile tables: ok")
 
 

@@ -2,8 +2,20 @@
 
     python bench/e2e/report.py bench-results/e2e/results.jsonl --docs docs --name e2e-cpu
 writes docs/<name>.md, docs/<name>-throughput.png and docs/<name>-loss.png (without matplotlib: the
-table only)."""
+table only).
+
+Runs are kept so that a later report can draw on them: --keep DIR writes the new run's rows into
+DIR/<name>-<UTC date and time>-<commit>.jsonl, each row with a "run" entry (machine, commit, date, torch,
+command). Given several results files, kept runs first and the new one last, each job's section comes from the
+last file that has the job, and names its run where they differ (a GPU call that runs one job leaves the other
+job's section as its own run wrote it):
+
+    python bench/e2e/report.py docs/runs/e2e-cuda-*.jsonl --append docs/runs/e2e-cuda-unkept.md \\
+        --docs docs --name e2e-cuda
+
+(--append ends the document with the sections of earlier runs whose rows were not kept.)"""
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -61,48 +73,134 @@ def final_loss(r, last=3):
     return sum(tail) / len(tail)
 
 
+def read_runs(paths, this_run):
+    """The rows of each results file, in the order given, each row with its "run": a kept run's own, else
+    `this_run` (the run being reported). A file without rows is an error: a kept run is never empty."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        if not rows:
+            raise SystemExit(f"report.py: {path} has no rows")
+        runs.append((path, [dict(r, run=r.get("run") or this_run) for r in rows]))
+    return runs
+
+
+def keep(runs, directory, name, this_run, stamp):
+    """Writes the rows of the run being reported (rows without a "run" of their own) into
+    <directory>/<name>-<stamp>-<commit>.jsonl, `stamp` the UTC date and time (file names sort as the runs
+    ran); returns the paths written."""
+    written = []
+    for path, rows in runs:
+        fresh = [r for r in rows if r["run"] is this_run]
+        if not fresh:
+            continue
+        os.makedirs(directory, exist_ok=True)
+        stem = os.path.join(directory, f"{name}-{stamp}-{this_run['commit']}")
+        target, n = stem + ".jsonl", 2
+        while os.path.exists(target):
+            target, n = f"{stem}-{n}.jsonl", n + 1
+        with open(target, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in fresh)
+        written.append(target)
+    return written
+
+
+def describe(run):
+    return (f"{run['machine']}; torch {run['torch']}; commit `{run['commit']}`; {run['date']}"
+            + (f"; `{run['command']}`" if run.get("command") else ""))
+
+
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("results")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="run.py's results.jsonl, or kept runs (--keep) first and it last")
     p.add_argument("--docs", default="docs")
     p.add_argument("--name", default="e2e-cpu")
     p.add_argument("--machine", default="", help="one line naming the machine")
+    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
+    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
+    p.add_argument("--append", action="append", default=[], metavar="FILE.md",
+                   help="markdown to end the document with, as it is: sections of runs whose rows were not kept")
     a = p.parse_args()
-    rows = median_runs([json.loads(l) for l in open(a.results)])
-    repeats = max(len(r["runs"]) for r in rows)
-    jobs = list(dict.fromkeys(r["job"] for r in rows))
-    os.makedirs(a.docs, exist_ok=True)
+    appended = []
+    for path in a.append:
+        if not os.path.isfile(path):
+            p.error(f"--append {path}: no such file")
+        with open(path) as f:
+            appended.append(f.read().strip() + "\n")
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True).stdout.strip():
+            commit += "-dirty"  # the run's code is not the commit's alone
     except OSError:
-        commit = "unknown"
+        commit = ""
     import torch
 
-    md = [f"# End-to-end training: Python PyTorch vs C++ with perf ({rows[0]['device']})", "",
-          f"Machine: {a.machine or platform.processor() or platform.machine()}; torch {torch.__version__}; "
-          f"commit `{commit}`. Each row is one process training the job from the same saved weights on the same "
-          "batches; throughput is the median over windows of steps after warm-up (samples/s), relative to Python "
-          "eager fp32 (where a run left that row out, to the job's first row); final loss is the mean of the last 3 "
-          "steps' losses. `first step` includes torch.compile's compilation where it applies. Generated by "
-          "bench/e2e/report.py from bench/e2e/run.py." + (
-              f" Every configuration ran {repeats} times, in rounds (run.py --repeat): samples/s is the median "
-              "run's, with the slowest and fastest run's in brackets; final loss and first step are the first run's."
-              if repeats > 1 else ""), ""]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    this_run = {"machine": a.machine or platform.processor() or platform.machine(), "commit": commit or "unknown",
+                "date": now.strftime("%Y-%m-%d"), "torch": torch.__version__, "command": a.command}
+    runs = read_runs(a.results, this_run)
+    if a.keep:
+        for path in keep(runs, a.keep, a.name, this_run, now.strftime("%Y%m%d-%H%M")):
+            print(f"kept the run in {path}")
+    # Each job from the last file that has it.
+    source = {}
+    for path, rows in runs:
+        for job in dict.fromkeys(r["job"] for r in rows):
+            source[job] = [r for r in rows if r["job"] == job]
+    jobs = list(dict.fromkeys(r["job"] for _, rows in runs for r in rows))
+    chosen = [r for job in jobs for r in source[job]]
+    devices = sorted({r["device"] for r in chosen})
+    if len(devices) > 1:
+        raise SystemExit(f"report.py: the runs given are on {' and '.join(devices)}; one document is one device "
+                         "(docs/e2e-cpu*.md, docs/e2e-cuda.md): report each device's runs on their own")
+    rows = median_runs([r for r in chosen if "failed" not in r])  # run.py's row for a run that failed: no figures
+    failures = [r for r in chosen if "failed" in r]
+    repeats = max([len(r["runs"]) for r in rows] or [1])
+    distinct = list({json.dumps(source[job][0]["run"], sort_keys=True): source[job][0]["run"] for job in jobs}.values())
+    os.makedirs(a.docs, exist_ok=True)
+
+    one = distinct[0]
+    md = [f"# End-to-end training: Python PyTorch vs C++ with perf ({devices[0]})", ""]
+    md += [(f"Machine: {one['machine']}; torch {one['torch']}; commit `{one['commit']}`." if len(distinct) == 1 else
+            "Each job's section comes from its own run, named under its heading (bench/e2e/report.py on the runs "
+            "kept in docs/runs/).") +
+           " Each row is one process training the job from the same saved weights on the same "
+           "batches; throughput is the median over windows of steps after warm-up (samples/s), relative to Python "
+           "eager fp32 (where a run left that row out, to the job's first row); final loss is the mean of the last 3 "
+           "steps' losses. `first step` includes torch.compile's compilation where it applies. Generated by "
+           "bench/e2e/report.py from bench/e2e/run.py." + (
+               f" Every configuration ran {repeats} times, in rounds (run.py --repeat): samples/s is the median "
+               "run's, with the slowest and fastest run's in brackets; final loss and first step are the first run's."
+               if repeats > 1 else "") + (
+               f" This run: {one['date']}, `{one['command']}`." if len(distinct) == 1 and one.get("command") else ""),
+           ""]
     charts = []  # per job: (job, the ratios' base, names, ratios, colors, loss curves)
     for job in jobs:
         order = list(LABELS)  # the table's order, whatever order the runs ran in (run.py configs)
         rs = sorted((r for r in rows if r["job"] == job),
                     key=lambda r: order.index((r["lang"], r["config"])) if (r["lang"], r["config"]) in order else
                     len(order))
+        failed = [r for r in failures if r["job"] == job]
+        # Only where no run of the configuration trained (with --repeat, another run may have).
+        failed_only = [r for r in dict(((r["lang"], r["config"]), r) for r in failed).values()
+                       if not any((t["lang"], t["config"]) == (r["lang"], r["config"]) for t in rs)]
+        r0 = (rs or failed)[0]
+        md += [f"## {job} (batch {r0['batch']}, {r0['warmup']} warm-up + {r0['steps']} timed steps"
+               + (f", {r0['threads']} threads)" if "threads" in r0 else ")"), ""]
+        if len(distinct) > 1:
+            md += [f"Run: {describe(r0['run'])}.", ""]
+        if not rs:
+            md += ["Every run of this job failed:", ""] + [f"- {label_of(r)}: {r['failed']}" for r in failed] + [""]
+            continue
         # Ratios to Python eager fp32; a run without that row (run.py --configs) is relative to its first row.
         base = next((r for r in rs if (r["lang"], r["config"]) == ("python", "eager_fp32")), rs[0])
         base_label = label_of(base)
         ref_loss = final_loss(base)
-        r0 = rs[0]
-        md += [f"## {job} (batch {r0['batch']}, {r0['warmup']} warm-up + {r0['steps']} timed steps, "
-               f"{r0['threads']} threads)", ""]
         if base_label != "Python eager fp32":
-            md += [f"No Python eager fp32 row in this run (run.py --configs): ratios are to {base_label}.", ""]
+            why = "its run failed" if any(r["config"] == "eager_fp32" for r in failed) else "run.py --configs"
+            md += [f"No Python eager fp32 row in this run ({why}): ratios are to {base_label}.", ""]
         md += [f"| configuration | samples/s | vs {base_label} | first step | final loss | autocast |",
                "| --- | --- | --- | --- | --- | --- |"]
         names, ratios, colors, curves = [], [], [], []
@@ -116,6 +214,13 @@ def main():
             ratios.append(ratio)
             colors.append("tab:blue" if r["lang"] == "python" else "tab:orange")
             curves.append((label, r["losses"]))
+        for r in failed_only:
+            md.append(f"| {label_of(r)} | failed (below) | | | | |")
+            names.append(label_of(r).replace("Python ", "Py ").replace(" + recipe", "+R"))
+            ratios.append(None)  # no bar: "failed" in the chart
+            colors.append("tab:blue" if r["lang"] == "python" else "tab:orange")
+        if failed:
+            md += [""] + [f"Failed: {label_of(r)}: {r['failed'].rstrip('.')}." for r in failed]
         stock = next((r for r in rs if r["config"] == "stock"), None)
         if stock is not None and base is not stock:
             diffs = [abs(u - v) for u, v in zip(base["losses"], stock["losses"])]
@@ -141,21 +246,23 @@ def main():
                 f"{label_of(r)} {final_loss(r) - ref_loss:+.4f}" for r in mixed)
                 + "."]
         md.append("")
-        charts.append((job, base_label, names, ratios, colors, curves))
-    if plt is not None:
-        plot(charts, rows[0]["device"], a.docs, a.name)
+        title = job if len(distinct) == 1 else f"{job} ({r0['run']['machine']}, {r0['run']['commit']})"
+        charts.append((title, base_label, names, ratios, colors, curves))
+    if plt is not None and charts:
+        plot(charts, devices[0], a.docs, a.name)
         md += [f"![throughput]({a.name}-throughput.png)", "", f"![loss]({a.name}-loss.png)", ""]
     with open(os.path.join(a.docs, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(md))
-    print(f"wrote {a.docs}/{a.name}.md and " + ("two charts" if plt is not None else
-                                                 "no charts (matplotlib is not installed)"))
+        f.write("\n".join(md + appended))
+    print(f"wrote {a.docs}/{a.name}.md and " + ("two charts" if plt is not None and charts else
+                                                 "no charts (matplotlib is not installed)" if plt is None else
+                                                 "no charts (no run trained)"))
 
 
 def plot(charts, device, docs, name):
     fig, axes = plt.subplots(1, len(charts), figsize=(5.2 * len(charts), 4.2), squeeze=False)
     lfig, laxes = plt.subplots(1, len(charts), figsize=(5.2 * len(charts), 3.8), squeeze=False)
     for ax, lax, (job, base_label, names, ratios, colors, curves) in zip(axes[0], laxes[0], charts):
-        ax.barh(range(len(names)), ratios, color=colors)
+        ax.barh(range(len(names)), [v or 0.0 for v in ratios], color=colors)
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names, fontsize=8)
         ax.invert_yaxis()
@@ -163,7 +270,8 @@ def plot(charts, device, docs, name):
         ax.set_xlabel(f"throughput vs {base_label}")
         ax.set_title(job)
         for k, v in enumerate(ratios):
-            ax.text(v, k, f" {v:.2f}x", va="center", fontsize=8)
+            ax.text(v or 0.0, k, " failed" if v is None else f" {v:.2f}x", va="center", fontsize=8,
+                    color="tab:red" if v is None else "black")
         for label, losses in curves:
             lax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
         lax.set_title(f"{job}: loss per step")

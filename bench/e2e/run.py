@@ -68,6 +68,18 @@ def without_frames(text):
     return "\n".join(kept)
 
 
+def failure(stderr):
+    """Why a run failed, in a line for the report: AOTInductor's "Exception in aoti_torch: <cause>" (the package's
+    code writes the cause to stderr, and perf's error then says so) and the runner's "e2e failed: <error>", else the
+    last line of its stderr that is not a backtrace frame (a Python traceback's exception)."""
+    lines = [l.strip() for l in without_frames(stderr).splitlines()
+             if l.strip() and not l.strip().endswith("backtrace frame lines left out)")]
+    said = [next((l for l in lines if "Exception in aoti_torch: " in l), None),
+            next((l for l in reversed(lines) if l.startswith("e2e failed: ")), None)]
+    said = [l[:400] for l in said if l] or [l[:400] for l in lines[-1:]]
+    return " / ".join(said) or "no message (stderr empty)"
+
+
 def training_package(job, size, device, amp, out, layout="channels-last", options=None, max_autotune=False):
     """The job's training step compiled by tools/export_compiled.py --train with the recipe the C++ perf
     configurations use (autocast as perf's default for the device, channels-last for the CNN unless layout
@@ -241,6 +253,12 @@ def main():
         torch.save(dict(models.make(job, size).state_dict()), init_path)
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
+
+        def record_failure(lang, config, why):
+            """A run that failed, as a row of results.jsonl (report.py lists it and why, without figures)."""
+            with open(results, "a") as f:
+                f.write(json.dumps({"lang": lang, "job": job, "config": config, "device": a.device, "failed": why,
+                                    "batch": size["batch"], "warmup": warmup, "steps": steps}) + "\n")
         package = None
         traces, summaries = {}, {}  # (lang, config) -> its first run's trace; that trace's summary (or why none)
         if os.path.exists(os.path.join(a.out, f"profile-{job}.md")):
@@ -270,6 +288,7 @@ def main():
                         package = job_package(job, size, a, amp, options)
                     if package is False:
                         failed.append(f"{lang} {job} {config} (no package)")
+                        record_failure(lang, config, "no package: its export failed (run.py's output says why)")
                         continue
                     cmd += ["--package", package[0], "--export-seconds", str(package[1])]
                 if cache is not None:
@@ -297,6 +316,7 @@ def main():
                 print(f"FAILED {lang} {job} {config}: timed out after {a.timeout} s (--timeout)", file=sys.stderr,
                       flush=True)
                 failed.append(f"{lang} {job} {config}")
+                record_failure(lang, config, f"timed out after {a.timeout} s (--timeout)")
                 profiled(lang, config, f"the run timed out after {a.timeout} s")
                 continue
             said = proc.stdout.strip().splitlines()  # the run's result line: the last that names it
@@ -311,6 +331,8 @@ def main():
                       f"without backtrace frames (all of it: {kept}):\n{without_frames(proc.stderr)[-4000:]}",
                       file=sys.stderr, flush=True)
                 failed.append(f"{lang} {job} {config}")
+                if not timed:
+                    record_failure(lang, config, f"rc {proc.returncode}: {failure(proc.stderr)}")
                 profiled(lang, config, f"the run failed (rc {proc.returncode})")
                 continue
             print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
