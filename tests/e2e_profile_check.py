@@ -3,7 +3,8 @@ reasons run.py gives where a configuration has no trace, what run.py shows and k
 error without LibTorch's backtrace frames; the whole stderr in <out>), then a real --check run of the MLP job,
 Python and C++ each tracing 2 steps after their timed ones, read back from <out>/profile-mlp.md, and report.py's
 tables of that run's rows, with and without Python eager fp32, with a failed run's row, and of runs kept (--keep)
-and merged. Run by ctest (e2e_profile_tables):
+and merged; run.py --diagnose running a failed C++ run again with cuDNN's benchmark mode off. Run by ctest
+(e2e_profile_tables):
 
     python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
 """
@@ -132,6 +133,38 @@ def failed_run(e2e, out):
         table = f.read()
     check(proc.returncode == 0 and "Every run of this job failed:" in table and "- C++ stock LibTorch fp32: rc 1: "
           "e2e failed: e2e: cannot open /nonexistent/e2e-data.pt" in table and "| configuration |" not in table,
+          f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
+
+
+def diagnosed_run(e2e, out):
+    """run.py --diagnose: a C++ perf run that fails runs again with cuDNN's benchmark mode off. Here a runner that
+    fails unless told `--cudnn-benchmark false` (the real one then); both attempts are rows, the second named by
+    the setting it turned off, and report.py lists the failure beside the row that trained."""
+    os.makedirs(out, exist_ok=True)
+    picky = os.path.join(out, "e2e-benchmark-fails")
+    with open(picky, "w") as f:
+        f.write(f'#!/usr/bin/env bash\ncase " $* " in\n  *" --info "*|*" --cudnn-benchmark false "*) exec {e2e} "$@" ;;\n'
+                'esac\necho "e2e failed: the convolution failed with cuDNN benchmark on" >&2\nexit 1\n')
+    os.chmod(picky, 0o755)
+    cmd = [sys.executable, os.path.join(E2E, "run.py"), "--e2e", picky, "--quick", "--jobs", "mlp", "--configs", "perf",
+           "--diagnose", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    check(proc.returncode == 1 and "--diagnose: cpp mlp perf again with cuDNN benchmark off" in proc.stdout
+          and "FAILED cpp mlp perf (rc 1)" in proc.stderr and "cpp mlp perf: " in proc.stdout
+          and "(cuDNN benchmark off)   [" in proc.stdout, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "results.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    check(len(rows) == 2 and rows[0]["failed"] == "rc 1: e2e failed: the convolution failed with cuDNN benchmark on"
+          and "diagnosis" not in rows[0] and rows[1]["diagnosis"] == "cuDNN benchmark off"
+          and rows[1]["samples_per_s"] > 0 and rows[1]["config"] == "perf", f"results.jsonl: {rows}")
+    proc = subprocess.run([sys.executable, os.path.join(E2E, "report.py"), os.path.join(out, "results.jsonl"),
+                           "--docs", out, "--name", "report-diagnosed"], capture_output=True, text=True, timeout=120)
+    with open(os.path.join(out, "report-diagnosed.md")) as f:
+        table = f.read()
+    check(proc.returncode == 0 and "| C++ perf recipe | failed (below) | | | | |" in table
+          and "| C++ perf recipe (cuDNN benchmark off) | " in table and "No Python eager fp32 row in this run "
+          "(run.py --configs): ratios are to C++ perf recipe (cuDNN benchmark off)." in table
+          and "Failed: C++ perf recipe: rc 1: e2e failed: the convolution failed with cuDNN benchmark on." in table,
           f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
 
 
@@ -271,6 +304,7 @@ def main():
     hand_made()
     without_trace(os.path.join(a.out, "without-trace"))
     failed_run(a.e2e, os.path.join(a.out, "failed-run"))
+    diagnosed_run(a.e2e, os.path.join(a.out, "diagnosed-run"))
     real_run(a.e2e, a.out)
     report_tables(a.out)
     kept_runs(a.out)

@@ -49,15 +49,17 @@ def label_of(r):
         label += ", contiguous package"
     if r.get("package_options"):  # run.py --compiled-max-autotune, --compiled-inductor-config
         label += f", {r['package_options']}"
+    if r.get("diagnosis"):  # run.py --diagnose, --cpp-cudnn-benchmark off, --cpp-check-syncs off
+        label += f" ({r['diagnosis']})"
     return label
 
 
 def median_runs(rows):
-    """One row per (job, language, configuration): the first run's, with the median run's samples/s and every
-    run's in "runs" (run.py --repeat runs each configuration several times)."""
+    """One row per (job, language, configuration, diagnosis): the first run's, with the median run's samples/s and
+    every run's in "runs" (run.py --repeat runs each configuration several times)."""
     groups = {}
     for r in rows:
-        groups.setdefault((r["job"], r["lang"], r["config"]), []).append(r)
+        groups.setdefault((r["job"], r["lang"], r["config"], r.get("diagnosis")), []).append(r)
     out = []
     for runs in groups.values():
         speeds = sorted(r["samples_per_s"] for r in runs)
@@ -184,8 +186,8 @@ def main():
                     len(order))
         failed = [r for r in failures if r["job"] == job]
         # Only where no run of the configuration trained (with --repeat, another run may have).
-        failed_only = [r for r in dict(((r["lang"], r["config"]), r) for r in failed).values()
-                       if not any((t["lang"], t["config"]) == (r["lang"], r["config"]) for t in rs)]
+        failed_only = [r for r in dict((label_of(r), r) for r in failed).values()
+                       if not any(label_of(t) == label_of(r) for t in rs)]
         r0 = (rs or failed)[0]
         md += [f"## {job} (batch {r0['batch']}, {r0['warmup']} warm-up + {r0['steps']} timed steps"
                + (f", {r0['threads']} threads)" if "threads" in r0 else ")"), ""]

@@ -68,6 +68,31 @@ def without_frames(text):
     return "\n".join(kept)
 
 
+BENCHMARK_OFF, SYNC_CHECKS_OFF = "cuDNN benchmark off", "sync checks off"  # run.py's diagnosis settings
+GRAPH_CONFIGS = ("perf_compiled_graph", "perf_trainstep")  # the C++ rows whose step is a CUDA graph (check_syncs)
+
+
+def off_label(off):
+    return f" ({', '.join(off)})" if off else ""
+
+
+def rows_in(results):
+    if not os.path.exists(results):
+        return 0
+    with open(results) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def mark_rows(results, after, off):
+    """Names in the rows a run wrote (those after the first `after`) the settings the diagnosis turned off."""
+    with open(results) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for r in rows[after:]:
+        r["diagnosis"] = ", ".join(off)
+    with open(results, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def failure(stderr):
     """Why a run failed, in a line for the report: AOTInductor's "Exception in aoti_torch: <cause>" (the package's
     code writes the cause to stderr, and perf's error then says so) and the runner's "e2e failed: <error>", else the
@@ -190,6 +215,10 @@ def main():
     p.add_argument("--cpp-check-syncs", choices=["on", "off"], default="on",
                    help="the C++ CUDA-graph rows' check_syncs: their last warm-up call under CUDA's sync-debug mode "
                         "\"error\" (off: a diagnosis)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="a C++ perf run that fails runs again with cuDNN's benchmark mode off, then (its step a CUDA "
+                        "graph) also without the sync checks, until one trains; each attempt is a row of the report, "
+                        "named by what it turned off (one GPU call instead of one per --cpp-* setting)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every configuration this many times, in rounds (a machine whose speed varies "
                         "between runs); the report gives the median run and the range")
@@ -254,11 +283,14 @@ def main():
         common = ["--job", job, "--device", a.device, "--data", data_path, "--init", init_path,
                   "--warmup", str(warmup), "--steps", str(steps), "--window", str(window), "--out", results]
 
-        def record_failure(lang, config, why):
+        def record_failure(lang, config, why, off=()):
             """A run that failed, as a row of results.jsonl (report.py lists it and why, without figures)."""
+            row = {"lang": lang, "job": job, "config": config, "device": a.device, "failed": why,
+                   "batch": size["batch"], "warmup": warmup, "steps": steps}
+            if off:
+                row["diagnosis"] = ", ".join(off)
             with open(results, "a") as f:
-                f.write(json.dumps({"lang": lang, "job": job, "config": config, "device": a.device, "failed": why,
-                                    "batch": size["batch"], "warmup": warmup, "steps": steps}) + "\n")
+                f.write(json.dumps(row) + "\n")
         package = None
         traces, summaries = {}, {}  # (lang, config) -> its first run's trace; that trace's summary (or why none)
         if os.path.exists(os.path.join(a.out, f"profile-{job}.md")):
@@ -277,7 +309,50 @@ def main():
                 print(f"profile {job} {label}: no profile ({summaries[lang, config]})", file=sys.stderr, flush=True)
             write_profile(job, summaries, a.out)
 
+        def attempt(lang, config, cache, cmd, env, off, log_suffix=""):
+            """Runs one configuration's process; True if it trained. `off` names what the diagnosis flags turned
+            off (run.py --cpp-cudnn-benchmark, --cpp-check-syncs, --diagnose): the rows it writes say so."""
+            t0 = time.time()
+            before = rows_in(results)
+            # A run that fails is reported and the others go on (a crash in one configuration, say a CUDA
+            # graph capture, must not hide the rest of a GPU session's table); the exit status says it.
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+            except subprocess.TimeoutExpired:
+                print(f"FAILED {lang} {job} {config}{off_label(off)}: timed out after {a.timeout} s (--timeout)",
+                      file=sys.stderr, flush=True)
+                failed.append(f"{lang} {job} {config}{off_label(off)}")
+                record_failure(lang, config, f"timed out after {a.timeout} s (--timeout)", off)
+                profiled(lang, config, f"the run timed out after {a.timeout} s")
+                return False
+            said = proc.stdout.strip().splitlines()  # the run's result line: the last that names it
+            line = next((l for l in reversed(said) if l.startswith(f"{lang} {job} {config}:")), said[-1] if said else "")
+            timed = line.startswith(f"{lang} {job} {config}:")  # then results.jsonl has its row
+            if off and timed:
+                mark_rows(results, before, off)
+            if proc.returncode != 0:
+                kept = os.path.join(a.out, f"failed-{lang}-{job}-{config}{log_suffix}.log")
+                with open(kept, "w") as f:
+                    f.write(proc.stderr)
+                print(f"FAILED {lang} {job} {config}{off_label(off)} (rc {proc.returncode})"
+                      f"{' after its timed steps, whose result is kept: ' + line if timed else ''}; its stderr "
+                      f"without backtrace frames (all of it: {kept}):\n{without_frames(proc.stderr)[-4000:]}",
+                      file=sys.stderr, flush=True)
+                failed.append(f"{lang} {job} {config}{off_label(off)}")
+                if not timed:
+                    record_failure(lang, config, f"rc {proc.returncode}: {failure(proc.stderr)}", off)
+                profiled(lang, config, f"the run failed (rc {proc.returncode})")
+                return timed
+            print(f"{line}{off_label(off)}   [{time.time() - t0:.0f} s]", flush=True)
+            no_profile = [l for l in proc.stderr.splitlines() if "no profile: " in l]
+            profiled(lang, config, f"the profiler failed: {no_profile[-1].split('no profile: ', 1)[1]}" if no_profile
+                     else None)
+            if cache is not None:
+                ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
+            return True
+
         for lang, config, cache in [run for _ in range(a.repeat) for run in runs]:
+            off = []  # what the diagnosis flags turn off in this run (the report names it in the row)
             if lang == "python":
                 cmd = [sys.executable, os.path.join(HERE, "train.py"), "--config", config, "--size", json.dumps(size),
                        "--amp", amp] + common
@@ -295,52 +370,35 @@ def main():
                     cmd += ["--cpu-malloc-cache", "true" if cache else "false"]
                 if a.cpp_cudnn_benchmark == "off" and config != "stock":
                     cmd += ["--cudnn-benchmark", "false"]
+                    off.append(BENCHMARK_OFF)
                 if a.cpp_check_syncs == "off":
                     cmd += ["--check-syncs", "false"]
+                    if config in GRAPH_CONFIGS:
+                        off.append(SYNC_CHECKS_OFF)
+            first = cmd
             if a.profile_steps and (lang, config) not in traces:
                 traces[lang, config] = os.path.join(a.out, f"trace-{job}-{lang}-{config}.json")
                 if os.path.exists(traces[lang, config]):
                     os.remove(traces[lang, config])
-                cmd += ["--profile-steps", str(a.profile_steps), "--profile", traces[lang, config]]
+                first = cmd + ["--profile-steps", str(a.profile_steps), "--profile", traces[lang, config]]
             env = None
             if lang == "python" and config != "eager_fp32":
                 # The recipe's CPU allocator part, as perf::setup() applies it (cpu_malloc_cache): Python
                 # can only have it from the environment, which glibc reads at start-up.
                 env = dict(os.environ, **MALLOC_CACHE)
-            t0 = time.time()
-            # A run that fails is reported and the others go on (a crash in one configuration, say a CUDA
-            # graph capture, must not hide the rest of a GPU session's table); the exit status says it.
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
-            except subprocess.TimeoutExpired:
-                print(f"FAILED {lang} {job} {config}: timed out after {a.timeout} s (--timeout)", file=sys.stderr,
-                      flush=True)
-                failed.append(f"{lang} {job} {config}")
-                record_failure(lang, config, f"timed out after {a.timeout} s (--timeout)")
-                profiled(lang, config, f"the run timed out after {a.timeout} s")
+            if attempt(lang, config, cache, first, env, off) or not a.diagnose or lang != "cpp" or config == "stock":
                 continue
-            said = proc.stdout.strip().splitlines()  # the run's result line: the last that names it
-            line = next((l for l in reversed(said) if l.startswith(f"{lang} {job} {config}:")), said[-1] if said else "")
-            if proc.returncode != 0:
-                timed = line.startswith(f"{lang} {job} {config}:")  # then results.jsonl has its row (the profile failed)
-                kept = os.path.join(a.out, f"failed-{lang}-{job}-{config}.log")
-                with open(kept, "w") as f:
-                    f.write(proc.stderr)
-                print(f"FAILED {lang} {job} {config} (rc {proc.returncode})"
-                      f"{' after its timed steps, whose result is kept: ' + line if timed else ''}; its stderr "
-                      f"without backtrace frames (all of it: {kept}):\n{without_frames(proc.stderr)[-4000:]}",
-                      file=sys.stderr, flush=True)
-                failed.append(f"{lang} {job} {config}")
-                if not timed:
-                    record_failure(lang, config, f"rc {proc.returncode}: {failure(proc.stderr)}")
-                profiled(lang, config, f"the run failed (rc {proc.returncode})")
-                continue
-            print(f"{line}   [{time.time() - t0:.0f} s]", flush=True)
-            no_profile = [l for l in proc.stderr.splitlines() if "no profile: " in l]
-            profiled(lang, config, f"the profiler failed: {no_profile[-1].split('no profile: ', 1)[1]}" if no_profile
-                     else None)
-            if cache is not None:
-                ab.setdefault((job, config, cache), []).append(float(line.split(": ")[1].split()[0]))
+            # --diagnose: the same run again with one more of perf's settings off, until one trains (not profiled).
+            ladder = []
+            if BENCHMARK_OFF not in off:
+                ladder.append((["--cudnn-benchmark", "false"], BENCHMARK_OFF))
+            if config in GRAPH_CONFIGS and SYNC_CHECKS_OFF not in off:
+                ladder.append((["--check-syncs", "false"], SYNC_CHECKS_OFF))
+            for k, (flags, what) in enumerate(ladder, 2):
+                cmd, off = cmd + flags, off + [what]
+                print(f"--diagnose: {lang} {job} {config} again with {', '.join(off)}", flush=True)
+                if attempt(lang, config, cache, cmd, env, off, log_suffix=f"-{k}"):
+                    break
     print(f"all runs: {time.time() - started:.0f} s")
     if failed:
         print(f"FAILED {len(failed)} of the runs: {', '.join(failed)}", file=sys.stderr)
