@@ -13,14 +13,7 @@ root=$1 python=$2
 venv=$(dirname "$(dirname "$python")")
 "$venv/bin/python" -c "import torch, numpy" 2>/dev/null ||
   { echo "skipped: $python is not the python of a venv with torch and numpy (bootstrap.sh's PERF_VENV)"; exit 0; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-fails=0
-check() {  # <what> <condition...>
-  local what=$1
-  shift
-  if "$@"; then echo "ok: $what"; else echo "FAILED: $what"; fails=$((fails + 1)); fi
-}
+source "$(dirname "$0")/check.sh"  # $work, check, $fails
 
 bin=$work/bin
 mkdir -p "$bin"

@@ -10,14 +10,7 @@
 # turned off, the part FAILED). Catches what breaks gpu-check's e2e part before a GPU call does.
 set -uo pipefail
 root=$1 python=$2 e2e=$3
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-fails=0
-check() {  # <what> <condition...>
-  local what=$1
-  shift
-  if "$@"; then echo "ok: $what"; else echo "FAILED: $what"; fails=$((fails + 1)); fi
-}
+source "$(dirname "$0")/check.sh"  # $work, check, $fails
 
 mkdir -p "$work/bin" "$work/build/tests" "$work/build/bench"
 cat >"$work/bin/nvidia-smi" <<'EOF'

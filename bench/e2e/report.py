@@ -76,15 +76,16 @@ def final_loss(r, last=3):
 
 
 def read_runs(paths, this_run):
-    """The rows of each results file, in the order given, each row with its "run": a kept run's own, else
-    `this_run` (the run being reported). A file without rows is an error: a kept run is never empty."""
+    """The rows of each results file (a list per file, in the order given), each row with its "run": a kept
+    run's own, else `this_run` (the run being reported). A file without rows is an error: a kept run is never
+    empty."""
     runs = []
     for path in paths:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         if not rows:
             raise SystemExit(f"report.py: {path} has no rows")
-        runs.append((path, [dict(r, run=r.get("run") or this_run) for r in rows]))
+        runs.append([dict(r, run=r.get("run") or this_run) for r in rows])
     return runs
 
 
@@ -93,7 +94,7 @@ def keep(runs, directory, name, this_run, stamp):
     <directory>/<name>-<stamp>-<commit>.jsonl, `stamp` the UTC date and time (file names sort as the runs
     ran); returns the paths written."""
     written = []
-    for path, rows in runs:
+    for rows in runs:
         fresh = [r for r in rows if r["run"] is this_run]
         if not fresh:
             continue
@@ -148,10 +149,10 @@ def main():
             print(f"kept the run in {path}")
     # Each job from the last file that has it.
     source = {}
-    for path, rows in runs:
+    for rows in runs:
         for job in dict.fromkeys(r["job"] for r in rows):
             source[job] = [r for r in rows if r["job"] == job]
-    jobs = list(dict.fromkeys(r["job"] for _, rows in runs for r in rows))
+    jobs = list(dict.fromkeys(r["job"] for rows in runs for r in rows))
     chosen = [r for job in jobs for r in source[job]]
     devices = sorted({r["device"] for r in chosen})
     if len(devices) > 1:
