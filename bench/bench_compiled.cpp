@@ -5,9 +5,9 @@
 // single-threaded, the mode CUDA graphs can capture), and perf::optimize decided
 // with cuDNN's benchmark mode off (what autotuning costs the decision). --json appends one line
 // per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
-// Python rows. scripts/bench-compiled.sh exports the packages and runs all of it.
-// A package exported for one batch size (no --dynamic-batch) is timed at that
-// batch only: the like of torch.compile, which specialises on the first shape.
+// Python rows (a decision's recipe and times on perf::optimize's rows). scripts/bench-compiled.sh exports the packages
+// and runs all of it. A package exported for one batch size (no --dynamic-batch) is timed at that batch only: the like
+// of torch.compile, which specialises on the first shape.
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <memory>
 
 #include "resnet.h"
@@ -94,6 +95,7 @@ int main(int argc, char** argv) {
     auto tuned = perf::optimize(perf_bench::ResNet(width), perf::ModelOptions().device(device).example(x));
     std::cout << tuned.choice();
     configs.emplace_back("perf::optimize(example)", [&] { tuned.infer(x); });
+    std::map<std::string, const perf::RecipeChoice*> decisions = {{configs.back().first, &tuned.choice()}};
     // On CUDA the same decision again with the candidates measured on cuDNN's heuristic algorithms
     // (ModelOptions().autotune_candidates(false)), the winner autotuned as it is captured: how much of the
     // decision's time is cuDNN autotuning every candidate's convolutions, whether the same recipe wins, and what
@@ -108,6 +110,7 @@ int main(int argc, char** argv) {
       std::cout << "with autotune_candidates(false):\n" << heuristic->choice();
       configs.emplace_back("perf::optimize(example, autotune_candidates(false))",
                            [&heuristic, &x] { heuristic->infer(x); });
+      decisions[configs.back().first] = &heuristic->choice();
     }
     // The decision's winner pinned on a fresh model (ModelOptions().recipe): captured as the decision captures it,
     // with no decision before. Beside the graph of the eager recipe below (and its NHWC-input twin), it splits a
@@ -172,7 +175,13 @@ int main(int argc, char** argv) {
     for (const auto& s : stats) {
       if (json_out) {
         json_out << "{\"lang\": \"cpp\", \"config\": \"C++ " << s.name << "\", \"device\": \"" << device.type()
-                 << "\", \"batch\": " << batch << ", \"median_ms\": " << s.median_ms << "}\n";
+                 << "\", \"batch\": " << batch << ", \"median_ms\": " << s.median_ms;
+        if (const auto d = decisions.find(s.name); d != decisions.end()) {
+          const auto& c = *d->second;
+          json_out << ", \"recipe\": \"" << c.recipe.name() << "\", \"decision_s\": " << c.seconds
+                   << ", \"first_calls_s\": " << c.first_call_seconds << ", \"captures_s\": " << c.capture_seconds;
+        }
+        json_out << "}\n";
       }
       auto line = s.to_string();
       while (!line.empty() && line.back() == '\n') line.pop_back();

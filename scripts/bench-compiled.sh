@@ -2,7 +2,7 @@
 # Exports bench/resnet.py to AOTInductor packages (tools/export_compiled.py),
 # times them against LibTorch eager and perf::optimize in bench/bench_compiled,
 # then Python (eager, torch.compile modes) on the same model and batches
-# (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md.
+# (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md, the run kept in docs/runs/.
 #   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32] [--no-max-autotune]
 # --no-max-autotune: leave out Python's torch.compile max-autotune row (minutes to compile on CUDA).
 # PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch).
@@ -55,4 +55,6 @@ done
 "$python" -c "import matplotlib" 2>/dev/null || "$python" -m pip install --quiet --disable-pip-version-check matplotlib >&2
 machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
 [[ $device == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
-"$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device" --machine "$machine, $(nproc) cores"
+# The run is kept in docs/runs/ (bench/runs.py), the way this call was made beside it.
+"$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device" --machine "$machine, $(nproc) cores" \
+  --keep docs/runs --command "bash scripts/bench-compiled.sh $*"

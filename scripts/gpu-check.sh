@@ -433,9 +433,11 @@ if has bench; then
     echo "== peer_compiled ${peer_extra[*]}"
     PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/peer_compiled.py --device cuda --json "$compiled" "${peer_extra[@]}" \
       >"$logs/peer_compiled.txt" 2>&1 || { echo "   FAILED (see peer_compiled.txt)"; st=1; }
-    # The table needs only Python; the chart is drawn where matplotlib is installed.
-    "$py" bench/report_compiled.py "$compiled" --docs "$logs" --name compiled-cuda \
-      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >>"$logs/peer_compiled.txt" 2>&1 ||
+    # The table needs only Python; the chart is drawn where matplotlib is installed. runs/compiled-cuda-<date>-
+    # <commit>.jsonl in bench.tar.gz is this run for docs/runs/, from which docs/compiled-cuda.md is written.
+    "$py" bench/report_compiled.py "$compiled" --docs "$logs" --name compiled-cuda --keep "$logs/runs" \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --command "PERF_GPU_BUDGET_S=$budget $invocation" >>"$logs/peer_compiled.txt" 2>&1 ||
       { echo "   report FAILED (see peer_compiled.txt)"; st=1; }
   fi
   {
@@ -446,6 +448,7 @@ if has bench; then
     echo "-- optimizer memory traffic (bench_optim; goal: flat AdamW >= 80% of copy bandwidth)"
     grep -hE "copy bandwidth|^launch geometry" "$logs/bench_optim.txt" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
+    grep -h "^kept the run" "$logs/peer_compiled.txt" 2>/dev/null || true
     grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
     if grep -qs "^perf::optimize: " "$logs/bench_compiled.txt"; then
       echo "-- perf::optimize's decision per batch (bench_compiled; every recipe eager and as a CUDA graph)"

@@ -15,11 +15,11 @@ job's section as its own run wrote it):
 
 (--append ends the document with the sections of earlier runs whose rows were not kept.)"""
 import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: runs.py
+from runs import describe, distinct_runs, keep, latest_sections, one_device, read_runs, this_run  # noqa: E402
 
 try:  # the table needs nothing; the charts need matplotlib (absent on an offline GPU machine)
     import matplotlib
@@ -75,45 +75,6 @@ def final_loss(r, last=3):
     return sum(tail) / len(tail)
 
 
-def read_runs(paths, this_run):
-    """The rows of each results file (a list per file, in the order given), each row with its "run": a kept
-    run's own, else `this_run` (the run being reported). A file without rows is an error: a kept run is never
-    empty."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        if not rows:
-            raise SystemExit(f"report.py: {path} has no rows")
-        runs.append([dict(r, run=r.get("run") or this_run) for r in rows])
-    return runs
-
-
-def keep(runs, directory, name, this_run, stamp):
-    """Writes the rows of the run being reported (rows without a "run" of their own) into
-    <directory>/<name>-<stamp>-<commit>.jsonl, `stamp` the UTC date and time (file names sort as the runs
-    ran); returns the paths written."""
-    written = []
-    for rows in runs:
-        fresh = [r for r in rows if r["run"] is this_run]
-        if not fresh:
-            continue
-        os.makedirs(directory, exist_ok=True)
-        stem = os.path.join(directory, f"{name}-{stamp}-{this_run['commit']}")
-        target, n = stem + ".jsonl", 2
-        while os.path.exists(target):
-            target, n = f"{stem}-{n}.jsonl", n + 1
-        with open(target, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in fresh)
-        written.append(target)
-    return written
-
-
-def describe(run):
-    return (f"{run['machine']}; torch {run['torch']}; commit `{run['commit']}`; {run['date']}"
-            + (f"; `{run['command']}`" if run.get("command") else ""))
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="run.py's results.jsonl, or kept runs (--keep) first and it last")
@@ -131,41 +92,23 @@ def main():
             p.error(f"--append {path}: no such file")
         with open(path) as f:
             appended.append(f.read().strip() + "\n")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                     text=True).stdout.strip():
-            commit += "-dirty"  # the run's code is not the commit's alone
-    except OSError:
-        commit = ""
-    import torch
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    this_run = {"machine": a.machine or platform.processor() or platform.machine(), "commit": commit or "unknown",
-                "date": now.strftime("%Y-%m-%d"), "torch": torch.__version__, "command": a.command}
-    runs = read_runs(a.results, this_run)
+    run, stamp = this_run(a.machine, a.command)
+    runs = read_runs(a.results, run, "report.py")
     if a.keep:
-        for path in keep(runs, a.keep, a.name, this_run, now.strftime("%Y%m%d-%H%M")):
+        for path in keep(runs, a.keep, a.name, run, stamp):
             print(f"kept the run in {path}")
-    # Each job from the last file that has it.
-    source = {}
-    for rows in runs:
-        for job in dict.fromkeys(r["job"] for r in rows):
-            source[job] = [r for r in rows if r["job"] == job]
-    jobs = list(dict.fromkeys(r["job"] for rows in runs for r in rows))
+    source = latest_sections(runs, lambda r: r["job"])  # each job from the last file that has it
+    jobs = list(source)
     chosen = [r for job in jobs for r in source[job]]
-    devices = sorted({r["device"] for r in chosen})
-    if len(devices) > 1:
-        raise SystemExit(f"report.py: the runs given are on {' and '.join(devices)}; one document is one device "
-                         "(docs/e2e-cpu*.md, docs/e2e-cuda.md): report each device's runs on their own")
+    device = one_device(source, "report.py", "docs/e2e-cpu*.md, docs/e2e-cuda.md")
     rows = median_runs([r for r in chosen if "failed" not in r])  # run.py's row for a run that failed: no figures
     failures = [r for r in chosen if "failed" in r]
     repeats = max([len(r["runs"]) for r in rows] or [1])
-    distinct = list({json.dumps(source[job][0]["run"], sort_keys=True): source[job][0]["run"] for job in jobs}.values())
+    distinct = distinct_runs(source)
     os.makedirs(a.docs, exist_ok=True)
 
     one = distinct[0]
-    md = [f"# End-to-end training: Python PyTorch vs C++ with perf ({devices[0]})", ""]
+    md = [f"# End-to-end training: Python PyTorch vs C++ with perf ({device})", ""]
     md += [(f"Machine: {one['machine']}; torch {one['torch']}; commit `{one['commit']}`." if len(distinct) == 1 else
             "Each job's section comes from its own run, named under its heading (bench/e2e/report.py on the runs "
             "kept in docs/runs/).") +
@@ -252,7 +195,7 @@ def main():
         title = job if len(distinct) == 1 else f"{job} ({r0['run']['machine']}, {r0['run']['commit']})"
         charts.append((title, base_label, names, ratios, colors, curves))
     if plt is not None and charts:
-        plot(charts, devices[0], a.docs, a.name)
+        plot(charts, device, a.docs, a.name)
         md += [f"![throughput]({a.name}-throughput.png)", "", f"![loss]({a.name}-loss.png)", ""]
     with open(os.path.join(a.docs, f"{a.name}.md"), "w") as f:
         f.write("\n".join(md + appended))

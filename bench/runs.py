@@ -1,0 +1,92 @@
+"""Kept runs: a benchmark's results with the run that made them, so that a later report can draw on them.
+
+A report (bench/e2e/report.py, bench/report_compiled.py) given --keep DIR writes the rows of the run it
+reports into DIR/<name>-<UTC date and time>-<commit>.jsonl, each row with a "run" entry: machine, commit
+("-dirty" when the tree had changes), date, torch and the command that made it. Given kept runs first and a
+new results file last, the report takes each section (a job, a batch size) from the last file that has it."""
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+
+def this_run(machine="", command=""):
+    """The run being reported, made here and now: its "run" entry, and its UTC stamp for the kept file's name."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True).stdout.strip():
+            commit += "-dirty"  # the run's code is not the commit's alone
+    except OSError:
+        commit = ""
+    import torch
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    run = {"machine": machine or platform.processor() or platform.machine(), "commit": commit or "unknown",
+           "date": now.strftime("%Y-%m-%d"), "torch": torch.__version__, "command": command}
+    return run, now.strftime("%Y%m%d-%H%M")
+
+
+def read_runs(paths, run, who):
+    """The rows of each results file (a list per file, in the order given), each row with its "run": a kept
+    run's own, else `run` (the run being reported). A file without rows is an error: a kept run is never
+    empty."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        if not rows:
+            raise SystemExit(f"{who}: {path} has no rows")
+        runs.append([dict(r, run=r.get("run") or run) for r in rows])
+    return runs
+
+
+def keep(runs, directory, name, run, stamp):
+    """Writes the rows of the run being reported (rows whose "run" is `run`) into
+    <directory>/<name>-<stamp>-<commit>.jsonl, `stamp` the UTC date and time (file names sort as the runs
+    ran); returns the paths written."""
+    written = []
+    for rows in runs:
+        fresh = [r for r in rows if r["run"] is run]
+        if not fresh:
+            continue
+        os.makedirs(directory, exist_ok=True)
+        stem = os.path.join(directory, f"{name}-{stamp}-{run['commit']}")
+        target, n = stem + ".jsonl", 2
+        while os.path.exists(target):
+            target, n = f"{stem}-{n}.jsonl", n + 1
+        with open(target, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in fresh)
+        written.append(target)
+    return written
+
+
+def latest_sections(runs, key):
+    """{section: its rows} with each section (key(row): a job, a batch size) from the last file that has it,
+    in the order the sections first appear."""
+    source = {}
+    for rows in runs:
+        for section in dict.fromkeys(key(r) for r in rows):
+            source[section] = [r for r in rows if key(r) == section]
+    order = dict.fromkeys(key(r) for rows in runs for r in rows)
+    return {section: source[section] for section in order}
+
+
+def distinct_runs(sections):
+    """The runs that made the sections, each once, in the sections' order."""
+    return list({json.dumps(rows[0]["run"], sort_keys=True): rows[0]["run"] for rows in sections.values()}.values())
+
+
+def one_device(sections, who, documents):
+    """The device every section ran on; more than one is an error (one document is one device)."""
+    devices = sorted({r["device"] for rows in sections.values() for r in rows})
+    if len(devices) > 1:
+        raise SystemExit(f"{who}: the runs given are on {' and '.join(devices)}; one document is one device "
+                         f"({documents}): report each device's runs on their own")
+    return devices[0]
+
+
+def describe(run):
+    return (f"{run['machine']}; torch {run['torch']}; commit `{run['commit']}`; {run['date']}"
+            + (f"; `{run['command']}`" if run.get("command") else ""))

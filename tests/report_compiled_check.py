@@ -1,0 +1,148 @@
+"""bench/report_compiled.py on the H100 run kept in docs/runs (its tables, ratios and perf::optimize's decisions,
+from the rows), and its kept runs (bench/runs.py): --keep writes the run it reports with its run stamp; given a kept
+run and a new one, each batch size's section comes from the last file that has it and names its run; runs on two
+devices are refused, with nothing written; a run without the C++ eager fp32 row says what its ratios are to. Run by
+ctest (report_compiled_tables):
+
+    python tests/report_compiled_check.py --out DIR
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REPORT = os.path.join(ROOT, "bench", "report_compiled.py")
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+
+
+def report(docs, *args):
+    proc = subprocess.run([sys.executable, REPORT, *args, "--docs", docs], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def section(table, batch):
+    return next((s for s in table.split("\n## ") if s.startswith(f"batch {batch}\n")), "")
+
+
+def kept_h100(out):
+    """The kept H100 run: every row in its batch's table with its ratio to C++ eager fp32 and to the best Python
+    torch.compile mode, computed here from the rows; the decisions; the run named in the header."""
+    kept = sorted(glob.glob(os.path.join(ROOT, "docs", "runs", "compiled-cuda-*.jsonl")))
+    check(kept, "a kept compiled-cuda run in docs/runs")
+    rc, log = report(out, *kept, "--name", "h100")
+    check(rc == 0, f"report_compiled.py on {kept}: exit {rc}\n{log[-3000:]}")
+    table = read(os.path.join(out, "h100.md"))
+    rows = rows_of(kept[-1])
+    run = rows[0]["run"]
+    check(f"Machine: {run['machine']}; torch {run['torch']}; commit `{run['commit']}`." in table
+          and f"This run: {run['date']}, `{run['command']}`." in table and "Run: " not in table, table[:1500])
+    for batch in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == batch]
+        text = section(table, batch)
+        base = next(r["median_ms"] for r in rs if r["config"] == "C++ eager fp32")
+        best = min(r["median_ms"] for r in rs if r["config"].startswith("Python torch.compile"))
+        for r in rs:
+            line = f"| {r['config']} | {r['median_ms']:.3f} | {base / r['median_ms']:.2f}x | " \
+                   f"{best / r['median_ms']:.2f}x |"
+            check(line in text, f"batch {batch}: {line}\n{text}")
+        lines = text.split("\n")
+        order = [next(i for i, t in enumerate(lines) if t.startswith(f"| {r['config']} |"))
+                 for r in sorted(rs, key=lambda r: -r["median_ms"])]
+        check(order == sorted(order), f"batch {batch}: slowest first\n{text}")
+        for r in (r for r in rs if "decision_s" in r):
+            said = (f"- {r['config']}: {r['recipe']}, decided in {r['decision_s']:.2f} s (first calls "
+                    f"{r['first_calls_s']:.2f} s, CUDA graph captures {r['captures_s']:.2f} s)")
+            check(said in text, f"batch {batch}: {said}\n{text}")
+    check(table.count("decided in") == sum("decision_s" in r for r in rows), table)
+    return kept[-1], rows
+
+
+def kept_runs(out, h100_path, h100_rows):
+    kept_dir = os.path.join(out, "kept")
+    shutil.rmtree(kept_dir, ignore_errors=True)
+    fresh = [{k: v for k, v in r.items() if k != "run"} for r in h100_rows]
+    # --keep: the new run's rows, each with its run.
+    new = os.path.join(out, "new.jsonl")
+    write(new, fresh)
+    rc, log = report(out, new, "--name", "compiled-new", "--keep", kept_dir, "--machine", "the VM", "--command",
+                     "bash scripts/bench-compiled.sh --device cuda")
+    check(rc == 0, f"report_compiled.py --keep: exit {rc}\n{log[-3000:]}")
+    files = sorted(os.listdir(kept_dir))
+    check(len(files) == 1 and files[0].startswith("compiled-new-")
+          and f"kept the run in {os.path.join(kept_dir, files[0])}" in log, f"one kept file, said: {files}\n{log}")
+    rows = rows_of(os.path.join(kept_dir, files[0]))
+    stamp = rows[0]["run"]
+    check([{k: v for k, v in r.items() if k != "run"} for r in rows] == fresh and all(r["run"] == stamp for r in rows)
+          and stamp["machine"] == "the VM" and stamp["command"] == "bash scripts/bench-compiled.sh --device cuda"
+          and files[0].endswith(f"-{stamp['commit']}.jsonl") and len(stamp["date"]) == 10,
+          f"the kept rows are the run's, each with its run: {stamp} in {files[0]}")
+    # A kept run and a new one that has batch 32 only, twice as fast: batch 1 from the kept run, 32 from the new.
+    faster = os.path.join(out, "faster.jsonl")
+    write(faster, [dict(r, median_ms=r["median_ms"] / 2) for r in fresh if r["batch"] == 32])
+    rc, log = report(out, h100_path, faster, "--name", "merged", "--machine", "the VM")
+    check(rc == 0, f"report_compiled.py on a kept run and a new one: exit {rc}\n{log[-3000:]}")
+    table = read(os.path.join(out, "merged.md"))
+    run = h100_rows[0]["run"]
+    one, many = section(table, 1), section(table, 32)
+    eager32 = next(r["median_ms"] for r in fresh if r["batch"] == 32 and r["config"] == "C++ eager fp32")
+    check("Each batch size's section comes from its own run" in table and "Machine: " not in table
+          and f"Run: {run['machine']}; torch {run['torch']}; commit `{run['commit']}`; {run['date']}; " in one
+          and "Run: the VM;" in many and f"| C++ eager fp32 | {eager32 / 2:.3f} | 1.00x |" in many, table)
+    # The other way round: the kept run is the last to have batch 32.
+    rc, log = report(out, faster, h100_path, "--name", "swapped")
+    table = read(os.path.join(out, "swapped.md"))
+    check(rc == 0 and "Run: the VM" not in table and f"| C++ eager fp32 | {eager32:.3f} | 1.00x |" in table,
+          f"exit {rc}, {log[-2000:]}\n{table}")
+    # One document is one device.
+    cpu = os.path.join(out, "cpu.jsonl")
+    write(cpu, [dict(r, device="cpu") for r in fresh if r["batch"] == 1])
+    rc, log = report(out, h100_path, cpu, "--name", "mixed")
+    check(rc != 0 and "the runs given are on cpu and cuda; one document is one device" in log
+          and not os.path.exists(os.path.join(out, "mixed.md")), f"exit {rc}: {log[-2000:]}")
+    # Without the C++ eager fp32 row (a run of some configurations): ratios to the batch's first row, said.
+    partial = os.path.join(out, "partial.jsonl")
+    write(partial, [r for r in fresh if r["config"] != "C++ eager fp32"])
+    rc, log = report(out, partial, "--name", "partial")
+    table = read(os.path.join(out, "partial.md"))
+    first = next(r for r in fresh if r["batch"] == 1 and r["config"] != "C++ eager fp32")
+    check(rc == 0 and f"No C++ eager fp32 row in this run: ratios are to {first['config']}." in section(table, 1)
+          and f"| {first['config']} | {first['median_ms']:.3f} | 1.00x |" in section(table, 1),
+          f"exit {rc}, {log[-2000:]}\n{table}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    path, rows = kept_h100(a.out)
+    kept_runs(a.out, path, rows)
+    print("report_compiled tables: ok")
+
+
+if __name__ == "__main__":
+    main()
