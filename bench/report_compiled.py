@@ -79,8 +79,9 @@ def main():
             md += [f"Run: {describe(rs[0]['run'])}.", ""]
         if base["config"] != BASE:
             md += [f"No {BASE} row in this run: ratios are to {base['config']}.", ""]
-        md += [f"| configuration | median ms | vs {base['config']} |" + (f" vs {best_py['config']} |" if best_py else ""),
-               "| --- | --- | --- |" + (" --- |" if best_py else "")]
+        peer = f" vs {best_py['config']} |" if best_py else ""
+        md += [f"| configuration | median ms | vs {base['config']} |{peer}",
+               "| --- | --- | --- |" + (" --- |" if peer else "")]
         names, ratios, colors = [], [], []
         for r in sorted(rs, key=lambda r: -r["median_ms"]):
             ratio = base["median_ms"] / r["median_ms"]

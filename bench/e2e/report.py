@@ -4,7 +4,7 @@
 writes docs/<name>.md, docs/<name>-throughput.png and docs/<name>-loss.png (without matplotlib: the
 table only).
 
-Runs are kept so that a later report can draw on them: --keep DIR writes the new run's rows into
+Runs are kept so that a later report can draw on them (bench/runs.py): --keep DIR writes the new run's rows into
 DIR/<name>-<UTC date and time>-<commit>.jsonl, each row with a "run" entry (machine, commit, date, torch,
 command). Given several results files, kept runs first and the new one last, each job's section comes from the
 last file that has the job, and names its run where they differ (a GPU call that runs one job leaves the other
