@@ -1,8 +1,9 @@
 // Inference latency: LibTorch eager (fp32; perf's fixed recipe; perf::optimize
 // measuring the recipes on the batch) vs the AOTInductor packages of the same
 // ResNet-style CNN (bench/resnet.h, bench/resnet.py), side by side, batch 1 and
-// 32. On CUDA also perf::graph of the eager recipe and of the package (opened
-// single-threaded, the mode CUDA graphs can capture), and perf::optimize decided
+// 32. On CUDA also each package in LibTorch's multi-threaded container, perf::graph of
+// the eager recipe and of the package (perf's default single-threaded runner, the
+// mode CUDA graphs can capture), and perf::optimize decided
 // with cuDNN's benchmark mode off (what autotuning costs the decision). --json appends one line
 // per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
 // Python rows (a decision's recipe and times on perf::optimize's rows). scripts/bench-compiled.sh exports the packages
@@ -47,15 +48,15 @@ int main(int argc, char** argv) {
 
   perf::setup();
   const c10::Device device(device_name);
-  std::vector<std::unique_ptr<perf::CompiledModel>> compiled;
-  // On CUDA each package opened single-threaded too, once: its own rows (a call does not wait for the previous
-  // call's kernels, as the multi-threaded container does once its one runner has been used) and perf::graph's
-  // (the mode capture allows). Copies share the loaded package.
-  std::vector<perf::CompiledModel> single;
+  // Each package as perf opens it by default (one runner: LibTorch's single-threaded entry point, the mode CUDA
+  // graphs capture), and on CUDA in LibTorch's multi-threaded container too, for its own rows: once its one runner
+  // has been used, a call there waits on the host for the previous call's kernels. Copies share the loaded package.
+  std::vector<perf::CompiledModel> compiled, multi;
+  compiled.reserve(packages.size());
   for (const auto& p : packages) {
-    compiled.push_back(std::make_unique<perf::CompiledModel>(p));
-    std::cout << *compiled.back();
-    if (device.is_cuda()) single.emplace_back(p, perf::CompiledOptions().single_threaded(true));
+    compiled.emplace_back(p);
+    std::cout << compiled.back();
+    if (device.is_cuda()) multi.emplace_back(p, perf::CompiledOptions().single_threaded(false));
   }
   auto label_of = [](const perf::CompiledModel& c) {
     const auto& in = c.inputs().at(0);
@@ -123,35 +124,29 @@ int main(int argc, char** argv) {
       configs.emplace_back("perf::optimize(recipe pinned: " + tuned.recipe().name() + ")",
                            [&pinned, &x] { pinned->infer(x); });
     }
-    for (auto& c : compiled) {
-      if (!accepts(*c, batch)) continue;
-      configs.emplace_back(label_of(*c), [&c, &x, dtype = c->inputs().at(0).dtype] {
-        c10::InferenceMode guard;
-        (*c)(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
-      });
-    }
-    for (size_t i = 0; i < single.size(); ++i) {
-      if (!accepts(single[i], batch)) continue;
-      configs.emplace_back(label_of(single[i]) + ", single-threaded",
-                           [st = single[i], &x, dtype = single[i].inputs().at(0).dtype]() mutable {
-                             c10::InferenceMode guard;
-                             st(x.to(dtype));
-                           });
+    for (const auto& [models, suffix] : {std::pair(&compiled, ""), std::pair(&multi, ", multi-threaded")}) {
+      for (const auto& c : *models) {
+        if (!accepts(c, batch)) continue;
+        configs.emplace_back(label_of(c) + suffix, [m = c, &x, dtype = c.inputs().at(0).dtype]() mutable {
+          c10::InferenceMode guard;
+          m(x.to(dtype));  // a no-op for fp32; the bf16 package's cast is part of its cost
+        });
+      }
     }
     using Fn = std::function<torch::Tensor(const torch::Tensor&)>;
     std::vector<decltype(perf::graph(Fn(), x))> graphs;
     if (device.is_cuda()) {
-      graphs.reserve(2 + 2 * single.size());
+      graphs.reserve(2 + 2 * compiled.size());
       std::vector<std::string> names = {"perf::graph(eager recipe)", "perf::graph(eager recipe), NHWC static input"};
       graphs.push_back(perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), x));
       // Captured from a channels-last example, as perf::optimize captures its graph: each call's NCHW input is
       // converted by the copy into the static input, outside the graph, rather than inside it.
       graphs.push_back(
           perf::graph(Fn([&](const torch::Tensor& in) { return recipe.infer(in); }), perf::channels_last(x)));
-      // Each single-threaded package's kernels replayed as one graph: as a user gets it (each call returns
-      // its own copy of the output), and handing back the graph's own output tensor, which the next replay
-      // overwrites, as torch.compile's reduce-overhead does (GraphOptions().clone_outputs(false)).
-      for (const auto& st : single) {
+      // Each package's kernels replayed as one graph: as a user gets it (each call returns its own copy of the
+      // output), and handing back the graph's own output tensor, which the next replay overwrites, as
+      // torch.compile's reduce-overhead does (GraphOptions().clone_outputs(false)).
+      for (const auto& st : compiled) {
         if (!package_graphs) break;
         if (!accepts(st, batch)) continue;
         const auto dtype = st.inputs().at(0).dtype;

@@ -150,11 +150,13 @@ opt.step();                                      // perf::optim, torch::optim, p
 }
 void block9(torch::Tensor x, torch::Tensor tokens, torch::Tensor feats) {
   // clang-format off
-perf::CompiledModel model("resnet.pt2");             // perf::CompiledOptions(): model_name, device_index, runners
+perf::CompiledModel model("resnet.pt2");             // perf::CompiledOptions(): model_name, device_index, runners,
+                                                     // single_threaded, check_inputs
 at::Tensor y = model(x);                             // one input, one output
 std::vector<at::Tensor> outs = model.run({tokens, feats});   // any number of inputs and outputs
 std::cout << model;
-// perf::CompiledModel 'resnet.pt2' on cpu, exported with torch 2.11.0+cu130, CPU ISA AVX512 AVX512_VNNI
+// perf::CompiledModel 'resnet.pt2' on cpu, exported with torch 2.11.0+cu130, CPU ISA AVX512 AVX512_VNNI,
+//   single-threaded (capturable)
 //   input 0: Float [batch, 3, 64, 64] batch 1..64
 //   outputs: 1
 

@@ -306,6 +306,38 @@ void expect_concurrent_callers_get_their_answers(perf::CompiledModel& mlp) {
 
 }  // namespace
 
+// With one runner (the default) perf opens a package through LibTorch's
+// single-threaded entry point: LibTorch's multi-threaded container would make
+// the host wait, on CUDA, for each call's kernels before it starts the next
+// (Compiled.OnGpuSingleThreadedCallsDoNotWaitForTheGpu), and with one runner it
+// runs no two calls at once anyway. Several runners get the multi-threaded
+// container; either can be asked for; single-threaded with several runners is
+// refused, naming both ways out.
+TEST(Compiled, OneRunnerRunsSingleThreadedUnlessAskedOtherwise) {
+  const auto ref = reference("mlp", 5);
+  const auto printed = [](const perf::CompiledModel& m) {
+    std::ostringstream s;
+    s << m;
+    return s.str();
+  };
+  perf::CompiledModel plain(package("mlp.pt2"));
+  EXPECT_FALSE(plain.options().single_threaded().has_value());
+  EXPECT_TRUE(plain.single_threaded());
+  EXPECT_NE(printed(plain).find(", single-threaded (capturable)\n"), std::string::npos) << printed(plain);
+  EXPECT_LE(max_diff(plain(ref.in[0]), ref.out[0]), 1e-5);
+  perf::CompiledModel shared(package("mlp.pt2"), perf::CompiledOptions().runners(2));
+  EXPECT_FALSE(shared.single_threaded());
+  EXPECT_NE(printed(shared).find(", multi-threaded (2 runners)\n"), std::string::npos) << printed(shared);
+  perf::CompiledModel multi(package("mlp.pt2"), perf::CompiledOptions().single_threaded(false));
+  EXPECT_FALSE(multi.single_threaded());
+  EXPECT_NE(printed(multi).find(", multi-threaded (1 runner)\n"), std::string::npos) << printed(multi);
+  EXPECT_LE(max_diff(multi(ref.in[0]), ref.out[0]), 1e-5);
+  PERF_EXPECT_THROW_MSG(
+      perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().single_threaded(true).runners(2)),
+      "single_threaded(true) runs one model instance, so runners(2) would not run at once; for several threads at "
+      "once leave single_threaded unset (or false), for one caller leave runners at 1");
+}
+
 TEST(Compiled, ConcurrentRunsWithSeveralRunnersGiveEachCallerItsAnswer) {
   perf::CompiledModel mlp(package("mlp.pt2"), perf::CompiledOptions().runners(2));
   expect_concurrent_callers_get_their_answers(mlp);
@@ -315,7 +347,7 @@ TEST(Compiled, ConcurrentRunsWithSeveralRunnersGiveEachCallerItsAnswer) {
 // context" (aoti_runtime/model_base.h): perf lets one call in at a time, so
 // threads sharing a single-threaded model each get their own answer.
 TEST(Compiled, SingleThreadedModelCalledFromSeveralThreadsGivesEachCallerItsAnswer) {
-  perf::CompiledModel mlp(package("mlp.pt2"), perf::CompiledOptions().single_threaded(true));
+  perf::CompiledModel mlp(package("mlp.pt2"));  // one runner: single-threaded
   expect_concurrent_callers_get_their_answers(mlp);
 }
 
@@ -678,7 +710,7 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
   if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
-  perf::CompiledModel model(pkg);
+  perf::CompiledModel model(pkg, perf::CompiledOptions().single_threaded(false));  // LibTorch's default container
   EXPECT_TRUE(model.device().is_cuda());
   EXPECT_FALSE(model.metadata().at("AOTI_COMPUTE_CAPABILITY").empty());
   const auto want = python_cuda_mlp(3);
@@ -693,16 +725,16 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
     side.synchronize();
     EXPECT_LE(max_diff(y.cpu(), want), 1e-5);
   }
-  // Multi-threaded (the default), a capture is refused before the container is
-  // touched (it would poison the container's completion event), naming the fix,
-  // and eager calls keep working afterwards.
+  // Multi-threaded (LibTorch's default; perf's with runners(n > 1)), a capture is
+  // refused before the container is touched (it would poison the container's
+  // completion event), naming the fix, and eager calls keep working afterwards.
   const auto x2 = (x * 0.5).contiguous();
   const auto before = model(x2).cpu();
   try {
     auto refused = perf::graph(model, x, perf::GraphOptions().warmup(1));
     ADD_FAILURE() << "capturing a multi-threaded AOTInductor package should be refused";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Open it with perf::CompiledOptions().single_threaded(true) to capture it"),
+    EXPECT_NE(std::string(e.what()).find("Open it single-threaded to capture it (perf's default with one runner"),
               std::string::npos)
         << e.what();
   }
@@ -761,7 +793,7 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
   const auto pkg = export_cuda_mlp(dir);
   if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
   perf::CompiledModel model(pkg, perf::CompiledOptions().single_threaded(true));
-  perf::CompiledModel plain(pkg);  // multi-threaded, uncaptured: the reference
+  perf::CompiledModel plain(pkg, perf::CompiledOptions().single_threaded(false));  // uncaptured: the reference
   const auto example = at::zeros({8, 16}, at::kCUDA);
   {
     // Never run before: its first call would fold the package's constants into
@@ -798,20 +830,22 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
 
 // A CUDA call only launches the package's kernels on the current stream. Behind
 // about a second of GPU work (a sleep kernel), two calls of a single-threaded
-// model return while that work still runs. LibTorch's multi-threaded container
-// (the default) waits, once its one runner has been used, for the previous
-// run's completion event before it starts the next (cudaEventSynchronize in
-// model_container.h's reclaim_finished_models): its second call returns only
-// after the sleep, so a loop of calls never queues ahead of the GPU. No timing
-// race: the sleep is hundreds of times longer than the calls' host time.
+// model (perf's default with one runner) return while that work still runs.
+// LibTorch's multi-threaded container waits, once its one runner has been used,
+// for the previous run's completion event before it starts the next
+// (cudaEventSynchronize in model_container.h's reclaim_finished_models): its
+// second call returns only after the sleep, a host sync in every call of a loop,
+// which is why perf opens one runner single-threaded. No timing race: the sleep
+// is hundreds of times longer than the calls' host time.
 TEST(Compiled, OnGpuSingleThreadedCallsDoNotWaitForTheGpu) {
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
-  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
-  perf::CompiledModel single(pkg, perf::CompiledOptions().single_threaded(true));
-  perf::CompiledModel multi(pkg);
+  if (pkg.empty()) return;          // cuda_test_package failed or skipped the test, saying why
+  perf::CompiledModel single(pkg);  // perf's default: one runner, single-threaded
+  perf::CompiledModel multi(pkg, perf::CompiledOptions().single_threaded(false));
+  ASSERT_TRUE(single.single_threaded());
   const auto x = at::randn({8, 16}, at::kCUDA);
   const auto want = multi(x).cpu();  // the first calls fold the constants
   single(x);

@@ -18,18 +18,18 @@
 // Inputs whose strides differ from the exported layout (a transposed view, a
 // channels-last image for a contiguous package) are copied to that layout:
 // the generated kernels index with the strides seen at export time.
-// On CUDA the package runs on the current stream. Opened with
-// CompiledOptions().single_threaded(true) it runs through the container's
-// single-threaded entry point, which skips the per-run completion event, so it
-// can be captured into a CUDA graph (perf::graph), and a call does not wait for
-// the previous call's kernels (the multi-threaded container, when every runner
-// has a run that has not finished, synchronizes with the oldest one's event:
-// with one runner the host waits for each call's kernels before it launches
-// the next). The default multi-threaded
-// container queries that event (cudaEventQuery, not permitted while a stream
-// captures) and records it on the stream (an event recorded in a capture can
-// never be queried again, so every later call would fail): run() refuses a
-// capturing stream in that mode before touching the container, naming the fix.
+// On CUDA the package runs on the current stream. With one runner (the
+// default) it runs through the container's single-threaded entry point, which
+// skips the per-run completion event, so it can be captured into a CUDA graph
+// (perf::graph), and a call does not wait for the previous call's kernels.
+// LibTorch's multi-threaded container (runners(n > 1), or single_threaded(false))
+// lets n threads run at once, but when every runner has a run that has not
+// finished it synchronizes with the oldest one's event: with one runner the
+// host would wait for each call's kernels before it launches the next. It also
+// queries that event (cudaEventQuery, not permitted while a stream captures)
+// and records it on the stream (an event recorded in a capture can never be
+// queried again, so every later call would fail): run() refuses a capturing
+// stream in that mode before touching the container, naming the fix.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -72,13 +72,17 @@ struct CompiledOptions {
   TORCH_ARG(std::string, model_name) = "model";
   /// CUDA packages: the GPU to load onto; -1 = the current device.
   TORCH_ARG(c10::DeviceIndex, device_index) = -1;
-  /// Model instances, so that this many threads can run() at once without waiting.
+  /// Model instances, so that this many threads can run() at once without
+  /// waiting (LibTorch's multi-threaded container, unless single_threaded says otherwise).
   TORCH_ARG(size_t, runners) = 1;
-  /// Run through the container's single-threaded entry point (LibTorch's
+  /// true: run through the container's single-threaded entry point (LibTorch's
   /// run_single_threaded): no per-run event, so CUDA graphs can capture it and
   /// a CUDA call never waits for the previous call's kernels; calls from
-  /// several threads take turns (perf lets one in at a time).
-  TORCH_ARG(bool, single_threaded) = false;
+  /// several threads take turns (perf lets one in at a time). false: LibTorch's
+  /// multi-threaded container, whose calls wait on the host for a runner's
+  /// last run when every runner has one unfinished. Unset: true with one
+  /// runner, false with runners(n > 1). CompiledModel::single_threaded() says which.
+  TORCH_ARG(std::optional<bool>, single_threaded);
   /// Check inputs before each call (a few comparisons). false: unchecked, the
   /// only way to run a package whose input specs perf cannot read, at the
   /// risk of the generated code reading memory by shapes it was not given.
@@ -131,6 +135,8 @@ class CompiledModel {
   const std::string& inputs_from() const noexcept;
   const std::unordered_map<std::string, std::string>& metadata() const noexcept;
   const CompiledOptions& options() const noexcept { return options_; }
+  /// Whether it runs through the single-threaded entry point (CompiledOptions::single_threaded).
+  bool single_threaded() const noexcept;
   /// LibTorch's loader, for what perf does not wrap (constant swapping).
   torch::inductor::AOTIModelPackageLoader& loader();
 
@@ -204,8 +210,16 @@ class Package {
  public:
   // `kind`: "inference" or "train", what the caller runs; `who` names it in errors.
   Package(const std::string& path, const CompiledOptions& options, const std::string& kind, const std::string& who)
-      : path_(path), single_threaded_(options.single_threaded()), who_(who + " '" + path + "'") {
+      : path_(path),
+        single_threaded_(options.single_threaded().value_or(options.runners() == 1)),
+        who_(who + " '" + path + "'") {
     TORCH_CHECK(options.runners() >= 1, "perf::CompiledOptions::runners must be >= 1, got ", options.runners());
+    TORCH_CHECK(!single_threaded_ || options.runners() == 1,
+                "perf::CompiledOptions: single_threaded(true) runs one "
+                "model instance, so runners(",
+                options.runners(),
+                ") would not run at once; for several threads at "
+                "once leave single_threaded unset (or false), for one caller leave runners at 1");
     TORCH_CHECK(std::ifstream(path).good(), who, ": cannot open '", path,
                 "' (no such file or not readable). Write packages with tools/export_compiled.py.");
     try {
@@ -253,7 +267,7 @@ class Package {
     }
     try {
       loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-          path, options.model_name(), options.single_threaded(), options.runners(),
+          path, options.model_name(), single_threaded_, options.runners(),
           device_.is_cuda() ? device_.index() : static_cast<c10::DeviceIndex>(-1));
     } catch (const std::exception& e) {
       TORCH_CHECK(false, who, ": loading '", path, "' failed: ", e.what());
@@ -271,8 +285,9 @@ class Package {
       TORCH_CHECK(!capturing || single_threaded_, who_,
                   ": this package was opened multi-threaded, and LibTorch's multi-threaded AOTInductor container "
                   "queries and records a completion event each run, which CUDA graph capture forbids (and which "
-                  "would break every later call). Open it with perf::CompiledOptions().single_threaded(true) to "
-                  "capture it, or call it outside the capture.");
+                  "would break every later call). Open it single-threaded to capture it (perf's default with one "
+                  "runner: leave perf::CompiledOptions().runners at 1 and single_threaded unset or true), or call "
+                  "it outside the capture.");
       // The container's first call folds the package's constants into new
       // device memory (model_container.h); captured, that memory would come
       // from the graph's pool and be freed with the graph while the container
@@ -309,6 +324,7 @@ class Package {
   }
 
   const std::string& path() const noexcept { return path_; }
+  bool single_threaded() const noexcept { return single_threaded_; }
   const std::string& who() const noexcept { return who_; }
   c10::Device device() const noexcept { return device_; }
   const std::vector<CompiledInput>& inputs() const noexcept { return inputs_; }

@@ -279,6 +279,7 @@ PERF_INLINE CompiledModel::CompiledModel(const std::string& path, const Compiled
 }
 
 PERF_INLINE const std::string& CompiledModel::path() const noexcept { return package_->path(); }
+PERF_INLINE bool CompiledModel::single_threaded() const noexcept { return package_->single_threaded(); }
 
 PERF_INLINE c10::Device CompiledModel::device() const noexcept { return package_->device(); }
 
@@ -322,7 +323,12 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledModel& mod
   if (model.device().is_cpu() && md.count("AOTI_CPU_ISA")) out << ", CPU ISA " << md.at("AOTI_CPU_ISA");
   if (model.device().is_cuda() && md.count("AOTI_COMPUTE_CAPABILITY"))
     out << ", compute capability " << md.at("AOTI_COMPUTE_CAPABILITY");
-  if (model.options().single_threaded()) out << ", single-threaded (capturable)";
+  if (model.single_threaded()) {
+    out << ", single-threaded (capturable)";
+  } else {
+    out << ", multi-threaded (" << model.options().runners() << " runner" << (model.options().runners() == 1 ? "" : "s")
+        << ")";
+  }
   out << "\n" << detail::inductor_options_line(md);
   if (model.inputs().empty()) {
     out << "  inputs: " << model.num_inputs() << " tensor(s), unchecked (check_inputs(false))\n";
