@@ -842,8 +842,9 @@ TEST(Compiled, OnGpuSingleThreadedCallsDoNotWaitForTheGpu) {
   if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
-  if (pkg.empty()) return;          // cuda_test_package failed or skipped the test, saying why
-  perf::CompiledModel single(pkg);  // perf's default: one runner, single-threaded
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
+  // perf's default: one runner, single-threaded.
+  perf::CompiledModel single(pkg);
   perf::CompiledModel multi(pkg, perf::CompiledOptions().single_threaded(false));
   ASSERT_TRUE(single.single_threaded());
   const auto x = at::randn({8, 16}, at::kCUDA);

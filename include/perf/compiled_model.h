@@ -215,11 +215,9 @@ class Package {
         who_(who + " '" + path + "'") {
     TORCH_CHECK(options.runners() >= 1, "perf::CompiledOptions::runners must be >= 1, got ", options.runners());
     TORCH_CHECK(!single_threaded_ || options.runners() == 1,
-                "perf::CompiledOptions: single_threaded(true) runs one "
-                "model instance, so runners(",
-                options.runners(),
-                ") would not run at once; for several threads at "
-                "once leave single_threaded unset (or false), for one caller leave runners at 1");
+                "perf::CompiledOptions: single_threaded(true) runs one model instance, so runners(", options.runners(),
+                ") would not run at once; for several threads at once leave single_threaded unset (or false), for one "
+                "caller leave runners at 1");
     TORCH_CHECK(std::ifstream(path).good(), who, ": cannot open '", path,
                 "' (no such file or not readable). Write packages with tools/export_compiled.py.");
     try {
