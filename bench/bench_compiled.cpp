@@ -1,7 +1,7 @@
 // Inference latency: LibTorch eager (fp32; perf's fixed recipe; perf::optimize
 // measuring the recipes on the batch) vs the AOTInductor packages of the same
 // ResNet-style CNN (bench/resnet.h, bench/resnet.py), side by side, batch 1 and
-// 32. On CUDA also each package in LibTorch's multi-threaded container, perf::graph of
+// 32, each package also in LibTorch's multi-threaded container. On CUDA also perf::graph of
 // the eager recipe and of the package (perf's default single-threaded runner, the
 // mode CUDA graphs can capture), and perf::optimize decided
 // with cuDNN's benchmark mode off (what autotuning costs the decision). --json appends one line
@@ -49,14 +49,15 @@ int main(int argc, char** argv) {
   perf::setup();
   const c10::Device device(device_name);
   // Each package as perf opens it by default (one runner: LibTorch's single-threaded entry point, the mode CUDA
-  // graphs capture), and on CUDA in LibTorch's multi-threaded container too, for its own rows: once its one runner
-  // has been used, a call there waits on the host for the previous call's kernels. Copies share the loaded package.
+  // graphs capture), and in LibTorch's multi-threaded container too, for its own rows: on CUDA, once its one runner
+  // has been used, a call there waits on the host for the previous call's kernels (on the CPU the two should be
+  // level). Copies share the loaded package.
   std::vector<perf::CompiledModel> compiled, multi;
   compiled.reserve(packages.size());
   for (const auto& p : packages) {
     compiled.emplace_back(p);
     std::cout << compiled.back();
-    if (device.is_cuda()) multi.emplace_back(p, perf::CompiledOptions().single_threaded(false));
+    multi.emplace_back(p, perf::CompiledOptions().single_threaded(false));
   }
   auto label_of = [](const perf::CompiledModel& c) {
     const auto& in = c.inputs().at(0);
