@@ -37,6 +37,51 @@ def decision(r):
             + (f" ({', '.join(parts)})" if parts else ""))
 
 
+def goals(rs, batch, device):
+    """The compiled-inference goals this batch's rows can be held to, each with its figures and whether it is met:
+    on CUDA perf::graph of a package >= 1.0x Python's max-autotune and (batch 1) >= 3x eager fp32; perf::optimize
+    with the example >= 0.97x eager fp32 and level with the best fixed recipe (within 3%); on the CPU a package
+    >= 1.2x eager fp32. A goal whose rows the run does not have says so."""
+    by = {r["config"]: r for r in rs}
+    eager = by.get(BASE)
+    if eager is None:
+        return [f"no {BASE} row: the goals, all relative to it but one, are not judged"]
+
+    def best(pred):
+        found = [r for r in rs if pred(r["config"])]
+        return min(found, key=lambda r: r["median_ms"]) if found else None
+
+    def judged(ratio, goal, what):
+        return f"{ratio:.2f}x {what} (goal >= {goal}x: {'met' if ratio >= goal else 'not met'})"
+
+    out = []
+    if device == "cuda":
+        graphed = best(lambda c: c.startswith("C++ perf::graph(package"))
+        if graphed is None:
+            out.append("perf::graph of a package: no such row in this run")
+        else:
+            autotune = by.get("Python torch.compile max-autotune")
+            vs_py = (judged(autotune["median_ms"] / graphed["median_ms"], 1.0, autotune["config"]) if autotune else
+                     "Python torch.compile max-autotune: no row in this run (gpu-check's --quick leaves it out)")
+            line = f"{graphed['config']} ({graphed['median_ms']:.3f} ms): {vs_py}"
+            if batch == 1:
+                line += f"; {judged(eager['median_ms'] / graphed['median_ms'], 3.0, BASE)}"
+            out.append(line)
+    else:
+        package = best(lambda c: c.startswith("C++ package"))
+        if package is not None:
+            out.append(f"{package['config']} ({package['median_ms']:.3f} ms): "
+                       f"{judged(eager['median_ms'] / package['median_ms'], 1.2, BASE)}")
+    tuned = by.get("C++ perf::optimize(example)")
+    fixed = best(lambda c: c in (BASE, "C++ eager + perf recipe") or c.startswith("C++ perf::graph(eager recipe)"))
+    if tuned is not None:
+        out.append(f"{tuned['config']} ({tuned['median_ms']:.3f} ms): "
+                   f"{judged(eager['median_ms'] / tuned['median_ms'], 0.97, BASE)}; "
+                   + judged(fixed["median_ms"] / tuned["median_ms"], 0.97,
+                            f"the best fixed recipe, {fixed['config']} ({fixed['median_ms']:.3f} ms), level within 3%"))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="bench_compiled's and peer_compiled.py's JSON lines, kept runs first")
@@ -97,6 +142,7 @@ def main():
             md += ["", "perf::optimize's decisions (each recipe measured on this batch; the first calls, where cuDNN "
                        "autotunes in benchmark mode, and the captures are outside `tune_seconds`):", ""]
             md += [f"- {decision(r)}" for r in decided]
+        md += ["", "Against the compiled-inference goals:", ""] + [f"- {g}" for g in goals(rs, batch, device)]
         md.append("")
         title = f"batch {batch}" if len(distinct) == 1 else f"batch {batch} ({rs[0]['run']['commit']})"
         bars.append((title, names, ratios, colors, base["config"]))

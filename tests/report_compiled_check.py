@@ -1,8 +1,8 @@
-"""bench/report_compiled.py on the H100 run kept in docs/runs (its tables, ratios and perf::optimize's decisions,
-from the rows), and its kept runs (bench/runs.py): --keep writes the run it reports with its run stamp; given a kept
-run and a new one, each batch size's section comes from the last file that has it and names its run; runs on two
-devices are refused, with nothing written; a run without the C++ eager fp32 row says what its ratios are to. Run by
-ctest (report_compiled_tables):
+"""bench/report_compiled.py on the H100 run kept in docs/runs (its tables, ratios, perf::optimize's decisions and the
+lines against the compiled-inference goals, from the rows), and its kept runs (bench/runs.py): --keep writes the run
+it reports with its run stamp; given a kept run and a new one, each batch size's section comes from the last file
+that has it and names its run; runs on two devices are refused, with nothing written; a run without the C++ eager
+fp32 row says what its ratios are to. Run by ctest (report_compiled_tables):
 
     python tests/report_compiled_check.py --out DIR
 """
@@ -81,6 +81,60 @@ def kept_h100(out):
     return kept[-1], rows
 
 
+def judged(ratio, goal, what):
+    return f"{ratio:.2f}x {what} (goal >= {goal}x: {'met' if ratio >= goal else 'not met'})"
+
+
+def goal_lines(out, h100_rows):
+    """Each batch's lines against the compiled-inference goals, computed here from the rows: perf::graph of the
+    fastest package against Python's max-autotune (where the run has that row) and, at batch 1, eager fp32;
+    perf::optimize against eager fp32 and the best fixed recipe; on the CPU the fastest package against eager."""
+    fresh = [{k: v for k, v in r.items() if k != "run"} for r in h100_rows]
+    ms = {(r["batch"], r["config"]): r["median_ms"] for r in fresh}
+    # A max-autotune row at batch 1 that perf's graphed package beats, and at batch 32 one that beats it.
+    graphed = {b: min((r for r in fresh if r["batch"] == b and r["config"].startswith("C++ perf::graph(package")),
+                      key=lambda r: r["median_ms"]) for b in (1, 32)}
+    autotune = {1: graphed[1]["median_ms"] * 1.25, 32: graphed[32]["median_ms"] * 0.8}
+    rows = fresh + [{"lang": "python", "config": "Python torch.compile max-autotune", "device": "cuda", "batch": b,
+                     "median_ms": autotune[b]} for b in (1, 32)]
+    path = os.path.join(out, "goals.jsonl")
+    write(path, rows)
+    rc, log = report(out, path, "--name", "goals")
+    check(rc == 0, f"report_compiled.py on the goals' rows: exit {rc}\n{log[-3000:]}")
+    table = read(os.path.join(out, "goals.md"))
+    for b in (1, 32):
+        text, g, eager = section(table, b), graphed[b], ms[(b, "C++ eager fp32")]
+        want = f"- {g['config']} ({g['median_ms']:.3f} ms): " + judged(
+            autotune[b] / g["median_ms"], 1.0, "Python torch.compile max-autotune")
+        if b == 1:
+            want += "; " + judged(eager / g["median_ms"], 3.0, "C++ eager fp32")
+        check(want + "\n" in text, f"batch {b}: {want}\n{text}")
+        tuned = ms[(b, "C++ perf::optimize(example)")]
+        fixed_name, fixed = min(((c, v) for (bb, c), v in ms.items() if bb == b and (
+            c in ("C++ eager fp32", "C++ eager + perf recipe") or c.startswith("C++ perf::graph(eager recipe)"))),
+            key=lambda cv: cv[1])
+        want = (f"- C++ perf::optimize(example) ({tuned:.3f} ms): {judged(eager / tuned, 0.97, 'C++ eager fp32')}; "
+                + judged(fixed / tuned, 0.97, f"the best fixed recipe, {fixed_name} ({fixed:.3f} ms), level within 3%"))
+        check(want + "\n" in text, f"batch {b}: {want}\n{text}")
+    check("(goal >= 1.0x: met)" in section(table, 1) and "(goal >= 1.0x: not met)" in section(table, 32), table)
+    # The same rows as a CPU run: the fastest package against eager fp32, perf::graph not judged.
+    cpu = os.path.join(out, "goals-cpu.jsonl")
+    write(cpu, [dict(r, device="cpu") for r in fresh if r["batch"] == 32])
+    rc, log = report(out, cpu, "--name", "goals-cpu")
+    text = section(read(os.path.join(out, "goals-cpu.md")), 32)
+    package = min((r for r in fresh if r["batch"] == 32 and r["config"].startswith("C++ package")),
+                  key=lambda r: r["median_ms"])
+    want = (f"- {package['config']} ({package['median_ms']:.3f} ms): "
+            + judged(ms[(32, "C++ eager fp32")] / package["median_ms"], 1.2, "C++ eager fp32"))
+    check(rc == 0 and want + "\n" in text and "perf::graph(package" not in text.split("goals:")[-1],
+          f"exit {rc}: {want}\n{text}")
+    # Without the main row nothing is judged, and the section says so.
+    partial = os.path.join(out, "goals-partial.jsonl")
+    write(partial, [r for r in fresh if r["config"] != "C++ eager fp32"])
+    rc, log = report(out, partial, "--name", "goals-partial")
+    check(rc == 0 and "- no C++ eager fp32 row: the goals" in read(os.path.join(out, "goals-partial.md")), log)
+
+
 def kept_runs(out, h100_path, h100_rows):
     kept_dir = os.path.join(out, "kept")
     shutil.rmtree(kept_dir, ignore_errors=True)
@@ -140,6 +194,7 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     path, rows = kept_h100(a.out)
+    goal_lines(a.out, rows)
     kept_runs(a.out, path, rows)
     print("report_compiled tables: ok")
 
