@@ -31,7 +31,7 @@ BASE = "C++ eager fp32"
 def decision(r):
     """How perf::optimize decided, where bench_compiled wrote it (rows of perf::optimize configurations)."""
     parts = [f"first calls {r['first_calls_s']:.2f} s"] if "first_calls_s" in r else []
-    if r.get("captures_s") or r["device"] == "cuda":
+    if "captures_s" in r and (r["captures_s"] or r["device"] == "cuda"):
         parts.append(f"CUDA graph captures {r['captures_s']:.2f} s")
     return (f"{r['config']}: {r['recipe']}, decided in {r['decision_s']:.2f} s"
             + (f" ({', '.join(parts)})" if parts else ""))
