@@ -41,7 +41,7 @@
 # PERF_CMAKE_ARGS adds CMake arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-# This call as a user would type it, for the record of an e2e run (report.py --command).
+# This call as a user would type it, for the record of a kept run (the reports' --command: e2e, compiled bench).
 invocation="${PERF_E2E_ARGS:+PERF_E2E_ARGS=\"$PERF_E2E_ARGS\" }bash scripts/gpu-check.sh $*"
 parts="" quick=0 e2e=0 jobs_arg=() benches=all
 all_benches=setup,optim,amp,data,graph,ddp,compiled
@@ -449,7 +449,7 @@ if has bench; then
     grep -hE "copy bandwidth|^launch geometry" "$logs/bench_optim.txt" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -h "^kept the run" "$logs/peer_compiled.txt" 2>/dev/null || true
-    grep -hE "^(## |\| )" "$logs/compiled-cuda.md" 2>/dev/null || true
+    grep -hE "^(## |\| )|\(goal >= " "$logs/compiled-cuda.md" 2>/dev/null || true
     if grep -qs "^perf::optimize: " "$logs/bench_compiled.txt"; then
       echo "-- perf::optimize's decision per batch (bench_compiled; every recipe eager and as a CUDA graph)"
       awk '/^perf::optimize: / { on = 1 } on { print } /^  decided in / { on = 0 }' "$logs/bench_compiled.txt"
