@@ -5,7 +5,9 @@
 // multi-tensor path, on ResNet-50 and on a transformer-shaped set (many small
 // LayerNorm and bias vectors). Also the achieved memory traffic against a
 // device copy's bandwidth, and a probe of the fused kernel's launch geometry
-// over one flat buffer (see launch_probe).
+// over one flat buffer (see launch_probe). --json appends one JSON line per
+// configuration of each comparison (bench/report_optim.py's rows, beside
+// bench/peer_optim.py's).
 #include <perf/bench.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
@@ -17,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 
@@ -134,7 +137,9 @@ int main(int argc, char** argv) {
   CLI::App app{"optimizer step: torch::optim vs perf::optim on a ResNet-50 parameter set"};
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   int iters = 20, warmup = 3;
+  std::string json;
   app.add_option("--device", device_name, "cpu or cuda");
+  app.add_option("--json", json, "file to append one JSON line per measured configuration to");
   app.add_option("--iters", iters, "timed steps per optimizer")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
@@ -222,20 +227,28 @@ int main(int argc, char** argv) {
 
   struct Row {
     const perf::Comparison* cmp;
-    double words;
-    int64_t n;
     const char* set;
+    int64_t tensors;
+    int64_t n;
+    const char* optimizer;
+    double words;
   };
-  const Row rows[] = {{&adamw, 7.0, numel, "ResNet-50"},     {&adam, 7.0, numel, "ResNet-50"},
-                      {&sgd, 5.0, numel, "ResNet-50"},       {&flat_adamw, 7.0, numel, "ResNet-50"},
-                      {&flat_adam, 7.0, numel, "ResNet-50"}, {&flat_sgd, 5.0, numel, "ResNet-50"},
-                      {&flat_t, 7.0, t_numel, "transformer"}};
+  const auto tensors = static_cast<int64_t>(p_ref.size()), t_tensors = static_cast<int64_t>(t_fused.size());
+  std::vector<Row> rows = {{&adamw, "ResNet-50", tensors, numel, "AdamW", 7.0},
+                           {&adamw_fe, "ResNet-50", tensors, numel, "AdamW", 7.0},
+                           {&adam, "ResNet-50", tensors, numel, "Adam", 7.0},
+                           {&sgd, "ResNet-50", tensors, numel, "SGD", 5.0},
+                           {&flat_adamw, "ResNet-50", tensors, numel, "AdamW", 7.0},
+                           {&flat_adam, "ResNet-50", tensors, numel, "Adam", 7.0},
+                           {&flat_sgd, "ResNet-50", tensors, numel, "SGD", 5.0},
+                           {&flat_t, "transformer", t_tensors, t_numel, "AdamW", 7.0}};
   auto achieved = [&](const char* set, const perf::Stats& s, double words, int64_t n) {
     const double gbs = words * 4.0 * static_cast<double>(n) / (s.median_ms * 1e6);
     std::cout << std::setprecision(1) << set << ", " << s.name << " achieved: " << gbs
               << " GB/s = " << std::setprecision(0) << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
   };
   for (const auto& r : rows) {
+    if (r.cmp == &adamw_fe) continue;  // the foreach path's traffic is not the question
     for (const perf::Stats* b : {&r.cmp->a, &r.cmp->b})
       if (b->name.rfind("perf", 0) == 0) achieved(r.set, *b, r.words, r.n);
   }
@@ -248,5 +261,21 @@ int main(int argc, char** argv) {
   for (const auto& c : probe) std::cout << std::setprecision(3) << c << "\n";
   if (!probe.empty()) achieved("ResNet-50", probe.front().a, 7.0, numel);
   for (const auto& c : probe) achieved("ResNet-50", c.b, 7.0, numel);
+
+  if (!json.empty()) {
+    for (const auto& c : probe) rows.push_back({&c, "ResNet-50 in one flat buffer", 1, numel, "AdamW", 7.0});
+    std::ofstream out(json, std::ios::app);
+    TORCH_CHECK(out, "bench_optim: cannot open --json ", json, " to append to");
+    out << std::setprecision(6);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const auto& r = rows[k];
+      for (const auto& [side, stats] : {std::pair<const char*, const perf::Stats*>{"a", &r.cmp->a}, {"b", &r.cmp->b}})
+        out << "{\"lang\": \"cpp\", \"device\": \"" << device.type() << "\", \"set\": \"" << r.set
+            << "\", \"tensors\": " << r.tensors << ", \"params\": " << r.n << ", \"optimizer\": \"" << r.optimizer
+            << "\", \"config\": \"" << stats->name << "\", \"median_ms\": " << stats->median_ms
+            << ", \"bytes\": " << static_cast<int64_t>(r.words * 4.0) * r.n << ", \"copy_gbs\": " << copy_gbs
+            << ", \"compare\": " << k << ", \"side\": \"" << side << "\"}\n";
+    }
+  }
   return 0;
 }

@@ -9,7 +9,6 @@ events on a GPU), one JSON line per configuration appended to --json.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -17,21 +16,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from cuda_timing import median_ms_on  # noqa: E402
 from resnet import make_resnet  # noqa: E402
-
-
-def median_ms(fn, device, warmup, iters):
-    if device == "cuda":
-        from cuda_timing import median_ms as cuda_median
-        return cuda_median(fn, warmup, iters)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -66,7 +52,7 @@ def main():
                     print(f"{name}, batch {batch}: compiled in {time.time() - started:.0f} s", flush=True)
                     configs.append((f"Python {name}", lambda fn=fn: fn(x)))
                 for name, fn in configs:
-                    ms = median_ms(fn, a.device, 5, a.iters)
+                    ms = median_ms_on(a.device, fn, 5, a.iters)
                     print(f"{a.device} batch {batch} {name}: {ms:.3f} ms", flush=True)
                     out.write(json.dumps({"lang": "python", "config": name, "device": a.device, "batch": batch,
                                           "median_ms": ms, "torch": torch.__version__}) + "\n")

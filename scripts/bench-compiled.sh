@@ -57,4 +57,4 @@ machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
 [[ $device == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
 # The run is kept in docs/runs/ (bench/runs.py), the way this call was made beside it.
 "$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device" --machine "$machine, $(nproc) cores" \
-  --keep docs/runs --command "bash scripts/bench-compiled.sh $*"
+  --keep docs/runs --command "bash scripts/bench-compiled.sh${*:+ $*}"

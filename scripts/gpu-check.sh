@@ -374,7 +374,9 @@ if has bench; then
     fi
   }
   wanted setup && run_bench bench_setup --benchmark_min_time=0.05
-  wanted optim && run_bench bench_optim --device cuda "${opt[@]}"
+  # bench_optim and its Python peer into one results file, then the report (as for compiled below).
+  optim=$logs/optim-cuda.jsonl
+  wanted optim && run_bench bench_optim --device cuda "${opt[@]}" --json "$optim"
   wanted amp && run_bench bench_amp --device cuda "${amp[@]}"
   wanted data && run_bench bench_data --device cuda "${data[@]}"
   wanted graph && run_bench bench_graph "${graph[@]}"
@@ -385,11 +387,21 @@ if has bench; then
   # last, with bench_compiled.
   for peer in bench/peer_*.py; do
     name=$(basename "$peer" .py)
-    [[ $name == peer_compiled ]] && continue
+    [[ $name == peer_compiled || $name == peer_optim ]] && continue
     wanted "${name#peer_}" || continue
     echo "== $name"
     PYTHONUNBUFFERED=1 within_budget 30 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
   done
+  if wanted optim && [ -s "$optim" ]; then
+    echo "== peer_optim"
+    PYTHONUNBUFFERED=1 within_budget 30 "$py" bench/peer_optim.py --device cuda "${opt[@]}" --json "$optim" \
+      >"$logs/peer_optim.txt" 2>&1 || { echo "   FAILED (see peer_optim.txt)"; st=1; }
+    # runs/optim-cuda-<date>-<commit>.jsonl in bench.tar.gz: this run for docs/runs/ (docs/optim-cuda.md).
+    "$py" bench/report_optim.py "$optim" --docs "$logs" --name optim-cuda --keep "$logs/runs" \
+      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --command "PERF_GPU_BUDGET_S=$budget $invocation" >>"$logs/peer_optim.txt" 2>&1 ||
+      { echo "   report FAILED (see peer_optim.txt)"; st=1; }
+  fi
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
   # *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
   # Python rows at batch 1); fp32_b1_autotune the same with --max-autotune, the like of Python's
@@ -447,6 +459,8 @@ if has bench; then
     grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
     echo "-- optimizer memory traffic (bench_optim; goal: flat AdamW >= 80% of copy bandwidth)"
     grep -hE "copy bandwidth|^launch geometry" "$logs/bench_optim.txt" 2>/dev/null || true
+    grep -h "^kept the run" "$logs/peer_optim.txt" 2>/dev/null || true
+    grep -hE "\(goal (>=|>) " "$logs/optim-cuda.md" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -h "^kept the run" "$logs/peer_compiled.txt" 2>/dev/null || true
     grep -hE "^(## |\| )|\(goal >= " "$logs/compiled-cuda.md" 2>/dev/null || true

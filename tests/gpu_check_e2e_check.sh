@@ -11,20 +11,8 @@
 set -uo pipefail
 root=$1 python=$2 e2e=$3
 source "$(dirname "$0")/check.sh"  # $work, check, $fails
-
-mkdir -p "$work/bin" "$work/build/tests" "$work/build/bench"
-cat >"$work/bin/nvidia-smi" <<'EOF'
-#!/bin/sh
-case "$*" in -L) echo "GPU 0: Stand-in GPU (UUID: none)" ;; *) echo "Stand-in GPU" ;; esac
-EOF
-cat >"$work/bin/python" <<EOF
-#!/bin/sh
-if [ "\$1" = -c ] && case "\$2" in *cuda.is_available*) true ;; *) false ;; esac; then exit 0; fi
-exec "$python" "\$@"
-EOF
-printf '#!/bin/sh\nexit 0\n' >"$work/build/tests/perf_tests"  # gpu-check's "is there a build?"
+source "$(dirname "$0")/gpu_standins.sh"  # nvidia-smi, $work/bin/python, $work/build
 ln -s "$e2e" "$work/build/bench/e2e"
-chmod +x "$work/bin/"* "$work/build/tests/perf_tests"
 
 call() {  # <PERF_E2E_ARGS> <gpu-check arguments...>: exit status in $rc, results in $work/out
   local args=$1

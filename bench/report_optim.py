@@ -1,0 +1,192 @@
+"""Table (markdown) and chart (PNG) from bench_optim's and peer_optim.py's JSON lines.
+
+    python bench/report_optim.py results.jsonl --docs docs --name optim-cpu --machine "..."
+writes docs/<name>.md and docs/<name>.png: per parameter set, each pair of configurations that bench_optim timed
+alternately (perf::compare) with the ratio between them, Python torch.optim's rows from its own process, every
+row's share of the copy bandwidth its process measured, and the flat-optimizer goals judged from the rows. Without
+matplotlib: the table only.
+
+--keep DIR also writes the run's rows, each with its run (machine, commit, date, torch, command), into
+DIR/<name>-<UTC date and time>-<commit>.jsonl (bench/runs.py). Given kept runs first and a new results file
+last, each parameter set's section comes from the last file that has it:
+
+    python bench/report_optim.py docs/runs/optim-cuda-*.jsonl --docs docs --name optim-cuda"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: runs.py
+from runs import describe, distinct_runs, keep, latest_sections, one_device, read_runs, this_run  # noqa: E402
+
+try:  # the table needs nothing; the chart needs matplotlib (absent on an offline GPU machine)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    plt = None
+
+
+def share(r):
+    """The fraction of its process's copy_ bandwidth that a row's step moved."""
+    return r["bytes"] / (r["median_ms"] * 1e6) / r["copy_gbs"]
+
+
+def pairs(rs):
+    """bench_optim's comparisons in this section: [(A row, B row)], in the order they ran."""
+    by = {}
+    for r in rs:
+        if r["lang"] == "cpp":
+            by.setdefault(r["compare"], {})[r["side"]] = r
+    return [(p["a"], p["b"]) for _, p in sorted(by.items()) if "a" in p and "b" in p]
+
+
+def judged(ratio, goal, what, strict=False):
+    met = ratio > goal if strict else ratio >= goal
+    return f"{ratio:.2f}x {what} (goal {'>' if strict else '>='} {goal}x: {'met' if met else 'not met'})"
+
+
+def goals(rs, set_name, device):
+    """The flat-optimizer goals this section's rows can be held to, each with its figures and whether it is met.
+    On CUDA (ResNet-50): flat AdamW >= 80% of the copy bandwidth, and >= 1.4x the fused multi-tensor AdamW (timed
+    alternately with it) and Python's torch.optim.AdamW(fused=True) (its own process, the same call). On the CPU:
+    flat >= 1.0x the fused path for every optimizer, and faster (> 1.0x) on the transformer's many small tensors."""
+    flat = [(a, b) for a, b in pairs(rs) if b["config"].endswith("(flat)") and a["config"].endswith("(fused)")]
+    if not flat:
+        return []
+    out = []
+    if device == "cuda":
+        if set_name != "ResNet-50":
+            return []
+        adamw = next(((a, b) for a, b in flat if b["optimizer"] == "AdamW"), None)
+        if adamw is None:
+            return ["perf AdamW (flat): no such row in this run"]
+        fused, mine = adamw
+        s = share(mine)
+        out.append(f"{mine['config']} moves {100 * s:.0f}% of the copy bandwidth "
+                   f"(goal >= 80%: {'met' if s >= 0.8 else 'not met'})")
+        out.append(f"{mine['config']}: " + judged(fused["median_ms"] / mine["median_ms"], 1.4,
+                                                  f"{fused['config']} (timed alternately)"))
+        py = next((r for r in rs if r["config"] == "torch.optim.AdamW (fused)"), None)
+        out.append(f"{mine['config']}: " + (
+            judged(py["median_ms"] / mine["median_ms"], 1.4, f"Python {py['config']} (its own process)") if py else
+            "Python torch.optim.AdamW (fused): no row in this run (bench/peer_optim.py)"))
+        return out
+    strict = set_name == "transformer"
+    for fused, mine in flat:
+        out.append(f"{mine['config']}: " + judged(fused["median_ms"] / mine["median_ms"], 1.0,
+                                                  f"{fused['config']} (timed alternately)", strict))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="bench_optim's and peer_optim.py's JSON lines, kept runs first")
+    p.add_argument("--docs", default="docs")
+    p.add_argument("--name", default="optim-cpu")
+    p.add_argument("--machine", default="", help="one line naming the machine")
+    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
+    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
+    a = p.parse_args()
+    run, stamp = this_run(a.machine, a.command)
+    runs = read_runs(a.results, run, "report_optim.py")
+    if a.keep:
+        for path in keep(runs, a.keep, a.name, run, stamp):
+            print(f"kept the run in {path}")
+    sections = latest_sections(runs, lambda r: r["set"])  # each parameter set from the last file that has it
+    device = one_device(sections, "report_optim.py", "docs/optim-<device>.md")
+    distinct = distinct_runs(sections)
+    one = distinct[0]
+    source = ("C++ rows from bench/bench_optim, Python rows from bench/peer_optim.py, one after the other in one run. "
+              "Generated by bench/report_optim.py.")
+    md = [f"# Optimizer step: perf::optim against torch::optim and Python torch.optim ({device})", ""]
+    intro = ("Median time of one optimizer step over a parameter set whose gradients are given (fp32), and the share "
+             "of the copy bandwidth it reaches: the bytes a step must move (Adam and AdamW read parameter, gradient "
+             "and both moments and write three of them, 7 x 4 bytes a parameter; SGD with momentum 5 x 4) over its "
+             "time, against a 1 GiB `copy_` (read + write) timed in the same process. "
+             + ("On a CPU `copy_` is not the ceiling (the optimizers' kernels reach more than it), so the share "
+                "compares rows only. " if device == "cpu" else "") + source)
+    if len(distinct) == 1:
+        torch_version = next((r["torch"] for rows in sections.values() for r in rows if "torch" in r), one["torch"])
+        md += [f"Machine: {one['machine']}; torch {torch_version}; commit `{one['commit']}`. {intro}"
+               + (f" This run: {one['date']}, `{one['command']}`." if one.get("command") else ""), ""]
+    else:
+        md += [f"{intro} Each parameter set's section comes from its own run, named under its heading (the runs kept "
+               "in docs/runs/).", ""]
+    bars = []
+    for set_name, rs in sections.items():
+        first = rs[0]
+        size = (f"one buffer of {first['params']:,} parameters" if first["tensors"] == 1 else
+                f"{first['tensors']} tensors, {first['params']:,} parameters")
+        md += [f"## {set_name} ({size})", ""]
+        if first["tensors"] == 1:
+            md += ["bench_optim's launch-geometry probe: the same AdamW update (`at::_fused_adamw_`) as one call over "
+                   "the buffer and as calls of k x (SMs on a GPU, threads on a CPU) chunks of 65536 elements; flat "
+                   "mode on CUDA issues the faster of these (docs/benchmarks.md). On a CPU it is a control.", ""]
+        if len(distinct) > 1:
+            md += [f"Run: {describe(first['run'])}.", ""]
+        cpp = pairs(rs)
+        if cpp:
+            md += [f"Each pair timed alternately in one process (perf::compare; copy bandwidth there "
+                   f"{cpp[0][0]['copy_gbs']:.1f} GB/s):", "",
+                   "| A | median ms | share of copy | B | median ms | share of copy | B vs A |",
+                   "| --- | --- | --- | --- | --- | --- | --- |"]
+            md += [f"| {x['config']} | {x['median_ms']:.3f} | {100 * share(x):.0f}% | {y['config']} | "
+                   f"{y['median_ms']:.3f} | {100 * share(y):.0f}% | {x['median_ms'] / y['median_ms']:.2f}x |"
+                   for x, y in cpp]
+            md.append("")
+        py = [r for r in rs if r["lang"] == "python"]
+        flat = {b["optimizer"]: b for _, b in cpp if b["config"].endswith("(flat)")}
+        if py:
+            md += [f"Python `torch.optim` in its own process, the same call (copy bandwidth there "
+                   f"{py[0]['copy_gbs']:.1f} GB/s); the last column is perf's flat mode of the same optimizer "
+                   "against it:", "", "| configuration | median ms | share of copy | perf flat vs it |",
+                   "| --- | --- | --- | --- |"]
+            for r in py:
+                mine = flat.get(r["optimizer"])
+                versus = f"{r['median_ms'] / mine['median_ms']:.2f}x" if mine else "-"
+                md.append(f"| {r['config']} | {r['median_ms']:.3f} | {100 * share(r):.0f}% | {versus} |")
+            md.append("")
+        lines = goals(rs, set_name, device)
+        if lines:
+            md += ["Against the flat-optimizer goals:", ""] + [f"- {g}" for g in lines] + [""]
+        seen = {}
+        for r in [x for pair in cpp for x in pair] + py:  # a configuration in two pairs: its first
+            seen.setdefault((r["lang"], r["config"]), r)
+        title = set_name if len(distinct) == 1 else f"{set_name} ({first['run']['commit']})"
+        bars.append((title, [r["config"] for r in seen.values()], [100 * share(r) for r in seen.values()],
+                     ["tab:blue" if r["lang"] == "python" else "tab:orange" for r in seen.values()]))
+    os.makedirs(a.docs, exist_ok=True)
+    if plt is not None:
+        chart(bars, device, os.path.join(a.docs, f"{a.name}.png"))
+        md += [f"![share of copy bandwidth]({a.name}.png)", ""]
+    with open(os.path.join(a.docs, f"{a.name}.md"), "w") as f:
+        f.write("\n".join(md))
+    print(f"wrote {a.docs}/{a.name}.md and " +
+          (f"{a.docs}/{a.name}.png" if plt is not None else "no chart (matplotlib is not installed)"))
+
+
+def chart(bars, device, path):
+    heights = [0.3 * len(names) + 1.0 for _, names, _, _ in bars]
+    fig, axes = plt.subplots(len(bars), 1, figsize=(10, sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (name, names, shares, colors) in zip(axes[:, 0], bars):
+        ax.barh(range(len(names)), shares, color=colors)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()  # in the table's order, top down
+        ax.axvline(100, color="gray", linewidth=0.8)
+        if device == "cuda":
+            ax.axvline(80, color="tab:green", linewidth=0.8, linestyle="--")  # the flat-optimizer goal
+        ax.set_xlim(0, max(shares + [100]) * 1.12)
+        ax.set_xlabel("share of the copy bandwidth, % (higher is faster)")
+        ax.set_title(name)
+        for k, v in enumerate(shares):
+            ax.text(v, k, f" {v:.0f}%", va="center", fontsize=8)
+    fig.suptitle(f"Optimizer step, {device} (blue: Python, orange: C++)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
