@@ -10,12 +10,11 @@ DIR/<name>-<UTC date and time>-<commit>.jsonl (bench/runs.py). Given kept runs f
 last, each batch size's section comes from the last file that has it:
 
     python bench/report_compiled.py docs/runs/compiled-cuda-*.jsonl --docs docs --name compiled-cuda"""
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: runs.py
-from runs import describe, distinct_runs, keep, latest_sections, one_device, read_runs, this_run  # noqa: E402
+from runs import arguments, describe, distinct_runs, gather, one_device  # noqa: E402
 
 try:  # the table needs nothing; the chart needs matplotlib (absent on an offline GPU machine)
     import matplotlib
@@ -83,20 +82,9 @@ def goals(rs, batch, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="bench_compiled's and peer_compiled.py's JSON lines, kept runs first")
-    p.add_argument("--docs", default="docs")
-    p.add_argument("--name", default="compiled-cpu")
-    p.add_argument("--machine", default="", help="one line naming the machine")
-    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
-    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
-    a = p.parse_args()
-    run, stamp = this_run(a.machine, a.command)
-    runs = read_runs(a.results, run, "report_compiled.py")
-    if a.keep:
-        for path in keep(runs, a.keep, a.name, run, stamp):
-            print(f"kept the run in {path}")
-    sections = latest_sections(runs, lambda r: r["batch"])  # each batch size from the last file that has it
+    a = arguments(__doc__, "bench_compiled's and peer_compiled.py's JSON lines, kept runs first",
+                  "compiled-cpu").parse_args()
+    sections = gather(a, "report_compiled.py", lambda r: r["batch"])  # each batch size from the last file that has it
     device = one_device(sections, "report_compiled.py", "docs/compiled-<device>.md")
     distinct = distinct_runs(sections)
     one = distinct[0]

@@ -11,12 +11,11 @@ DIR/<name>-<UTC date and time>-<commit>.jsonl (bench/runs.py). Given kept runs f
 last, each parameter set's section comes from the last file that has it:
 
     python bench/report_optim.py docs/runs/optim-cuda-*.jsonl --docs docs --name optim-cuda"""
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: runs.py
-from runs import describe, distinct_runs, keep, latest_sections, one_device, read_runs, this_run  # noqa: E402
+from runs import arguments, describe, distinct_runs, gather, one_device  # noqa: E402
 
 try:  # the table needs nothing; the chart needs matplotlib (absent on an offline GPU machine)
     import matplotlib
@@ -80,20 +79,8 @@ def goals(rs, set_name, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="bench_optim's and peer_optim.py's JSON lines, kept runs first")
-    p.add_argument("--docs", default="docs")
-    p.add_argument("--name", default="optim-cpu")
-    p.add_argument("--machine", default="", help="one line naming the machine")
-    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
-    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
-    a = p.parse_args()
-    run, stamp = this_run(a.machine, a.command)
-    runs = read_runs(a.results, run, "report_optim.py")
-    if a.keep:
-        for path in keep(runs, a.keep, a.name, run, stamp):
-            print(f"kept the run in {path}")
-    sections = latest_sections(runs, lambda r: r["set"])  # each parameter set from the last file that has it
+    a = arguments(__doc__, "bench_optim's and peer_optim.py's JSON lines, kept runs first", "optim-cpu").parse_args()
+    sections = gather(a, "report_optim.py", lambda r: r["set"])  # each parameter set from the last file that has it
     device = one_device(sections, "report_optim.py", "docs/optim-<device>.md")
     distinct = distinct_runs(sections)
     one = distinct[0]

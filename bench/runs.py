@@ -4,11 +4,37 @@ A report (bench/e2e/report.py, bench/report_compiled.py) given --keep DIR writes
 reports into DIR/<name>-<UTC date and time>-<commit>.jsonl, each row with a "run" entry: machine, commit
 ("-dirty" when the tree had changes), date, torch and the command that made it. Given kept runs first and a
 new results file last, the report takes each section (a job, a batch size) from the last file that has it."""
+import argparse
 import datetime
 import json
 import os
 import platform
 import subprocess
+
+
+def arguments(doc, results_help, name):
+    """The options every report takes: its results files, --docs, --name (default `name`), --machine, --command
+    and --keep. A report adds its own to the parser returned."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help=results_help)
+    p.add_argument("--docs", default="docs")
+    p.add_argument("--name", default=name)
+    p.add_argument("--machine", default="", help="one line naming the machine")
+    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
+    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
+    return p
+
+
+def gather(a, who, key):
+    """The sections of a report called with arguments() `a`: its results files read (kept runs first), the run
+    being reported kept where --keep asks (each file written said), each section (key(row)) from the last file
+    that has it."""
+    run, stamp = this_run(a.machine, a.command)
+    runs = read_runs(a.results, run, who)
+    if a.keep:
+        for path in keep(runs, a.keep, a.name, run, stamp):
+            print(f"kept the run in {path}")
+    return latest_sections(runs, key)
 
 
 def this_run(machine="", command=""):

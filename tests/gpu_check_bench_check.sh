@@ -40,17 +40,10 @@ check "gpu-check's bench part passes (rc $rc)" test "$rc" = 0
 check "its summary has the copy bandwidth" grep -q "^copy bandwidth (1 GiB copy_, read+write): " <<<"$summary"
 goal='^- perf (AdamW|Adam|SGD) \(flat\): [0-9.]+x perf .* \(goal >?=? ?1\.0x: (met|not met)\)$'
 check "and the flat-optimizer goals, judged (four on these CPU rows)" test "$(grep -cE "$goal" <<<"$summary")" = 4
-kept=$(ls "$work/tar/bench/runs/"optim-cuda-*.jsonl 2>/dev/null | head -1)
-check "the run is kept in bench.tar.gz (runs/optim-cuda-*.jsonl), and the summary says so" \
-  test -n "$kept" -a -n "$(grep "^kept the run in .*$(basename "${kept:-none}")" <<<"$summary")"
-want='PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench optim --quick'
-check "its rows: bench_optim's and the peer's, each naming the machine and the call as typed" "$python" -c '
+check_kept bench optim-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench optim --quick'
+check "the kept run has bench_optim's rows and the peer's" "$python" -c '
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-runs = {json.dumps(r["run"], sort_keys=True) for r in rows}
-run = rows[0]["run"]
-sys.exit(0 if {r["lang"] for r in rows} == {"cpp", "python"} and len(runs) == 1 and run["machine"] == "Stand-in GPU"
-         and run["command"] == sys.argv[2] else 1)' "${kept:-/nonexistent}" "$want"
+sys.exit(0 if {json.loads(line)["lang"] for line in open(sys.argv[1])} == {"cpp", "python"} else 1)' "${kept:-/dev/null}"
 
 if ((fails)); then
   echo "== gpu-check's output"

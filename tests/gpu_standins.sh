@@ -14,3 +14,16 @@ exec "$python" "\$@"
 PY
 printf '#!/bin/sh\nexit 0\n' >"$work/build/tests/perf_tests"
 chmod +x "$work/bin/"* "$work/build/tests/perf_tests"
+
+# After a call: <part>.tar.gz unpacked in $work/tar keeps the run as runs/<name>-*.jsonl (its path in $kept),
+# $summary says so, and every kept row names the stand-in machine and the call as typed.
+check_kept() {  # <part> <name> <the call as typed>
+  kept=$(ls "$work/tar/$1/runs/$2"-*.jsonl 2>/dev/null | head -1)
+  check "the run is kept in $1.tar.gz (runs/$2-*.jsonl), and the summary says so" \
+    test -n "$kept" -a -n "$(grep "^kept the run in .*$(basename "${kept:-none}")" <<<"$summary")"
+  check "each kept row names the machine and the call as typed" "$python" -c '
+import json, sys
+runs = [json.loads(line)["run"] for line in open(sys.argv[1])]
+sys.exit(0 if runs and all(r == runs[0] for r in runs) and runs[0]["machine"] == "Stand-in GPU"
+         and runs[0]["command"] == sys.argv[2] else 1)' "${kept:-/nonexistent}" "$3"
+}

@@ -7,39 +7,13 @@ parameter set. Run by ctest (report_optim_tables):
 """
 import argparse
 import glob
-import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-REPORT = os.path.join(ROOT, "bench", "report_optim.py")
-
-
-def check(cond, what):
-    if not cond:
-        raise SystemExit(f"FAILED: {what}")
+from report_check_util import ROOT, check, read, rows_of, run_report, write
 
 
 def report(docs, *args):
-    proc = subprocess.run([sys.executable, REPORT, *args, "--docs", docs], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def rows_of(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return run_report("report_optim.py", docs, *args)
 
 
 def section(table, name):

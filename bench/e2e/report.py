@@ -14,12 +14,11 @@ job's section as its own run wrote it):
         --docs docs --name e2e-cuda
 
 (--append ends the document with the sections of earlier runs whose rows were not kept.)"""
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: runs.py
-from runs import describe, distinct_runs, keep, latest_sections, one_device, read_runs, this_run  # noqa: E402
+from runs import arguments, describe, distinct_runs, gather, one_device  # noqa: E402
 
 try:  # the table needs nothing; the charts need matplotlib (absent on an offline GPU machine)
     import matplotlib
@@ -76,13 +75,7 @@ def final_loss(r, last=3):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("results", nargs="+", help="run.py's results.jsonl, or kept runs (--keep) first and it last")
-    p.add_argument("--docs", default="docs")
-    p.add_argument("--name", default="e2e-cpu")
-    p.add_argument("--machine", default="", help="one line naming the machine")
-    p.add_argument("--command", default="", help="the command that made the run being reported, for the record")
-    p.add_argument("--keep", metavar="DIR", help="also write the run being reported into DIR (module doc)")
+    p = arguments(__doc__, "run.py's results.jsonl, or kept runs (--keep) first and it last", "e2e-cpu")
     p.add_argument("--append", action="append", default=[], metavar="FILE.md",
                    help="markdown to end the document with, as it is: sections of runs whose rows were not kept")
     a = p.parse_args()
@@ -92,12 +85,7 @@ def main():
             p.error(f"--append {path}: no such file")
         with open(path) as f:
             appended.append(f.read().strip() + "\n")
-    run, stamp = this_run(a.machine, a.command)
-    runs = read_runs(a.results, run, "report.py")
-    if a.keep:
-        for path in keep(runs, a.keep, a.name, run, stamp):
-            print(f"kept the run in {path}")
-    source = latest_sections(runs, lambda r: r["job"])  # each job from the last file that has it
+    source = gather(a, "report.py", lambda r: r["job"])  # each job from the last file that has it
     jobs = list(source)
     chosen = [r for job in jobs for r in source[job]]
     device = one_device(source, "report.py", "docs/e2e-cpu*.md, docs/e2e-cuda.md")

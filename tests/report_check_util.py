@@ -1,0 +1,35 @@
+"""Shared by the checks of the benchmark reports (tests/report_*_check.py): a failed condition ends the check with
+its message; a report run on results files; JSON-lines files read and written."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+
+
+def run_report(script, docs, *args):
+    """bench/<script> with `args` and --docs `docs`, from the repository's root: (exit status, its output)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args, "--docs", docs],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
