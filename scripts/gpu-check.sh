@@ -497,7 +497,7 @@ if has e2e; then
   {
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     grep -E "^(python|cpp) |^exported|^kept the run|^--diagnose: |FAILED|e2e failed: |Exception in aoti_torch: " "$logs/e2e.txt" | cut -c1-600 || true
-    grep -hE "^(## |\| |Failed: )" "$logs/e2e-cuda.md" 2>/dev/null | cut -c1-900 || true
+    grep -hE "^(## |\| |Failed: )|\(goal >= " "$logs/e2e-cuda.md" 2>/dev/null | cut -c1-900 || true
     echo "-- where a step's time goes (profile-<job>.md in e2e.tar.gz has each configuration's top kernels)"
     grep -E "^profile |no profile" "$logs/e2e.txt" || true
   } >"$logs/summary.txt"

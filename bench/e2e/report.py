@@ -69,6 +69,39 @@ def median_runs(rows):
     return out
 
 
+def goals(rs, failed, job, device):
+    """The compiled-training goals a job's rows can be held to, each with its figures and whether it is met: on CUDA
+    (the CNN and the transformer) the compiled step in one CUDA graph >= 1.15x Python's torch.compile + recipe and
+    >= 1.0x its reduce-overhead and max-autotune modes; on the CPU (every job) the compiled step >= 1.0x
+    torch.compile + recipe. The C++ row judged is the fastest of its configuration (a --diagnose retry or another
+    package's included, named); a goal whose rows the run lacks says so."""
+    if device == "cuda" and job not in ("cnn", "transformer"):
+        return []
+    key = "perf_compiled_graph" if device == "cuda" else "perf_compiled"
+    peers = [("compile_recipe", 1.15 if device == "cuda" else 1.0)]
+    if device == "cuda":
+        peers += [("compile_reduce_overhead", 1.0), ("compile_max_autotune", 1.0)]
+    mine = [r for r in rs if (r["lang"], r["config"]) == ("cpp", key)]
+    if not mine:
+        why = "the C++ row failed in this run, above" if any(r["config"] == key for r in failed) else \
+            "no C++ row in this run"
+        return [f"{LABELS[('cpp', key)]} against {LABELS[('python', k)]} (goal >= {g}x: not judged: {why})"
+                for k, g in peers]
+    best = max(mine, key=lambda r: r["samples_per_s"])
+    out = []
+    for k, g in peers:
+        peer = next((r for r in rs if (r["lang"], r["config"]) == ("python", k)), None)
+        if peer is None:
+            why = "the Python row failed in this run" if any(r["config"] == k for r in failed) else \
+                "no Python row in this run"
+            out.append(f"{label_of(best)} against {LABELS[('python', k)]} (goal >= {g}x: not judged: {why})")
+            continue
+        ratio = best["samples_per_s"] / peer["samples_per_s"]
+        out.append(f"{label_of(best)} ({best['samples_per_s']:.1f} samples/s): {ratio:.2f}x {label_of(peer)} "
+                   f"({peer['samples_per_s']:.1f}) (goal >= {g}x: {'met' if ratio >= g else 'not met'})")
+    return out
+
+
 def final_loss(r, last=3):
     tail = r["losses"][-last:]
     return sum(tail) / len(tail)
@@ -179,6 +212,9 @@ def main():
             md += ["", f"Final loss minus {base_label}'s (bf16 autocast rounds differently): " + ", ".join(
                 f"{label_of(r)} {final_loss(r) - ref_loss:+.4f}" for r in mixed)
                 + "."]
+        judged = goals(rs, failed, job, device)
+        if judged:
+            md += ["", "Against the compiled-training goals:", ""] + [f"- {g}" for g in judged]
         md.append("")
         title = job if len(distinct) == 1 else f"{job} ({r0['run']['machine']}, {r0['run']['commit']})"
         charts.append((title, base_label, names, ratios, colors, curves))
