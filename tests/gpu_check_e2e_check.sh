@@ -47,6 +47,8 @@ check "the summary says --diagnose ran it again" grep -q "^--diagnose: cpp mlp p
 check "the summary has the failure's cause" \
   grep -qF "Failed: C++ perf recipe: rc 1: e2e failed: the convolution failed with cuDNN benchmark on." <<<"$summary"
 check "and the retry's row, named by what it turned off" grep -q "^| C++ perf recipe (cuDNN benchmark off) | " <<<"$summary"
+check "and the compiled-training goal, not judged without its rows" \
+  grep -qF "against Python torch.compile + recipe (goal >= 1.0x: not judged: no C++ row in this run)" <<<"$summary"
 
 if ((fails)); then
   echo "== gpu-check's output"
