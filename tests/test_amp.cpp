@@ -92,8 +92,9 @@ TEST(Autocast, NestsLikeTorchAutocast) {
 TEST(Autocast, RejectsWhatItCannotDo) {
   PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCPU, torch::kFloat), "not an autocast dtype");
   PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCPU, torch::kInt), "torch::kBFloat16, torch::kHalf");
-  PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kMeta), "device must be cpu or cuda");
-  if (!has_cuda()) PERF_EXPECT_THROW_MSG(perf::Autocast(torch::kCUDA), "cuda");
+  // (void): without it, `perf::Autocast(torch::kMeta);` parses as a declaration (Clang refuses it; GCC lets it be).
+  PERF_EXPECT_THROW_MSG((void)perf::Autocast(torch::kMeta), "device must be cpu or cuda");
+  if (!has_cuda()) PERF_EXPECT_THROW_MSG((void)perf::Autocast(torch::kCUDA), "cuda");
   EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU)) << "nothing half-applied";
 }
 

@@ -148,7 +148,7 @@ class SyncWarningCounter : public c10::WarningHandler {
  public:
   explicit SyncWarningCounter(AdviseCounters* c) : counters_(c), previous_(c10::WarningUtils::get_warning_handler()) {}
   void process(const c10::Warning& warning) override {
-    const std::string msg = warning.msg();
+    const std::string& msg = warning.msg();
     if (in_observer) return;  // the observer's own work is not the step's
     if (msg.find("synchroniz") == std::string::npos) {
       if (previous_ != nullptr) previous_->process(warning);

@@ -395,6 +395,7 @@ PERF_INLINE std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::O
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv);
   }
   std::vector<torch::Tensor> found;
+  found.reserve(per_device.size());
   for (auto& [dev, fi] : per_device) found.push_back(fi.first);
   return found;
 }

@@ -829,7 +829,7 @@ PERF_INLINE torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& para
       norms.push_back(n.to(*first, /*non_blocking=*/true));
   }
   const auto stacked = at::stack(norms);
-  const auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
+  auto total = inf ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
   // LibTorch's message, checked before any gradient is scaled.
   TORCH_CHECK(!error_if_nonfinite || std::isfinite(total.item<double>()),
               "perf::clip_grad_norm_: The total norm of order ", norm_type,
