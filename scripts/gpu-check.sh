@@ -392,15 +392,17 @@ if has bench; then
     echo "== $name"
     PYTHONUNBUFFERED=1 within_budget 30 "$py" "$peer" >"$logs/$name.txt" 2>&1 || { echo "   FAILED (see $name.txt)"; st=1; }
   done
-  if wanted optim && [ -s "$optim" ]; then
+  if wanted optim; then
     echo "== peer_optim"
     PYTHONUNBUFFERED=1 within_budget 30 "$py" bench/peer_optim.py --device cuda "${opt[@]}" --json "$optim" \
       >"$logs/peer_optim.txt" 2>&1 || { echo "   FAILED (see peer_optim.txt)"; st=1; }
     # runs/optim-cuda-<date>-<commit>.jsonl in bench.tar.gz: this run for docs/runs/ (docs/optim-cuda.md).
-    "$py" bench/report_optim.py "$optim" --docs "$logs" --name optim-cuda --keep "$logs/runs" \
-      --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-      --command "PERF_GPU_BUDGET_S=$budget $invocation" >>"$logs/peer_optim.txt" 2>&1 ||
-      { echo "   report FAILED (see peer_optim.txt)"; st=1; }
+    if [ -s "$optim" ]; then
+      "$py" bench/report_optim.py "$optim" --docs "$logs" --name optim-cuda --keep "$logs/runs" \
+        --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+        --command "PERF_GPU_BUDGET_S=$budget $invocation" >>"$logs/peer_optim.txt" 2>&1 ||
+        { echo "   report FAILED (see peer_optim.txt)"; st=1; }
+    fi
   fi
   # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
   # *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
