@@ -59,7 +59,8 @@ def goals(rs, set_name, device):
             return []
         adamw = next(((a, b) for a, b in flat if b["optimizer"] == "AdamW"), None)
         if adamw is None:
-            return ["perf AdamW (flat): no such row in this run"]
+            return ["perf AdamW (flat) (goal >= 80% of the copy bandwidth, >= 1.4x: not judged: no such row in this "
+                    "run)"]
         fused, mine = adamw
         s = share(mine)
         out.append(f"{mine['config']} moves {100 * s:.0f}% of the copy bandwidth "
@@ -69,7 +70,7 @@ def goals(rs, set_name, device):
         py = next((r for r in rs if r["config"] == "torch.optim.AdamW (fused)"), None)
         out.append(f"{mine['config']}: " + (
             judged(py["median_ms"] / mine["median_ms"], 1.4, f"Python {py['config']} (its own process)") if py else
-            "Python torch.optim.AdamW (fused): no row in this run (bench/peer_optim.py)"))
+            "against Python torch.optim.AdamW (fused) (goal >= 1.4x: not judged: no Python row in this run)"))
         return out
     strict = set_name == "transformer"
     for fused, mine in flat:
