@@ -109,8 +109,9 @@ def main():
         md += [f"## {set_name} ({size})", ""]
         if first["tensors"] == 1:
             md += ["bench_optim's launch-geometry probe: the same AdamW update (`at::_fused_adamw_`) as one call over "
-                   "the buffer and as calls of k x (SMs on a GPU, threads on a CPU) chunks of 65536 elements; flat "
-                   "mode on CUDA issues the faster of these (docs/benchmarks.md). On a CPU it is a control.", ""]
+                   "the buffer and as calls of k x (SMs on a GPU, threads on a CPU) chunks of 65536 elements, the "
+                   "evidence for the calls flat mode issues on CUDA (docs/benchmarks.md). On a CPU it is a control "
+                   "(flat mode makes one call there).", ""]
         if len(distinct) > 1:
             md += [f"Run: {describe(first['run'])}.", ""]
         cpp = pairs(rs)
