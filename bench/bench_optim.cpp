@@ -143,6 +143,11 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed steps per optimizer")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
+  std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the measuring
+  if (!json.empty()) {
+    json_out.open(json, std::ios::app);
+    TORCH_CHECK(json_out, "bench_optim: cannot open --json ", json, " to append to");
+  }
   const torch::Device device(device_name);
   perf::setup();
   torch::NoGradGuard no_grad;
@@ -262,19 +267,17 @@ int main(int argc, char** argv) {
   if (!probe.empty()) achieved("ResNet-50", probe.front().a, 7.0, numel);
   for (const auto& c : probe) achieved("ResNet-50", c.b, 7.0, numel);
 
-  if (!json.empty()) {
+  if (json_out.is_open()) {
     for (const auto& c : probe) rows.push_back({&c, "ResNet-50 in one flat buffer", 1, numel, "AdamW", 7.0});
-    std::ofstream out(json, std::ios::app);
-    TORCH_CHECK(out, "bench_optim: cannot open --json ", json, " to append to");
-    out << std::setprecision(6);
+    json_out << std::setprecision(6);
     for (size_t k = 0; k < rows.size(); ++k) {
       const auto& r = rows[k];
       for (const auto& [side, stats] : {std::pair<const char*, const perf::Stats*>{"a", &r.cmp->a}, {"b", &r.cmp->b}})
-        out << "{\"lang\": \"cpp\", \"device\": \"" << device.type() << "\", \"set\": \"" << r.set
-            << "\", \"tensors\": " << r.tensors << ", \"params\": " << r.n << ", \"optimizer\": \"" << r.optimizer
-            << "\", \"config\": \"" << stats->name << "\", \"median_ms\": " << stats->median_ms
-            << ", \"bytes\": " << static_cast<int64_t>(r.words * 4.0) * r.n << ", \"copy_gbs\": " << copy_gbs
-            << ", \"compare\": " << k << ", \"side\": \"" << side << "\"}\n";
+        json_out << "{\"lang\": \"cpp\", \"device\": \"" << device.type() << "\", \"set\": \"" << r.set
+                 << "\", \"tensors\": " << r.tensors << ", \"params\": " << r.n << ", \"optimizer\": \"" << r.optimizer
+                 << "\", \"config\": \"" << stats->name << "\", \"median_ms\": " << stats->median_ms
+                 << ", \"bytes\": " << static_cast<int64_t>(r.words * 4.0) * r.n << ", \"copy_gbs\": " << copy_gbs
+                 << ", \"compare\": " << k << ", \"side\": \"" << side << "\"}\n";
     }
   }
   return 0;
