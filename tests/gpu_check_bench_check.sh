@@ -45,11 +45,4 @@ check "the kept run has bench_optim's rows and the peer's" "$python" -c '
 import json, sys
 sys.exit(0 if {json.loads(line)["lang"] for line in open(sys.argv[1])} == {"cpp", "python"} else 1)' "${kept:-/dev/null}"
 
-if ((fails)); then
-  echo "== gpu-check's output"
-  cat "$work/stdout"
-  echo "== summary"
-  echo "$summary"
-  exit 1
-fi
-echo "gpu-check bench part: ok"
+finish_check "gpu-check bench part"

@@ -50,11 +50,4 @@ check "and the retry's row, named by what it turned off" grep -q "^| C++ perf re
 check "and the compiled-training goal, not judged without its rows" \
   grep -qF "against Python torch.compile + recipe (goal >= 1.0x: not judged: no C++ row in this run)" <<<"$summary"
 
-if ((fails)); then
-  echo "== gpu-check's output"
-  cat "$work/stdout"
-  echo "== summary"
-  echo "$summary"
-  exit 1
-fi
-echo "gpu-check e2e part: ok"
+finish_check "gpu-check e2e part"

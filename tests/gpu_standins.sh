@@ -15,6 +15,18 @@ PY
 printf '#!/bin/sh\nexit 0\n' >"$work/build/tests/perf_tests"
 chmod +x "$work/bin/"* "$work/build/tests/perf_tests"
 
+# The test's end: on a failure gpu-check's output ($work/stdout) and $summary, and exit 1.
+finish_check() {  # <what passed>
+  if ((fails)); then
+    echo "== gpu-check's output"
+    cat "$work/stdout"
+    echo "== summary"
+    echo "$summary"
+    exit 1
+  fi
+  echo "$1: ok"
+}
+
 # After a call: <part>.tar.gz unpacked in $work/tar keeps the run as runs/<name>-*.jsonl (its path in $kept),
 # $summary says so, and every kept row names the stand-in machine and the call as typed.
 check_kept() {  # <part> <name> <the call as typed>

@@ -1,5 +1,6 @@
 """Shared by the checks of the benchmark reports (tests/report_*_check.py): a failed condition ends the check with
 its message; a report run on results files; JSON-lines files read and written."""
+import glob
 import json
 import os
 import subprocess
@@ -18,6 +19,16 @@ def run_report(script, docs, *args):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args, "--docs", docs],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def kept_report(script, out, pattern, name):
+    """bench/<script> on the latest run kept in docs/runs/<pattern>, written as <out>/<name>.md: (the kept file, its
+    rows, the markdown)."""
+    kept = sorted(glob.glob(os.path.join(ROOT, "docs", "runs", pattern)))
+    check(kept, f"a kept run docs/runs/{pattern}")
+    rc, log = run_report(script, out, kept[-1], "--name", name)
+    check(rc == 0, f"{script} on {kept[-1]}: exit {rc}\n{log[-3000:]}")
+    return kept[-1], rows_of(kept[-1]), read(os.path.join(out, f"{name}.md"))
 
 
 def read(path):

@@ -9,7 +9,7 @@ import argparse
 import glob
 import os
 
-from report_check_util import ROOT, check, read, rows_of, run_report, write
+from report_check_util import check, kept_report, read, rows_of, run_report, write
 
 
 def report(docs, *args):
@@ -40,12 +40,7 @@ def judged(ratio, goal, what, strict=False):
 def kept_cpu(out):
     """The kept CPU run: every pair with its ratio, every Python row against the flat mode of its optimizer, the
     CPU goals (flat >= 1.0x fused; > 1.0x on the transformer's set), the run named in the header."""
-    kept = sorted(glob.glob(os.path.join(ROOT, "docs", "runs", "optim-cpu-*.jsonl")))
-    check(kept, "a kept optim-cpu run in docs/runs")
-    rc, log = report(out, kept[-1], "--name", "cpu")
-    check(rc == 0, f"report_optim.py on {kept[-1]}: exit {rc}\n{log[-3000:]}")
-    table = read(os.path.join(out, "cpu.md"))
-    rows = rows_of(kept[-1])
+    path, rows, table = kept_report("report_optim.py", out, "optim-cpu-*.jsonl", "cpu")
     run = rows[0]["run"]
     check(f"Machine: {run['machine']}; torch {run['torch']}; commit `{run['commit']}`." in table
           and "Run: " not in table and "the share compares rows only" in table, table[:1500])
@@ -76,7 +71,7 @@ def kept_cpu(out):
     python = [r for r in rows if r["lang"] == "python"]
     check({r["config"] for r in python} >= {"torch.optim.AdamW (fused)", "torch.optim.SGD (foreach, the default)"},
           "the Python peer's rows")
-    return kept[-1], rows
+    return path, rows
 
 
 def cuda_goals(out, rows):
