@@ -15,8 +15,6 @@ from report_check_util import ROOT, check, kept_report, read, rows_of, run_repor
 
 GRAPH = "C++ perf CompiledTrainStep, one CUDA graph"
 COMPILED = "C++ perf CompiledTrainStep (Inductor AOT)"
-
-
 REPORT = os.path.join("e2e", "report.py")
 
 
