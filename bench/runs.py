@@ -114,6 +114,20 @@ def one_device(sections, who, documents):
     return devices[0]
 
 
+def about(sections, intro, section):
+    """The paragraph under a report's title: with one run, the machine, torch and commit before `intro` and the
+    command after it; with several, `intro` and that each `section` (a batch size, a parameter set) names its run.
+    The torch version is a Python row's (the C++ rows have none) or else the run's."""
+    distinct = distinct_runs(sections)
+    if len(distinct) > 1:
+        return (f"{intro} Each {section}'s section comes from its own run, named under its heading (the runs kept in "
+                "docs/runs/).")
+    one = distinct[0]
+    torch_version = next((r["torch"] for rows in sections.values() for r in rows if "torch" in r), one["torch"])
+    return (f"Machine: {one['machine']}; torch {torch_version}; commit `{one['commit']}`. {intro}"
+            + (f" This run: {one['date']}, `{one['command']}`." if one.get("command") else ""))
+
+
 def describe(run):
     return (f"{run['machine']}; torch {run['torch']}; commit `{run['commit']}`; {run['date']}"
             + (f"; `{run['command']}`" if run.get("command") else ""))
