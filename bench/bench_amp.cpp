@@ -12,9 +12,10 @@
 #include <iomanip>
 #include <iostream>
 
+#include "program.h"
 #include "resnet.h"
 
-int main(int argc, char** argv) {
+static int bench_amp_main(int argc, char** argv) {
   CLI::App app{"AMP + channels-last training step vs stock fp32 NCHW"};
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   // 0 = the device's default: a CPU-sized job (width 32, batch 32, 64x64), or on a
@@ -134,3 +135,5 @@ int main(int argc, char** argv) {
             << " MiB checkpointed (" << std::setprecision(2) << plain / ckpt << "x less)\n";
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_amp", bench_amp_main, argc, argv); }

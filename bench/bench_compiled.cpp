@@ -22,9 +22,10 @@
 #include <map>
 #include <memory>
 
+#include "program.h"
 #include "resnet.h"
 
-int main(int argc, char** argv) {
+static int bench_compiled_main(int argc, char** argv) {
   CLI::App app("eager vs AOTInductor package, inference");
   std::vector<std::string> packages;
   std::string device_name = "cpu";
@@ -45,6 +46,11 @@ int main(int argc, char** argv) {
                "on CUDA, leave out perf::graph of the packages (gpu-check reruns with it when their capture "
                "crashes the process)");
   CLI11_PARSE(app, argc, argv);
+  std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the packages load
+  if (!json.empty()) {
+    json_out.open(json, std::ios::app);
+    TORCH_CHECK(json_out, "cannot open --json ", json, " to append to");
+  }
 
   perf::setup();
   const c10::Device device(device_name);
@@ -75,8 +81,6 @@ int main(int argc, char** argv) {
     if (in.sizes[0] >= 0) return in.sizes[0] == batch;
     return batch >= in.min_batch && (in.max_batch == 0 || batch <= in.max_batch);
   };
-  std::ofstream json_out;
-  if (!json.empty()) json_out.open(json, std::ios::app);
   perf_bench::ResNet plain(width);
   plain->to(device);
   plain->eval();
@@ -187,3 +191,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_compiled", bench_compiled_main, argc, argv); }

@@ -9,6 +9,8 @@
 #include <iomanip>
 #include <iostream>
 
+#include "program.h"
+
 namespace {
 
 // "Decodes" a 3 x 64 x 64 uint8 image per sample: ~`work_us` of CPU work.
@@ -46,7 +48,7 @@ struct ImageBank : torch::data::datasets::Dataset<ImageBank> {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_data_main(int argc, char** argv) {
   CLI::App app{"data loading: default LibTorch options vs perf::loader_options / perf::prefetch"};
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   int samples = 1024, batch = 32, work_us = 200, epochs = 5, gpu_batch = 128, gpu_image = 224, gpu_batches = 64;
@@ -165,3 +167,5 @@ int main(int argc, char** argv) {
             << " GB/s, pinned " << pinned.nbytes() / (h2d.b.median_ms * 1e6) << " GB/s\n";
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_data", bench_data_main, argc, argv); }

@@ -15,9 +15,10 @@
 #include <iomanip>
 #include <iostream>
 
+#include "program.h"
 #include "resnet.h"
 
-int main(int argc, char** argv) {
+static int bench_ddp_main(int argc, char** argv) {
   CLI::App app{"DDP step: perf::DistributedDataParallel vs per-parameter all-reduce after backward"};
   std::string device_name = "cpu";
   int batch = 16, image = 32, width = 16, iters = 20, warmup = 3, threads = 0;
@@ -94,3 +95,5 @@ int main(int argc, char** argv) {
   perf::destroy_process_group(pg);
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_ddp", bench_ddp_main, argc, argv); }

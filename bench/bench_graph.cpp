@@ -9,7 +9,9 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
-int main(int argc, char** argv) {
+#include "program.h"
+
+static int bench_graph_main(int argc, char** argv) {
   CLI::App app{"eager vs CUDA graphs on launch-bound models"};
   int iters = 200, batch = 32, width = 512;
   app.add_option("--iters", iters)->check(CLI::PositiveNumber);
@@ -76,3 +78,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_graph", bench_graph_main, argc, argv); }

@@ -23,6 +23,8 @@
 #include <iomanip>
 #include <iostream>
 
+#include "program.h"
+
 namespace {
 
 // torchvision's resnet50() parameter shapes, in order.
@@ -133,7 +135,7 @@ std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t 
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int bench_optim_main(int argc, char** argv) {
   CLI::App app{"optimizer step: torch::optim vs perf::optim on a ResNet-50 parameter set"};
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   int iters = 20, warmup = 3;
@@ -146,7 +148,7 @@ int main(int argc, char** argv) {
   std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the measuring
   if (!json.empty()) {
     json_out.open(json, std::ios::app);
-    TORCH_CHECK(json_out, "bench_optim: cannot open --json ", json, " to append to");
+    TORCH_CHECK(json_out, "cannot open --json ", json, " to append to");
   }
   const torch::Device device(device_name);
   perf::setup();
@@ -282,3 +284,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+int main(int argc, char** argv) { return perf_bench::run_program("bench_optim", bench_optim_main, argc, argv); }

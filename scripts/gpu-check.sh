@@ -434,10 +434,13 @@ if has bench; then
   if ((${#packages[@]})); then
     run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled"
     rc=$?
-    if ((rc > 128 && rc != 137)); then
-      # Most likely perf::graph of a package (an AOTInductor runner under CUDA graph capture): its rows
-      # are left out, the rest measured again.
-      echo "bench_compiled died of signal $((rc - 128)) (log: bench_compiled-died.txt); again with --no-package-graphs" |
+    if ((rc != 0 && rc != 124 && rc != 125 && rc != 137)); then
+      # Failed other than by the budget (124, 137: stopped; 125: not started). Most likely perf::graph of a
+      # package (an AOTInductor runner under CUDA graph capture), whether it crashed the process or threw: its
+      # rows are left out, the rest measured again.
+      why="died of signal $((rc - 128))"
+      ((rc > 128)) || why="failed (exit $rc: $(tail -n 1 "$logs/bench_compiled.txt"))"
+      echo "bench_compiled $why (log: bench_compiled-died.txt); again with --no-package-graphs" |
         tee "$logs/bench_compiled-died.note"
       mv "$logs/bench_compiled.txt" "$logs/bench_compiled-died.txt"
       rm -f "$compiled"

@@ -3,6 +3,8 @@
 # of tests/gpu_standins.sh, bench_optim and bench/peer_optim.py each run on the CPU for two timed steps
 # (gpu-check's --device cuda and --iters replaced). Its summary has the flat-optimizer goals judged from the run's
 # rows, and bench.tar.gz keeps the run (runs/optim-cuda-*.jsonl) with the machine and the call's command.
+# Then --bench compiled with a stand-in bench_compiled that fails with an error (not a signal) while the packages'
+# graphs are in its run: gpu-check runs it again without them, as it does after a crash.
 #   tests/gpu_check_bench_check.sh <repo root> <python> <build/bench/bench_optim>
 set -uo pipefail
 root=$1 python=$2 bench_optim=$3
@@ -19,6 +21,7 @@ cat >"$work/build/bench/bench_optim" <<EOF
 $cpu_args
 exec "$bench_optim" --device cpu --iters 2 --warmup 0 --json "\$json"
 EOF
+# --bench compiled (the second call): the exports and the Python peer write stand-in files and rows.
 mv "$work/bin/python" "$work/bin/python-standin"
 cat >"$work/bin/python" <<EOF
 #!/usr/bin/env bash
@@ -26,9 +29,35 @@ if [[ \${1:-} == bench/peer_optim.py ]]; then
   $cpu_args
   exec "$python" bench/peer_optim.py --device cpu --iters 2 --warmup 0 --json "\$json"
 fi
+if [[ \${1:-} == tools/export_compiled.py ]]; then
+  while [ \$# -gt 0 ]; do [ "\$1" = -o ] && { echo stand-in >"\$2"; exit 0; }; shift; done
+  exit 1
+fi
+if [[ \${1:-} == bench/peer_compiled.py ]]; then
+  $cpu_args
+  echo '{"lang": "python", "config": "Python eager fp32", "device": "cuda", "batch": 1, "median_ms": 2.0}' >>"\$json"
+  exit 0
+fi
 exec "$work/bin/python-standin" "\$@"
 EOF
-chmod +x "$work/build/bench/bench_optim" "$work/bin/python"
+# bench_compiled: with the packages' graphs it writes a row and then fails as bench/program.h ends a program on
+# an error (exit 1, the message last); without them (gpu-check's retry) it writes its rows and succeeds.
+cat >"$work/build/bench/bench_compiled" <<'EOF'
+#!/usr/bin/env bash
+json= graphs=1
+while [ $# -gt 0 ]; do
+  case $1 in --json) json=$2; shift 2 ;; --no-package-graphs) graphs=0; shift ;; *) shift ;; esac
+done
+row() { echo "{\"lang\": \"cpp\", \"config\": \"C++ $1\", \"device\": \"cuda\", \"batch\": 1, \"median_ms\": $2}" >>"$json"; }
+row "eager fp32" 1.0
+if ((graphs)); then
+  row "perf::graph(package fp32 (batch 1))" 0.25
+  echo "bench_compiled: stand-in failure in a package's graph" >&2
+  exit 1
+fi
+row "package fp32 (batch 1)" 0.5
+EOF
+chmod +x "$work/build/bench/bench_optim" "$work/build/bench/bench_compiled" "$work/bin/python"
 
 (cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
   PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench optim --quick \
@@ -44,5 +73,25 @@ check_kept bench optim-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --p
 check "the kept run has bench_optim's rows and the peer's" "$python" -c '
 import json, sys
 sys.exit(0 if {json.loads(line)["lang"] for line in open(sys.argv[1])} == {"cpp", "python"} else 1)' "${kept:-/dev/null}"
+
+# bench_compiled failing with an error, not a signal: run again without the packages' graphs, the failed
+# attempt's rows dropped, and the summary says why with the program's last line.
+rm -rf "$work/out" "$work/tar"
+(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
+  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick \
+  >>"$work/stdout" 2>&1)
+rc=$?
+mkdir -p "$work/tar" && tar xzf "$work/out/bench.tar.gz" -C "$work/tar" 2>/dev/null
+summary=$(cat "$work/out/bench-summary.txt" 2>/dev/null)
+check "with bench_compiled failing, the bench part fails (rc $rc)" test "$rc" != 0
+check "its summary says how bench_compiled failed and that it ran again" grep -qF "bench_compiled failed (exit 1: \
+bench_compiled: stand-in failure in a package's graph) (log: bench_compiled-died.txt); again with --no-package-graphs" \
+  <<<"$summary"
+check_kept bench compiled-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick'
+check "the kept run has the retry's rows and the peer's, not the failed attempt's" "$python" -c '
+import json, sys
+configs = sorted(json.loads(line)["config"] for line in open(sys.argv[1]))
+sys.exit(0 if configs == ["C++ eager fp32", "C++ package fp32 (batch 1)", "Python eager fp32"] else 1)' \
+  "${kept:-/dev/null}"
 
 finish_check "gpu-check bench part"
