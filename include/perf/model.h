@@ -229,7 +229,7 @@ auto optimize(M&& module, const ModelOptions& options = ModelOptions()) {
     if constexpr (std::is_lvalue_reference_v<M>) {
       return Optimized<std::shared_ptr<D>>(std::shared_ptr<D>(std::shared_ptr<D>(), &module), options);  // not owned
     } else {
-      return Optimized<std::shared_ptr<D>>(std::make_shared<D>(std::move(module)), options);
+      return Optimized<std::shared_ptr<D>>(std::make_shared<D>(std::forward<M>(module)), options);
     }
   }
 }
@@ -623,7 +623,8 @@ struct CheckpointState : torch::CustomClassHolder {
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                c10::intrusive_ptr<CheckpointState> st, at::TensorList input_list) {
+                                                const c10::intrusive_ptr<CheckpointState>& st,
+                                                at::TensorList input_list) {
     const std::vector<at::Tensor> inputs(input_list.begin(),
                                          input_list.begin() + static_cast<std::ptrdiff_t>(st->num_inputs));
     if (st->preserve_rng) st->rng = current_rng(inputs);

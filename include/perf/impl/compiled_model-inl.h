@@ -248,7 +248,9 @@ PERF_INLINE std::vector<at::Tensor> check_inputs(const std::string& who, const s
 PERF_INLINE void warn_if_emulated_bf16(const Package& package) {
   if (!package.device().is_cpu()) return;
   const auto why = emulated_bf16_reason(package.metadata(), package.inputs(), cpu_bf16());
-  if (!why.empty()) TORCH_WARN(package.who(), ": ", why);
+  if (!why.empty()) {
+    TORCH_WARN(package.who(), ": ", why);  // a macro of two statements
+  }
 }
 
 }  // namespace detail

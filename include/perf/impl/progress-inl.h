@@ -11,7 +11,7 @@ namespace detail {
 
 PERF_INLINE std::string fmt_duration(double seconds) {
   if (!(seconds >= 0) || seconds > 1e7) return "?";
-  const auto s = static_cast<int64_t>(seconds + 0.5);
+  const auto s = static_cast<int64_t>(std::llround(seconds));
   char buf[32];
   if (s >= 3600) {
     std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
@@ -132,7 +132,8 @@ PERF_INLINE std::string Progress::format(double t, bool final) {
   if (!options_.description().empty()) s << options_.description() << ": ";
   s << done_;
   if (total_ > 0) {
-    s << "/" << total_ << " " << std::setw(3) << static_cast<int>(100.0 * static_cast<double>(done_) / total_) << "%";
+    s << "/" << total_ << " " << std::setw(3)
+      << static_cast<int>(100.0 * static_cast<double>(done_) / static_cast<double>(total_)) << "%";
   }
   s << " " << options_.unit();
   const double overall = t > 0 ? static_cast<double>(done_) / t : 0.0;
