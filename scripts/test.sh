@@ -5,7 +5,9 @@
 #                 (examples, benchmarks: one translation unit, PERF_PROGRAMS_UNITY),
 #                 with -D_FORTIFY_SOURCE=2 (warn_unused_result on system() & co.);
 #   build-nocuda/ PERF_WITH_CUDA=OFF, under AddressSanitizer + UndefinedBehaviorSanitizer,
-#                 linked to perf::perf_static (PERF_SEPARATE_COMPILATION);
+#                 linked to perf::perf_static (PERF_SEPARATE_COMPILATION), with libstdc++'s
+#                 bounds and precondition checks (-D_GLIBCXX_ASSERTIONS: operator[] past the end,
+#                 front() of an empty container, which ASan alone misses inside capacity);
 #   build-tsan/   the threaded suites (prefetcher, loader, concurrent setup())
 #                 under ThreadSanitizer.
 # Installs what is missing first (scripts/bootstrap.sh).
@@ -78,9 +80,9 @@ if wanted cuda; then
   run_suite build -DCMAKE_CXX_FLAGS=-D_FORTIFY_SOURCE=2 -DPERF_PROGRAMS_UNITY=ON
 fi
 if wanted asan; then
-  echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer, perf::perf_static"
+  echo "== perf tests, PERF_WITH_CUDA=OFF, AddressSanitizer + UndefinedBehaviorSanitizer, _GLIBCXX_ASSERTIONS, perf::perf_static"
   run_suite build-nocuda -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
-    -DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON
+    -DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON -DCMAKE_CXX_FLAGS=-D_GLIBCXX_ASSERTIONS
 fi
 if wanted tsan; then
   echo "== perf threaded tests, ThreadSanitizer"
