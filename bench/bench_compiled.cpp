@@ -43,8 +43,8 @@ static int bench_compiled_main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed calls per configuration");
   app.add_option("--json", json, "file to append one JSON line per configuration to");
   app.add_flag("!--no-package-graphs", package_graphs,
-               "on CUDA, leave out perf::graph of the packages (gpu-check reruns with it when their capture "
-               "crashes the process)");
+               "on CUDA, leave out perf::graph of the packages (gpu-check reruns with it when a run with them "
+               "fails or crashes)");
   CLI11_PARSE(app, argc, argv);
   std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the packages load
   if (!json.empty()) {
