@@ -14,15 +14,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: runs.py
+from charts import bar_panels, write_document  # noqa: E402
 from runs import about, arguments, describe, distinct_runs, gather, one_device  # noqa: E402
 
-try:  # the table needs nothing; the chart needs matplotlib (absent on an offline GPU machine)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    plt = None
 
 BASE = "C++ eager fp32"
 
@@ -124,35 +118,9 @@ def main():
         md += ["", "Against the compiled-inference goals:", ""] + [f"- {g}" for g in goals(rs, batch, device)]
         md.append("")
         title = f"batch {batch}" if len(distinct) == 1 else f"batch {batch} ({rs[0]['run']['commit']})"
-        bars.append((title, names, ratios, colors, base["config"]))
-    os.makedirs(a.docs, exist_ok=True)
-    if plt is not None:
-        chart(bars, f"Inference, {device} (blue: Python, orange: C++)", os.path.join(a.docs, f"{a.name}.png"))
-        md += [f"![latency]({a.name}.png)", ""]
-    with open(os.path.join(a.docs, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(md))
-    print(f"wrote {a.docs}/{a.name}.md and " +
-          (f"{a.docs}/{a.name}.png" if plt is not None else "no chart (matplotlib is not installed)"))
-
-
-def chart(bars, title, path):
-    # One panel under the other: the configurations' names are long.
-    heights = [0.3 * len(names) + 1.0 for _, names, _, _, _ in bars]
-    fig, axes = plt.subplots(len(bars), 1, figsize=(10, sum(heights) + 0.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    for ax, (name, names, ratios, colors, base) in zip(axes[:, 0], bars):
-        ax.barh(range(len(names)), ratios, color=colors)
-        ax.set_yticks(range(len(names)))
-        ax.set_yticklabels(names, fontsize=8)
-        ax.axvline(1.0, color="gray", linewidth=0.8)
-        ax.set_xlim(0, max(ratios) * 1.12)  # room for the last bar's label
-        ax.set_xlabel(f"speed vs {base} (higher is faster)")
-        ax.set_title(name)
-        for k, v in enumerate(ratios):
-            ax.text(v, k, f" {v:.2f}x", va="center", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        bars.append((title, names, ratios, colors, f"speed vs {base['config']} (higher is faster)"))
+    write_document(a, md, lambda path: bar_panels(bars, f"Inference, {device} (blue: Python, orange: C++)", path,
+                                                  label=lambda v: f"{v:.2f}x", ref=1.0), "latency")
 
 
 if __name__ == "__main__":

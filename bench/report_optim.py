@@ -15,15 +15,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: runs.py
+from charts import bar_panels, write_document  # noqa: E402
 from runs import about, arguments, describe, distinct_runs, gather, one_device  # noqa: E402
 
-try:  # the table needs nothing; the chart needs matplotlib (absent on an offline GPU machine)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    plt = None
 
 
 def share(r):
@@ -137,37 +131,13 @@ def main():
             seen.setdefault((r["lang"], r["config"]), r)
         title = set_name if len(distinct) == 1 else f"{set_name} ({first['run']['commit']})"
         bars.append((title, [r["config"] for r in seen.values()], [100 * share(r) for r in seen.values()],
-                     ["tab:blue" if r["lang"] == "python" else "tab:orange" for r in seen.values()]))
-    os.makedirs(a.docs, exist_ok=True)
-    if plt is not None:
-        chart(bars, device, os.path.join(a.docs, f"{a.name}.png"))
-        md += [f"![share of copy bandwidth]({a.name}.png)", ""]
-    with open(os.path.join(a.docs, f"{a.name}.md"), "w") as f:
-        f.write("\n".join(md))
-    print(f"wrote {a.docs}/{a.name}.md and " +
-          (f"{a.docs}/{a.name}.png" if plt is not None else "no chart (matplotlib is not installed)"))
-
-
-def chart(bars, device, path):
-    heights = [0.3 * len(names) + 1.0 for _, names, _, _ in bars]
-    fig, axes = plt.subplots(len(bars), 1, figsize=(10, sum(heights) + 0.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    for ax, (name, names, shares, colors) in zip(axes[:, 0], bars):
-        ax.barh(range(len(names)), shares, color=colors)
-        ax.set_yticks(range(len(names)))
-        ax.set_yticklabels(names, fontsize=8)
-        ax.invert_yaxis()  # in the table's order, top down
-        ax.axvline(100, color="gray", linewidth=0.8)
-        if device == "cuda":
-            ax.axvline(80, color="tab:green", linewidth=0.8, linestyle="--")  # the flat-optimizer goal
-        ax.set_xlim(0, max(shares + [100]) * 1.12)
-        ax.set_xlabel("share of the copy bandwidth, % (higher is faster)")
-        ax.set_title(name)
-        for k, v in enumerate(shares):
-            ax.text(v, k, f" {v:.0f}%", va="center", fontsize=8)
-    fig.suptitle(f"Optimizer step, {device} (blue: Python, orange: C++)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+                     ["tab:blue" if r["lang"] == "python" else "tab:orange" for r in seen.values()],
+                     "share of the copy bandwidth, % (higher is faster)"))
+    # In the table's order, top down; on CUDA a dashed line at the flat-optimizer goal (80%).
+    write_document(a, md, lambda path: bar_panels(bars, f"Optimizer step, {device} (blue: Python, orange: C++)", path,
+                                                  label=lambda v: f"{v:.0f}%", ref=100,
+                                                  goal=80 if device == "cuda" else None, top_down=True),
+                   "share of copy bandwidth")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Kept runs: a benchmark's results with the run that made them, so that a later report can draw on them.
 
-A report (bench/e2e/report.py, bench/report_compiled.py, bench/report_optim.py) given --keep DIR writes the rows
-of the run it reports into DIR/<name>-<UTC date and time>-<commit>.jsonl, each row with a "run" entry: machine,
-commit ("-dirty" when the tree had changes), date, torch and the command that made it. Given kept runs first and a
-new results file last, the report takes each section (a job, a batch size, a parameter set) from the last file that
-has it."""
+A report (bench/e2e/report.py, bench/report_compiled.py, bench/report_optim.py; their charts: bench/charts.py)
+given --keep DIR writes the rows of the run it reports into DIR/<name>-<UTC date and time>-<commit>.jsonl, each row
+with a "run" entry: machine, commit ("-dirty" when the tree had changes), date, torch and the command that made it.
+Given kept runs first and a new results file last, the report takes each section (a job, a batch size, a parameter
+set) from the last file that has it."""
 import argparse
 import datetime
 import json

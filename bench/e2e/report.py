@@ -18,15 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: runs.py
+from charts import plt  # noqa: E402  (None without matplotlib: the table only)
 from runs import arguments, describe, distinct_runs, gather, one_device  # noqa: E402
-
-try:  # the table needs nothing; the charts need matplotlib (absent on an offline GPU machine)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    plt = None
 
 LABELS = {  # in the tables' order: each Python configuration beside its C++ peer
     ("python", "eager_fp32"): "Python eager fp32",
