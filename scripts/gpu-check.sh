@@ -31,7 +31,9 @@
 # (default 120 s) and runs with PERF_GPU_TEST_THREADS intra-op threads (default
 # 2; ctest runs as many tests at once as cores / those threads). A test that
 # crashes or hangs the one-process GPU run is named, and the tests after it run
-# on in a new process.
+# on in a new process. The summary lists the tests over PERF_GPU_SLOW_TEST_S
+# (default 60 s) and, from a sample a second of every Python the tests start,
+# where those tests' Pythons spent the time (tests/python_sampler).
 #
 # Offline by design: never runs apt or pip.
 #   LibTorch   from PERF_PYTHON's torch (default python3), or Torch_DIR.
@@ -324,7 +326,13 @@ if has tests; then
   # host (dba86b3), against 27-34 s on CI's 2 cores two at a time.
   test_threads=${PERF_GPU_TEST_THREADS:-2}
   ctest_jobs=$(($(nproc) / test_threads)); ((ctest_jobs >= 1)) || ctest_jobs=1
+  # Every Python the tests start writes its stack once a second (tests/python_sampler): for a test over
+  # 60 s, the summary then says where its Pythons spent the time (the exporter tests took 71-86 s on an
+  # H200's host at 8 and at 14 tests at once, 22-24 s on CI's 2 cores: not the load, 965827f).
+  slow_s=${PERF_GPU_SLOW_TEST_S:-60}  # the GPU-green issue's bound on one test
+  samples=$build/gpu-work/python-samples; rm -rf "$samples"; mkdir -p "$samples"
   within_budget 150 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
+    PYTHONPATH="$PWD/tests/python_sampler${PYTHONPATH:+:$PYTHONPATH}" PERF_TEST_PYTHON_SAMPLES="$samples" \
     ctest --test-dir "$build" -j "$ctest_jobs" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
   tail -3 "$logs/ctest.log"
   echo "== GPU tests in one process"
@@ -346,9 +354,15 @@ if has tests; then
       crash_stack "$f"
     done
     grep -E "^\[  FAILED  \] [A-Za-z_0-9]+\.[A-Za-z_0-9]+ \([0-9]+ ms\)" "$logs/gpu-tests-one-process.log" | head -20 || true
-    echo "tests over 60 s:"
-    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk '$(NF-1) > 60 {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
-    gtest_slow "$logs/gpu-tests-one-process.log" 60000 | sed 's/^/  one process: /'
+    echo "tests over $slow_s s:"
+    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
+    mapfile -t slow < <(grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print $4}')
+    if ((${#slow[@]})) && ctest --test-dir "$build" --show-only=json-v1 >"$samples.json" 2>/dev/null; then
+      echo "  where their Pythons spent the time (a sample a second; python-samples/ in tests.tar.gz has the stacks):"
+      "$py" tests/python_samples.py --keep "$logs/python-samples" "$samples" "$samples.json" "${slow[@]}" 2>&1 |
+        sed 's/^/    /'
+    fi
+    gtest_slow "$logs/gpu-tests-one-process.log" $((slow_s * 1000)) | sed 's/^/  one process: /'
   } >"$logs/summary.txt"
   finish tests $st "$t0"
   status=$((status | st))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh --part tests as a lent GPU machine runs it, here on the CPU with a stand-in build: a
+# CTestTestfile.cmake of two tests, one whose Python waits for a subprocess and then computes, for longer than
+# PERF_GPU_SLOW_TEST_S (2 s here, 60 by default). The summary lists it among the slow tests, with where its Python
+# spent the time from tests/python_sampler's samples, and tests.tar.gz keeps those samples.
+#   tests/gpu_check_tests_check.sh <repo root> <python>
+set -uo pipefail
+root=$1 python=$2
+source "$(dirname "$0")/check.sh"  # $work, check, $fails
+source "$(dirname "$0")/gpu_standins.sh"  # nvidia-smi, $work/bin/python, $work/build
+
+cat >"$work/slow.py" <<'PY'
+import subprocess, time
+subprocess.run(['sleep', '3'])
+def busy_here():
+    start = time.monotonic()
+    while time.monotonic() - start < 3:
+        pass
+busy_here()
+PY
+cat >"$work/build/CTestTestfile.cmake" <<EOF
+add_test(slow_python "$python" "$work/slow.py")
+add_test(quick_one "true")
+EOF
+cd "$root" || exit 1
+PATH=$work/bin:$PATH PERF_PYTHON=$work/bin/python PERF_GPU_BUILD=$work/build PERF_GPU_RESULTS=$work/out \
+  PERF_GPU_SLOW_TEST_S=2 PERF_GPU_BUDGET_S=400 bash scripts/gpu-check.sh --part tests >"$work/stdout" 2>&1
+summary=$(cat "$work/out/tests-summary.txt" 2>/dev/null)
+mkdir -p "$work/tar" && tar xzf "$work/out/tests.tar.gz" -C "$work/tar" 2>/dev/null
+check "ctest ran both tests" grep -q "100% tests passed, 0 tests failed out of 2" "$work/tar/tests/ctest.log"
+check "the summary lists the slow test, and only it" \
+  test "$(sed -n '/^tests over 2 s:/,/^  where/p' <<<"$summary" | grep -c "ctest .*Test")" = 1 -a \
+  -n "$(grep -E "^  ctest .*slow_python .*Passed" <<<"$summary")"
+line=$(grep -E "^    slow_python: 1 Python\(s\), [0-9]+ samples" <<<"$summary")
+check "its Python's time: waiting for the subprocess in the script, then computing in busy_here" \
+  test -n "$(grep "waiting for a subprocess (.*slow.py:<module>" <<<"$line")" -a \
+  -n "$(grep "running Python (.*slow.py:busy_here" <<<"$line")"
+check "tests.tar.gz keeps its samples, in a folder named by the test" \
+  test "$(ls "$work/tar/tests/python-samples/slow_python" 2>/dev/null | wc -l)" = 1
+finish_check "gpu-check --part tests on the CPU"
