@@ -1,6 +1,7 @@
 """bench/e2e/report.py's lines against the compiled-training goals, computed here from the rows: on the CPU run kept
-in docs/runs (each job's compiled step against torch.compile + recipe, the medians of its repeated runs), on the kept
-H100 run (the CNN's compiled step failed: not judged, said why), and on CUDA rows made to meet one goal, miss one
+in docs/runs (each job's compiled step against torch.compile + recipe, the medians of its repeated runs), on the latest
+kept GPU run (an H200's: the CNN's compiled step trained, its ratios) and on the H100 run before it (the CNN's compiled
+step failed: not judged, said why), and on CUDA rows made to meet one goal, miss one
 and lack the third's row, where a --diagnose retry is the fastest C++ row and the MLP is not judged. Run by ctest
 (report_e2e_goals):
 
@@ -46,10 +47,29 @@ def kept_cpu(out):
 
 
 def kept_cuda(out):
+    # The latest kept GPU run (an H200's, 965827f): the CNN's compiled step trained, and its goal lines are the
+    # ratios of its rows.
     _, rows, table = kept_report(REPORT, out, "e2e-cuda-*.jsonl", "cuda")
-    check(any(r["config"] == "perf_compiled_graph" and "failed" in r for r in rows),
-          "the kept H100 run is the one whose CNN compiled step failed")
     text = section(table, "cnn")
+    mine = speed(rows, "cnn", "cpp", "perf_compiled_graph")
+    for peer, config, goal in (("torch.compile + recipe", "compile_recipe", "1.15"),
+                               ("compile reduce-overhead + recipe", "compile_reduce_overhead", "1.0")):
+        other = speed(rows, "cnn", "python", config)
+        ratio = mine / other
+        want = (f"- {GRAPH} ({mine:.1f} samples/s): {ratio:.2f}x Python {peer} ({other:.1f}) "
+                f"(goal >= {goal}x: {'met' if ratio >= float(goal) else 'not met'})")
+        check(want in text.split("\n"), f"{want}\n{text}")
+    want = (f"- {GRAPH} against Python compile max-autotune + recipe (goal >= 1.0x: not judged: no Python row in "
+            "this run)")
+    check(want in text.split("\n"), f"{want}\n{text}")
+    # The H100 run whose CNN compiled step failed (dba86b3): its goals not judged, and why.
+    failed = glob.glob(os.path.join(ROOT, "docs", "runs", "e2e-cuda-*-dba86b3.jsonl"))
+    check(len(failed) == 1, f"the kept H100 run of dba86b3: {failed}")
+    rc, log = report(out, *failed[:1], "--name", "cuda-failed")
+    check(rc == 0, f"report.py on {failed}: exit {rc}\n{log[-3000:]}")
+    check(any(r["config"] == "perf_compiled_graph" and "failed" in r for r in rows_of(failed[0])),
+          "the kept H100 run is the one whose CNN compiled step failed")
+    text = section(read(os.path.join(out, "cuda-failed.md")), "cnn")
     for peer, goal in (("torch.compile + recipe", "1.15"), ("compile reduce-overhead + recipe", "1.0"),
                        ("compile max-autotune + recipe", "1.0")):
         want = (f"- {GRAPH} against Python {peer} (goal >= {goal}x: not judged: the C++ row failed in this run, "
