@@ -34,7 +34,7 @@ if os.environ.get("PERF_TEST_PYTHON_SAMPLES"):
                 time.sleep(1.0)
                 frame = sys._current_frames().get(main)
                 frames = []
-                while frame is not None and len(frames) < 16:
+                while frame is not None and len(frames) < 40:
                     code = frame.f_code
                     frames.append(f"{code.co_filename}:{frame.f_lineno}:{code.co_name}")
                     frame = frame.f_back
@@ -47,13 +47,16 @@ if os.environ.get("PERF_TEST_PYTHON_SAMPLES"):
         except OSError:
             return
         path = os.path.join(folder, f"{os.getpid()}.txt")
-        with open(path, "w") as out:
-            pid = os.getpid()
-            for level in range(6):  # this process, then its parents: the test's own is among them
-                out.write(f"# {level} {pid}: {_perf_cmdline(pid)}\n")
-                pid = _perf_parent(pid)
-                if pid <= 1:
-                    break
+        try:  # a folder it cannot write to leaves this Python unsampled, and otherwise as it was
+            with open(path, "w") as out:
+                pid = os.getpid()
+                for level in range(6):  # this process, then its parents: the test's own is among them
+                    out.write(f"# {level} {pid}: {_perf_cmdline(pid)}\n")
+                    pid = _perf_parent(pid)
+                    if pid <= 1:
+                        break
+        except OSError:
+            return
         threading.Thread(target=_perf_sample, args=(path, threading.main_thread().ident, time.monotonic()),
                          name="perf-test-python-samples", daemon=True).start()
 
