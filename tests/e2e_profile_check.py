@@ -4,9 +4,13 @@ error without LibTorch's backtrace frames; the whole stderr in <out>), then a re
 Python and C++ each tracing 2 steps after their timed ones, read back from <out>/profile-mlp.md, and report.py's
 tables of that run's rows, with and without Python eager fp32, with a failed run's row, and of runs kept (--keep)
 and merged; run.py --diagnose running a failed C++ run again with cuDNN's benchmark mode off. Run by ctest
-(e2e_profile_tables):
+(three tests that share DIR: e2e_profile_failures and e2e_profile_run at once, then e2e_profile_tables on what they
+wrote; as one test, 36 s alone on the 2-core VM, it took 58 s in CI two tests at a time and 75 s on a GPU machine's
+host):
 
-    python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR
+    python tests/e2e_profile_check.py --e2e build/bench/e2e --out DIR [--part failures|run|tables]
+
+Without --part, all three parts, one after the other.
 """
 import argparse
 import json
@@ -300,15 +304,24 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--e2e", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--part", choices=("failures", "run", "tables"),
+                   help="failures: the traces' arithmetic and the failed runs; run: the real run; tables: report.py "
+                        "on both parts' rows (run them first, with the same --out); default: all three")
     a = p.parse_args()
-    hand_made()
-    without_trace(os.path.join(a.out, "without-trace"))
-    failed_run(a.e2e, os.path.join(a.out, "failed-run"))
-    diagnosed_run(a.e2e, os.path.join(a.out, "diagnosed-run"))
-    real_run(a.e2e, a.out)
-    report_tables(a.out)
-    kept_runs(a.out)
-    print("e2e profile tables: ok")
+    if a.part in (None, "failures"):
+        hand_made()
+        without_trace(os.path.join(a.out, "without-trace"))
+        failed_run(a.e2e, os.path.join(a.out, "failed-run"))
+        diagnosed_run(a.e2e, os.path.join(a.out, "diagnosed-run"))
+    if a.part in (None, "run"):
+        real_run(a.e2e, a.out)
+    if a.part in (None, "tables"):
+        for part, path in (("failures", os.path.join(a.out, "failed-run", "results.jsonl")),
+                           ("run", os.path.join(a.out, "results.jsonl"))):
+            check(os.path.exists(path), f"--part {part} wrote {path} first")
+        report_tables(a.out)
+        kept_runs(a.out)
+    print(f"e2e profile {a.part or 'tables, all parts'}: ok")
 
 
 if __name__ == "__main__":
