@@ -60,6 +60,27 @@ def hand_made():
     name, calls, ms, share = s["rows"][0]
     check(near(calls, 1.0) and near(ms, 0.2) and near(share, 400 / 550), f"A: 2 calls, 400 us of 550: {s['rows'][0]}")
     check("GPU busy 0.23 ms (45%), 2 kernels/step" in trace_table.line("x", s), trace_table.line("x", s))
+    # Device time by kind: a kernel of each kind (a Triton kernel whose name says convolution_backward among them),
+    # a second Triton kernel on another stream, a memset; a second summary without some kinds.
+    named = [("triton_poi_fused_add_convolution_backward_0", 10), ("sm90_xmma_dgrad_implicit_gemm_bf16bf16", 20),
+             ("sm90_xmma_gemm_bf16bf16_bf16f32", 30), ("pytorch_flash::flash_fwd_kernel", 40),
+             ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 50),
+             ("void at::native::vectorized_elementwise_kernel<4>", 60)]
+    kinds = trace_table.summarize(trace([steps] + [x("kernel", n, 1100 + 100 * i, d, 7) for i, (n, d) in enumerate(named)]
+                                        + [x("gpu_memset", "Memset (Device)", 1900, 5, 7),
+                                           x("kernel", "triton_red_fused_1", 1100, 10, 8)]), 1)
+    want = {"fused (Triton)": (2, 0.02), "convolutions (cuDNN)": (1, 0.02), "matmuls": (1, 0.03),
+            "attention": (1, 0.04), "optimizer (multi-tensor)": (1, 0.05), "other ATen kernels": (1, 0.06),
+            "copies and sets": (1, 0.005)}
+    check(kinds["kinds"].keys() == want.keys() and all(near(kinds["kinds"][k][0], c) and near(kinds["kinds"][k][1], ms)
+                                                      for k, (c, ms) in want.items()), f"kinds: {kinds['kinds']}")
+    fewer = trace_table.summarize(trace([steps, x("kernel", "triton_poi_fused_2", 1100, 30, 7),
+                                         x("kernel", "sm90_xmma_fprop_implicit_gemm", 1200, 40, 7)]), 2)
+    table = trace_table.markdown("cnn", [("C++", kinds), ("Python", fewer)]).splitlines()
+    header = ("| configuration | fused (Triton) | attention | convolutions (cuDNN) | matmuls | optimizer (multi-tensor) | "
+              "other ATen kernels | copies and sets |")
+    check(header in table and "| C++ | 0.02 (2) | 0.04 (1) | 0.02 (1) | 0.03 (1) | 0.05 (1) | 0.06 (1) | 0.01 (1) |"
+          in table and "| Python | 0.01 (0.5) | - | 0.02 (0.5) | - | - | - | - |" in table, "\n".join(table))
     # CPU: P holds C, which holds G, on thread 1; Q on thread 2 at the same time.
     cpu = trace([steps, x("cpu_op", "P", 1100, 500), x("cpu_op", "C", 1200, 200), x("cpu_op", "G", 1250, 50),
                  x("cpu_op", "Q", 1100, 300, 2)])

@@ -3,7 +3,8 @@ for: N more steps after the timed ones, traced by LibTorch's profiler (e2e.cpp, 
 (train.py), both Kineto's Chrome trace, inside one "e2e_profiled_steps" range that ends after a sync.
 
 On a GPU: the wall time per step (that range), the time the GPU was busy (the union of its kernels, copies and
-sets), and the kernels that took the most device time. On the CPU: the operators with the most self time (their
+sets), the device time by kind of kernel (cuDNN's convolutions, matmuls, attention, Triton's fused kernels, the
+optimizer's, other ATen kernels, copies and sets), and the kernels that took the most device time. On the CPU: the operators with the most self time (their
 time less that of the operators nested in them). Python and C++ are read the same way, so their rows compare.
 
     python bench/e2e/trace_table.py TRACE.json STEPS   # one trace's summary
@@ -13,12 +14,35 @@ import sys
 
 RANGE = "e2e_profiled_steps"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Kinds of device work, in the order of the markdown's columns: (kind, marks), the first kind one of whose marks a
+# kernel's name (lowercase) has; "other ATen kernels" for the rest, "copies and sets" for memcpy/memset events.
+# Inductor's kernels first ("triton_" begins their names, which often say "convolution_backward": an epilogue), then
+# attention (names with "cutlass" among them), and cuDNN's convolutions before the matmuls (theirs say "implicit_gemm").
+KINDS = (("fused (Triton)", ("triton_",)),
+         ("attention", ("flash", "fmha", "attention")),
+         ("convolutions (cuDNN)", ("fprop", "dgrad", "wgrad", "implicit_gemm", "cudnn", "convolution", "conv2d",
+                                   "conv_", "nchwtonhwc", "nhwctonchw")),
+         ("matmuls", ("gemm", "cutlass", "cublas")),
+         ("optimizer (multi-tensor)", ("multi_tensor_apply", "fused_adam", "fusedadam", "fused_sgd")))
+OTHER, COPIES = "other ATen kernels", "copies and sets"
+
+
+def kind(name: str, category: str = "kernel") -> str:
+    """The kind of one device event (KINDS)."""
+    if category != "kernel":
+        return COPIES
+    low = name.lower()
+    if low.startswith("triton_"):
+        return KINDS[0][0]
+    return next((k for k, marks in KINDS[1:] if any(m in low for m in marks)), OTHER)
 
 
 def summarize(path: str, steps: int, top: int = 12) -> dict:
     """The trace at `path` of `steps` profiled steps: {"device": "cuda" or "cpu", "steps", "wall_ms" (per step),
     "busy_ms" (GPU busy per step; on the CPU, operators' self time per step), "events" (kernels or operators per
-    step), "rows": [(name, calls per step, ms per step, share of busy_ms)] for the `top` names with the most time}."""
+    step), "rows": [(name, calls per step, ms per step, share of busy_ms)] for the `top` names with the most time,
+    "kinds": {kind: (events per step, ms per step)} on a GPU (device time summed, so work that overlaps on two
+    streams counts twice; empty on the CPU)}."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     with open(path) as f:
@@ -30,8 +54,13 @@ def summarize(path: str, steps: int, top: int = 12) -> dict:
     start, end = ranges[0]["ts"], ranges[0]["ts"] + ranges[0]["dur"]
     inside = [e for e in events if start <= e["ts"] <= end]  # a kernel may end a clock skew past the range
     device = [e for e in inside if e.get("cat") in DEVICE_CATEGORIES]
+    kinds = {}
     if device:
         timed, busy = [(e["name"], e["dur"]) for e in device], _union(device)
+        for e in device:
+            k = kind(e["name"], e["cat"])
+            calls, total = kinds.get(k, (0, 0.0))
+            kinds[k] = (calls + 1, total + e["dur"])
     else:
         timed = _self_times([e for e in inside if e.get("cat") == "cpu_op"])
         busy = sum(d for _, d in timed)
@@ -43,7 +72,8 @@ def summarize(path: str, steps: int, top: int = 12) -> dict:
     rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
     return {"device": "cuda" if device else "cpu", "steps": steps, "wall_ms": ranges[0]["dur"] / 1e3 / steps,
             "busy_ms": busy / 1e3 / steps, "events": len(timed) / steps,
-            "rows": [(name, calls / steps, total / 1e3 / steps, total / whole) for name, (calls, total) in rows]}
+            "rows": [(name, calls / steps, total / 1e3 / steps, total / whole) for name, (calls, total) in rows],
+            "kinds": {k: (calls / steps, total / 1e3 / steps) for k, (calls, total) in kinds.items()}}
 
 
 def line(label: str, s: dict) -> str:
@@ -70,6 +100,16 @@ def markdown(job: str, entries: list) -> str:
         out += ["| configuration | wall ms/step | operators' self ms/step | operators/step |", "| --- | --- | --- | --- |"]
         out += [f"| {label} | {s['wall_ms']:.2f} | {s['busy_ms']:.2f} | {s['events']:.0f} |" for label, s in done]
     out += [f"| {label} | no profile: {s} |" + " |" * (3 if cuda else 2) for label, s in entries if not isinstance(s, dict)]
+    if cuda:
+        order = [k for k, _ in KINDS] + [OTHER, COPIES]
+        present = [k for k in order if any(k in s.get("kinds", {}) for _, s in done)]
+        out += ["", "Device time by kind of kernel, ms/step (kernels/step); summed, so work that overlaps on two streams "
+                "counts twice:", "", "| configuration | " + " | ".join(present) + " |",
+                "| --- |" + " --- |" * len(present)]
+        for label, s in done:
+            kinds = s.get("kinds", {})
+            cells = [f"{kinds[k][1]:.2f} ({kinds[k][0]:g})" if k in kinds else "-" for k in present]
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
     if not cuda:
         out += ["", "On the CPU, code a compiler generated is no operator, nor is what an AOTInductor package calls "
                 "past the dispatcher (its convolutions' backward): a compiled row's wall time has it, its operators' "
