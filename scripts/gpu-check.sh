@@ -329,8 +329,7 @@ if has tests; then
   test_threads=${PERF_GPU_TEST_THREADS:-2}
   ctest_jobs=$(($(nproc) / test_threads)); ((ctest_jobs >= 1)) || ctest_jobs=1
   # Every Python the tests start writes its stack once a second (tests/python_sampler): for a test over
-  # 60 s, the summary then says where its Pythons spent the time (the exporter tests took 71-86 s on an
-  # H200's host at 8 and at 14 tests at once, 22-24 s on CI's 2 cores: not the load, 965827f).
+  # PERF_GPU_SLOW_TEST_S, the summary then says where its Pythons spent the time.
   slow_s=${PERF_GPU_SLOW_TEST_S:-60}  # the GPU-green issue's bound on one test
   samples=$build/gpu-work/python-samples; rm -rf "$samples"; mkdir -p "$samples"
   within_budget 100 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
