@@ -52,7 +52,9 @@ def read(path):
             if line.startswith("# "):
                 commands.append(line.split(": ", 1)[1] if ": " in line else "")
             elif line:
-                samples.append(line.split("\t")[1:])
+                frames = [f for f in line.split("\t")[1:] if f.count(":") >= 2]
+                if frames:  # none: the main thread had ended (the interpreter's shutdown)
+                    samples.append(frames)
     return commands, samples, path
 
 
