@@ -21,14 +21,27 @@ def run_report(script, docs, *args):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def report_markdown(script, out, name, *paths):
+    """bench/<script> on the results files `paths`, written as <out>/<name>.md: the markdown; the check ends with the
+    report's output where it fails."""
+    rc, log = run_report(script, out, *paths, "--name", name)
+    check(rc == 0, f"{script} on {', '.join(paths)}: exit {rc}\n{log[-3000:]}")
+    return read(os.path.join(out, f"{name}.md"))
+
+
+def report_rows(script, out, name, rows):
+    """report_markdown() on `rows`, written first as <out>/<name>.jsonl."""
+    path = os.path.join(out, f"{name}.jsonl")
+    write(path, rows)
+    return report_markdown(script, out, name, path)
+
+
 def kept_report(script, out, pattern, name):
     """bench/<script> on the latest run kept in docs/runs/<pattern>, written as <out>/<name>.md: (the kept file, its
     rows, the markdown)."""
     kept = sorted(glob.glob(os.path.join(ROOT, "docs", "runs", pattern)))
     check(kept, f"a kept run docs/runs/{pattern}")
-    rc, log = run_report(script, out, kept[-1], "--name", name)
-    check(rc == 0, f"{script} on {kept[-1]}: exit {rc}\n{log[-3000:]}")
-    return kept[-1], rows_of(kept[-1]), read(os.path.join(out, f"{name}.md"))
+    return kept[-1], rows_of(kept[-1]), report_markdown(script, out, name, kept[-1])
 
 
 def read(path):

@@ -11,7 +11,7 @@ import glob
 import os
 import shutil
 
-from report_check_util import ROOT, check, read, rows_of, run_report, write
+from report_check_util import ROOT, check, read, report_rows, rows_of, run_report, write
 
 
 def report(docs, *args):
@@ -71,11 +71,7 @@ def goal_lines(out, h100_rows):
     autotune = {1: graphed[1]["median_ms"] * 1.25, 32: graphed[32]["median_ms"] * 0.8}
     rows = fresh + [{"lang": "python", "config": "Python torch.compile max-autotune", "device": "cuda", "batch": b,
                      "median_ms": autotune[b]} for b in (1, 32)]
-    path = os.path.join(out, "goals.jsonl")
-    write(path, rows)
-    rc, log = report(out, path, "--name", "goals")
-    check(rc == 0, f"report_compiled.py on the goals' rows: exit {rc}\n{log[-3000:]}")
-    table = read(os.path.join(out, "goals.md"))
+    table = report_rows("report_compiled.py", out, "goals", rows)
     for b in (1, 32):
         text, g, eager = section(table, b), graphed[b], ms[(b, "C++ eager fp32")]
         want = f"- {g['config']} ({g['median_ms']:.3f} ms): " + judged(

@@ -12,15 +12,11 @@ import glob
 import os
 import statistics
 
-from report_check_util import ROOT, check, kept_report, read, rows_of, run_report, write
+from report_check_util import ROOT, check, kept_report, report_markdown, report_rows, rows_of
 
 GRAPH = "C++ perf CompiledTrainStep, one CUDA graph"
 COMPILED = "C++ perf CompiledTrainStep (Inductor AOT)"
 REPORT = os.path.join("e2e", "report.py")
-
-
-def report(docs, *args):
-    return run_report(REPORT, docs, *args)
 
 
 def section(table, job):
@@ -65,11 +61,9 @@ def kept_cuda(out):
     # The H100 run whose CNN compiled step failed (dba86b3): its goals not judged, and why.
     failed = glob.glob(os.path.join(ROOT, "docs", "runs", "e2e-cuda-*-dba86b3.jsonl"))
     check(len(failed) == 1, f"the kept H100 run of dba86b3: {failed}")
-    rc, log = report(out, *failed[:1], "--name", "cuda-failed")
-    check(rc == 0, f"report.py on {failed}: exit {rc}\n{log[-3000:]}")
     check(any(r["config"] == "perf_compiled_graph" and "failed" in r for r in rows_of(failed[0])),
           "the kept H100 run is the one whose CNN compiled step failed")
-    text = section(read(os.path.join(out, "cuda-failed.md")), "cnn")
+    text = section(report_markdown(REPORT, out, "cuda-failed", failed[0]), "cnn")
     for peer, goal in (("torch.compile + recipe", "1.15"), ("compile reduce-overhead + recipe", "1.0"),
                        ("compile max-autotune + recipe", "1.0")):
         want = (f"- {GRAPH} against Python {peer} (goal >= {goal}x: not judged: the C++ row failed in this run, "
@@ -89,11 +83,7 @@ def made_cuda(out):
                  dict(one, lang="cpp", config="perf_compiled_graph", samples_per_s=compile_ * 1.20,
                       diagnosis="cuDNN benchmark off"),
                  dict(one, config="compile_reduce_overhead", samples_per_s=compile_ * 1.25)]
-    path = os.path.join(out, "made.jsonl")
-    write(path, rows)
-    rc, log = report(out, path, "--name", "made")
-    check(rc == 0, f"report.py on made CUDA rows: exit {rc}\n{log[-3000:]}")
-    table = read(os.path.join(out, "made.md"))
+    table = report_rows(REPORT, out, "made", rows)
     text = section(table, "cnn")
     compile_ = speed(base, "cnn", "python", "compile_recipe")
     fast = f"{GRAPH} (cuDNN benchmark off)"

@@ -9,7 +9,7 @@ import argparse
 import glob
 import os
 
-from report_check_util import check, kept_report, read, rows_of, run_report, write
+from report_check_util import check, kept_report, read, report_rows, rows_of, run_report, write
 
 
 def report(docs, *args):
@@ -84,22 +84,17 @@ def cuda_goals(out, rows):
     fused["median_ms"] = flat["median_ms"] * 1.28
     py = next(r for r in fresh if r["set"] == "ResNet-50" and r["config"] == "torch.optim.AdamW (fused)")
     py["median_ms"] = flat["median_ms"] * 1.88
-    path = os.path.join(out, "cuda.jsonl")
-    write(path, fresh)
-    rc, log = report(out, path, "--name", "cuda")
-    check(rc == 0, f"report_optim.py on CUDA rows: exit {rc}\n{log[-3000:]}")
-    table = read(os.path.join(out, "cuda.md"))
+    table = report_rows("report_optim.py", out, "cuda", fresh)
     text = section(table, "ResNet-50")
     for want in ("- perf AdamW (flat) moves 85% of the copy bandwidth (goal >= 80%: met)",
                  "- perf AdamW (flat): 1.28x perf AdamW (fused) (timed alternately) (goal >= 1.4x: not met)",
                  "- perf AdamW (flat): 1.88x Python torch.optim.AdamW (fused) (its own process) (goal >= 1.4x: met)"):
         check(want + "\n" in text, f"{want}\n{text}")
     check(table.count("Against the flat-optimizer goals") == 1 and "the share compares rows only" not in table, table)
-    write(path, [r for r in fresh if r["lang"] == "cpp"])
-    rc, log = report(out, path, "--name", "cuda-cpp")
-    check(rc == 0 and "- perf AdamW (flat): against Python torch.optim.AdamW (fused) (goal >= 1.4x: not judged: no "
-          "Python row in this run)" in
-          read(os.path.join(out, "cuda-cpp.md")), f"exit {rc}: {log[-2000:]}")
+    table = report_rows("report_optim.py", out, "cuda-cpp", [r for r in fresh if r["lang"] == "cpp"])
+    want = ("- perf AdamW (flat): against Python torch.optim.AdamW (fused) (goal >= 1.4x: not judged: no Python row in "
+            "this run)")
+    check(want in table, f"{want}\n{table}")
 
 
 def merged(out, kept_path, rows):
