@@ -32,9 +32,7 @@ def kind(name: str, category: str = "kernel") -> str:
     if category != "kernel":
         return COPIES
     low = name.lower()
-    if low.startswith("triton_"):
-        return KINDS[0][0]
-    return next((k for k, marks in KINDS[1:] if any(m in low for m in marks)), OTHER)
+    return next((k for k, marks in KINDS if any(m in low for m in marks)), OTHER)
 
 
 def summarize(path: str, steps: int, top: int = 12) -> dict:
