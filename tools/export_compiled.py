@@ -201,12 +201,64 @@ def _compiler_finds(library: str) -> bool:
 def compile_and_package(program, path: str, configs: dict) -> str:
     """aoti_compile_and_package with the shared C++ runtime linked (shared_cxx_runtime), and the product checked
     for it (check_cxx_runtime): the package is written and usable, or refused and removed. The fake-tensor
-    results torch.export cached are dropped first (forget_export_fake_results)."""
+    results torch.export cached are dropped first (forget_export_fake_results), and Inductor's check of the CPU's
+    vector instruction sets answers from its last success (remember_vec_isa_checks)."""
+    remember_vec_isa_checks()
     forget_export_fake_results(program)
     path = torch._inductor.aoti_compile_and_package(program, package_path=path,
                                                     inductor_configs={**configs, **shared_cxx_runtime(configs)})
     check_cxx_runtime(path)
     return path
+
+
+_ISA_LOAD_OK = ".perf-load-ok"  # beside Inductor's probe source: this build of it loaded once
+
+
+def remember_vec_isa_checks() -> None:
+    """Makes Inductor's check of each vector instruction set (AVX2, AVX-512, AMX: cpu_vec_isa.VecISA.check_build)
+    answer from a marker file where the same check passed before, instead of starting a Python that imports torch
+    to load the probe's library: about a second per instruction set the CPU has, in every new process that
+    compiles for the CPU (3-4 on a server CPU; pytorch/pytorch#100378, #140970).
+
+    Inductor keys the probe's source (and so the marker beside it, in its cache folder) by the compiler's version,
+    the instruction set's flags and torch's version. Only a success is remembered, as pytorch/pytorch#190561
+    proposes for Inductor itself: a failed check runs again in the next process. Where torch's
+    internals differ from 2.11's, this does nothing and Inductor checks as it always does. Idempotent."""
+    import contextlib
+
+    try:
+        from torch._inductor import codecache, cpu_vec_isa
+
+        check_build = cpu_vec_isa.VecISA.check_build
+        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
+        write = codecache.write
+    except (ImportError, AttributeError):
+        return
+    if getattr(check_build, "_perf_remembers", False):
+        return
+
+    def remembered_check_build(isa, code: str) -> bool:
+        try:
+            _, source = write(code, "cpp", extra=fingerprint(isa._arch_flags))  # the key and file Inductor uses
+        except (AttributeError, TypeError, OSError):
+            return check_build(isa, code)
+        marker = os.path.splitext(source)[0] + _ISA_LOAD_OK
+        if os.path.isfile(marker):
+            return True
+        ok = check_build(isa, code)
+        if ok:
+            tmp = f"{marker}.{os.getpid()}"
+            try:
+                with open(tmp, "w") as f:
+                    f.write(f"{isa} {isa._arch_flags}\n")
+                os.replace(tmp, marker)  # whole or absent to a process checking at the same time
+            except OSError:  # an unwritable cache: the next process checks again
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        return ok
+
+    remembered_check_build._perf_remembers = True
+    cpu_vec_isa.VecISA.check_build = remembered_check_build
 
 
 def forget_export_fake_results(program) -> None:
