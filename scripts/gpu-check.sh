@@ -332,6 +332,15 @@ if has tests; then
   # PERF_GPU_SLOW_TEST_S, the summary then says where its Pythons spent the time.
   slow_s=${PERF_GPU_SLOW_TEST_S:-60}  # the GPU-green issue's bound on one test
   samples=$build/gpu-work/python-samples; rm -rf "$samples"; mkdir -p "$samples"
+  # What one new Python pays to import torch here, twice (the second from a warm page cache): every Python a
+  # test starts pays it (an export, and Inductor's check of each vector ISA where the exporter has no marker).
+  import_s=""
+  for _ in 1 2; do
+    s0=$(date +%s%N) why=""
+    "$py" -c "import torch" >/dev/null 2>&1 || why=" (failed)"
+    ms=$((($(date +%s%N) - s0) / 1000000))
+    import_s+="${import_s:+, }$((ms / 1000)).$((ms % 1000 / 100)) s$why"
+  done
   within_budget 100 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
     PYTHONPATH="$PWD/tests/python_sampler${PYTHONPATH:+:$PYTHONPATH}" PERF_TEST_PYTHON_SAMPLES="$samples" \
     ctest --test-dir "$build" -j "$ctest_jobs" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
@@ -346,6 +355,7 @@ if has tests; then
     grep -m1 -E "cuda:0" "$logs/environment.txt" || true
     grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
     grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
+    echo "import torch in a new Python, before the tests: $import_s"
     echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
       "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
     cat "$logs/one-process-stops.txt" 2>/dev/null
