@@ -332,12 +332,14 @@ if has tests; then
   # PERF_GPU_SLOW_TEST_S, the summary then says where its Pythons spent the time.
   slow_s=${PERF_GPU_SLOW_TEST_S:-60}  # the GPU-green issue's bound on one test
   samples=$build/gpu-work/python-samples; rm -rf "$samples"; mkdir -p "$samples"
-  # What one new Python pays to import torch here, twice (the second from a warm page cache): every Python a
-  # test starts pays it (an export, and Inductor's check of each vector ISA where the exporter has no marker).
+  # What one new Python pays to import torch here, twice (the second from a warm page cache), and with CUDA
+  # initialised: every Python a test starts pays the import (an export, and Inductor's check of each vector ISA
+  # where the exporter has no marker), and Inductor's compiles, CPU ones too, initialise CUDA where there is a
+  # GPU (its cache key reads the device's name: torch/_inductor/codecache.py, CacheBase.get_system).
   import_s=""
-  for _ in 1 2; do
+  for code in "import torch" "import torch" "import torch; torch.cuda.init()"; do
     s0=$(date +%s%N) why=""
-    "$py" -c "import torch" >/dev/null 2>&1 || why=" (failed)"
+    "$py" -c "$code" >/dev/null 2>&1 || why=" (failed)"
     ms=$((($(date +%s%N) - s0) / 1000000))
     import_s+="${import_s:+, }$((ms / 1000)).$((ms % 1000 / 100)) s$why"
   done
@@ -355,7 +357,7 @@ if has tests; then
     grep -m1 -E "cuda:0" "$logs/environment.txt" || true
     grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
     grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
-    echo "import torch in a new Python, before the tests: $import_s"
+    echo "import torch in a new Python, before the tests (twice, then with CUDA initialised): $import_s"
     echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
       "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
     cat "$logs/one-process-stops.txt" 2>/dev/null
