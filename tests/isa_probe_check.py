@@ -6,13 +6,13 @@ again. Run by ctest (isa_probe_memory):
 
 Each case is a new Python (Inductor keeps the answer per process) on one Inductor cache folder, DIR/inductor. It
 counts the probe loads Inductor starts (a Python that imports torch and loads the probe's library) by wrapping
-subprocess.check_call, and can make them fail.
+subprocess.check_call, and can answer them without starting that Python: as failed, or as passed (the answer the
+first, real, case got; about a second less each on 2 cores).
 """
 import argparse
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -33,6 +33,8 @@ def counted(cmd, *args, **kwargs):
         loads += 1
         if sys.argv[3] == "fail":
             raise subprocess.CalledProcessError(1, cmd)
+        if sys.argv[3] == "pass":
+            return 0
     return real(cmd, *args, **kwargs)
 
 subprocess.check_call = counted
@@ -66,8 +68,9 @@ def markers(cache: str) -> list:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    cache = os.path.join(p.parse_args().out, "inductor")
-    shutil.rmtree(cache, ignore_errors=True)
+    cache = os.path.join(p.parse_args().out, "inductor")  # kept between runs: the probes compile once
+    for marker in markers(cache):
+        os.remove(marker)
 
     plain = case(cache, "plain")
     if plain["loads"] == 0:
@@ -79,7 +82,7 @@ def main():
     check(failed["loads"] > 0 and failed["isas"] == [], f"failed loads make every check fail: {failed}")
     check(not markers(cache), f"a failed check leaves no marker: {markers(cache)}")
 
-    first = case(cache, "remember")
+    first = case(cache, "remember", "pass")
     check(first == plain, f"the first remembered checks load as Inductor alone does, same answer: {first} vs {plain}")
     check(len(markers(cache)) == plain["loads"], f"one marker per passed check ({plain['loads']}): {markers(cache)}")
 
