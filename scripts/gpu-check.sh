@@ -35,6 +35,9 @@
 # (default 60 s) and, from a sample a second of every Python the tests start,
 # where those tests' Pythons spent the time (tests/python_sampler).
 #
+# Where torch's venv holds no Python bytecode and Python may not write it there, the bytecode is kept in the
+# build folder (PYTHONPYCACHEPREFIX; the build and tests summaries say which case the machine is).
+#
 # Offline by design: never runs apt or pip.
 #   LibTorch   from PERF_PYTHON's torch (default python3), or Torch_DIR.
 #   GoogleTest, CLI11, Google Benchmark: installed CMake packages, or the folder
@@ -106,6 +109,47 @@ within_budget() {  # reserve command...
 has() { [[ ",$parts," == *",$1,"* ]]; }
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+
+# Python's bytecode for torch's modules. Where the venv holds none (uv installs without it by default) and
+# Python may not write it there (a venv this user cannot write to, or PYTHONDONTWRITEBYTECODE set), every Python
+# that imports torch compiles its modules from source again, and the tests start dozens. Then the bytecode goes
+# to the build folder (PYTHONPYCACHEPREFIX), written by the first Python and read by the rest, on this call and
+# the next.
+pyc_state=$("$py" - 2>/dev/null <<'PY'
+import importlib.util, os, sys, tempfile
+spec = importlib.util.find_spec("torch")  # finds it without importing it
+root = os.path.dirname(spec.origin) if spec and spec.origin else None
+parts = (["__init__.py"], ["_tensor.py"], ["_inductor", "codecache.py"])
+sources = [os.path.join(root, *p) for p in parts] if root else []
+missing = [s for s in sources if os.path.exists(s) and not os.path.exists(importlib.util.cache_from_source(s))]
+def writable(folder):
+    try:  # a real write: root passes os.access on a read-only mount
+        os.makedirs(folder, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=folder)
+        os.close(fd)
+        os.remove(path)
+        return True
+    except OSError:
+        return False
+print("unknown" if not sources else "cached" if not missing else "not-written" if sys.dont_write_bytecode else
+      "writable" if all(writable(os.path.dirname(importlib.util.cache_from_source(s))) for s in missing) else
+      "read-only")
+PY
+) || pyc_state=unknown
+case $pyc_state in
+  cached) pyc_line="torch's bytecode: in the venv" ;;
+  writable) pyc_line="torch's bytecode: not in the venv; the first Python that imports torch writes it there" ;;
+  read-only | not-written)
+    why="which is read-only"; [[ $pyc_state == not-written ]] && why="and PYTHONDONTWRITEBYTECODE is set"
+    if [ -n "${PYTHONPYCACHEPREFIX:-}" ]; then
+      pyc_line="torch's bytecode: not in the venv, $why; PYTHONPYCACHEPREFIX=$PYTHONPYCACHEPREFIX as set"
+    else
+      export PYTHONPYCACHEPREFIX=$build/gpu-work/pycache
+      unset PYTHONDONTWRITEBYTECODE
+      pyc_line="torch's bytecode: not in the venv, $why: kept in PYTHONPYCACHEPREFIX=$PYTHONPYCACHEPREFIX"
+    fi ;;
+  *) pyc_line="torch's bytecode: unknown ($py could not find torch's sources)" ;;
+esac
 
 # A GPU, unless only the build is asked for.
 if [[ $parts != build ]]; then
@@ -180,6 +224,7 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
+    echo "$pyc_line"
     # The CUDA test packages, exported and checked against eager at build time: a refused one
     # ends its log with the exporter's reason (and the kernel it blames), kept with the logs.
     pk=$build/tests/packages/cuda
@@ -358,6 +403,7 @@ if has tests; then
     grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
     grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
     echo "import torch in a new Python, before the tests (twice, then with CUDA initialised): $import_s"
+    echo "$pyc_line"
     echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
       "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
     cat "$logs/one-process-stops.txt" 2>/dev/null

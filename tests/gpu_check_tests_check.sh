@@ -2,7 +2,8 @@
 # scripts/gpu-check.sh --part tests as a lent GPU machine runs it, here on the CPU with a stand-in build: a
 # CTestTestfile.cmake of two tests, one whose Python waits for a subprocess and then computes, for longer than
 # PERF_GPU_SLOW_TEST_S (2 s here, 60 by default). The summary lists it among the slow tests, with where its Python
-# spent the time from tests/python_sampler's samples, and tests.tar.gz keeps those samples.
+# spent the time from tests/python_sampler's samples, and tests.tar.gz keeps those samples. Then twice more with
+# a stand-in torch that has no bytecode and where Python may not write it: gpu-check keeps it in its build folder.
 #   tests/gpu_check_tests_check.sh <repo root> <python>
 set -uo pipefail
 root=$1 python=$2
@@ -40,4 +41,30 @@ check "the summary says what a new Python's import torch takes, twice, then with
   grep -qE "^import torch in a new Python, before the tests \(.*\): $t, $t, $t \(failed\)$" <<<"$summary"
 check "tests.tar.gz keeps its samples, in a folder named by the test" \
   test "$(ls "$work/tar/tests/python-samples/slow_python" 2>/dev/null | wc -l)" = 1
+check "the summary says the venv holds torch's bytecode" grep -qx "torch's bytecode: in the venv" <<<"$summary"
+
+# Again with a torch without bytecode that Python may not write: into folders that cannot take it (a
+# __pycache__ that is a file: root writes past a read-only mode, not past that), or under
+# PYTHONDONTWRITEBYTECODE. The bytecode then goes to the build folder, written by the first Python.
+for how in read-only PYTHONDONTWRITEBYTECODE; do
+  fake=$work/site-$how
+  mkdir -p "$fake/torch/_inductor"
+  touch "$fake/torch/__init__.py" "$fake/torch/_tensor.py" "$fake/torch/_inductor/__init__.py" \
+    "$fake/torch/_inductor/codecache.py"
+  if [[ $how == read-only ]]; then
+    touch "$fake/torch/__pycache__" "$fake/torch/_inductor/__pycache__"
+    why="which is read-only" set_env=(-u PYTHONDONTWRITEBYTECODE)
+  else
+    why="and PYTHONDONTWRITEBYTECODE is set" set_env=(PYTHONDONTWRITEBYTECODE=1)
+  fi
+  rm -rf "$work/build/gpu-work/pycache"
+  env "${set_env[@]}" PYTHONPATH="$fake" PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
+    PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out-$how" PERF_GPU_SLOW_TEST_S=100 PERF_GPU_BUDGET_S=400 \
+    bash scripts/gpu-check.sh --part tests >>"$work/stdout" 2>&1
+  summary=$(cat "$work/out-$how/tests-summary.txt" 2>/dev/null)
+  check "$how: the summary says the bytecode goes to the build folder" grep -qx \
+    "torch's bytecode: not in the venv, $why: kept in PYTHONPYCACHEPREFIX=$work/build/gpu-work/pycache" <<<"$summary"
+  check "$how: and the first Python wrote torch's there" \
+    test -n "$(find "$work/build/gpu-work/pycache" -path "*/torch/__init__.*.pyc" 2>/dev/null)"
+done
 finish_check "gpu-check --part tests on the CPU"
