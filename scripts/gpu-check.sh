@@ -198,10 +198,24 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
   unity=ON; (($(nproc) >= 8)) && unity=OFF
   echo "== build ($(nproc) jobs) -> $build"
   st=0
+  # Inductor checks the CPU's vector instruction sets in every Python that compiles a package, CUDA ones too
+  # (a package records the CPU's), each check a new Python importing torch. Done once here, beside the
+  # configuration, the exporter's markers (remember_vec_isa_checks) answer it in the build's exports that start
+  # at once, and in the tests'.
+  s0=$(date +%s)
+  "$py" -c "import sys; sys.path.insert(0, 'tools'); import export_compiled as e; e.remember_vec_isa_checks()
+from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.valid_vec_isa_list())) or 'none')" \
+    >"$logs/vec-isa.txt" 2>&1 &
+  isa_check=$!
   # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
   cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
     -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TEST_SHARDS=0 -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
     { tail -30 "$logs/configure.log"; st=1; }
+  if wait "$isa_check"; then
+    isa_line="Inductor's vector ISA checks: $(tail -n 1 "$logs/vec-isa.txt") ($(($(date +%s) - s0)) s, with the configuration)"
+  else
+    isa_line="Inductor's vector ISA checks: failed ($(tail -n 1 "$logs/vec-isa.txt"); vec-isa.txt in build.tar.gz)"
+  fi
   # bench/e2e's training packages (the CNN's took 100 s on an H200) export on a GPU beside the compilation
   # (Python alone: --amp bf16 is what the C++ runner's `--info` says on CUDA), so that --part e2e measures
   # rather than compiles: cached in $PERF_CACHE_DIR/e2e-packages by everything that shapes them
@@ -225,6 +239,7 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
     echo "$pyc_line"
+    echo "$isa_line"
     # The CUDA test packages, exported and checked against eager at build time: a refused one
     # ends its log with the exporter's reason (and the kernel it blames), kept with the logs.
     pk=$build/tests/packages/cuda
