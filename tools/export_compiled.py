@@ -217,8 +217,9 @@ _ISA_LOAD_OK = ".perf-load-ok"  # beside Inductor's probe source: this build of 
 def remember_vec_isa_checks() -> None:
     """Makes Inductor's check of each vector instruction set (AVX2, AVX-512, AMX: cpu_vec_isa.VecISA.check_build)
     answer from a marker file where the same check passed before, instead of starting a Python that imports torch
-    to load the probe's library: about a second per instruction set the CPU has, in every new process that
-    compiles for the CPU (3-4 on a server CPU; pytorch/pytorch#100378, #140970).
+    to load the probe's library: about a second per instruction set the CPU has (3-4 on a server CPU;
+    pytorch/pytorch#100378, #140970), in every new process that compiles a package or loads one in Python, for
+    any device (a package records the CPU's instruction set, codecache.get_device_information).
 
     Inductor keys the probe's source (and so the marker beside it, in its cache folder) by the compiler's version,
     the instruction set's flags and torch's version. Only a success is remembered, as pytorch/pytorch#190561
