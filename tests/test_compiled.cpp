@@ -456,11 +456,19 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
       "False}, verify=False)\n"
       "e.export_compiled(m, (x,), 'y.pt2', verify=False)\n"
       "keys = ('max_autotune', 'coordinate_descent_tuning', 'triton.cudagraphs')\n"
-      "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"));
+      "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"
+      // --device cuda where torch sees no GPU: refused before the model is built, without a traceback.
+      "if torch.cuda.is_available():\n"
+      "    print('a GPU here: --device cuda exports')\n"
+      "else:\n"
+      "    try:\n"
+      "        e.main(['models.py:make_mlp', '-o', 'x.pt2', '--input', '4,16', '--device', 'cuda'])\n"
+      "    except SystemExit as x:\n"
+      "        print(x)\n"));
   EXPECT_EQ(test_util::vectorized_mentions(package("mlp_scalar.pt2")), 0) << "cpp.simdlen=1 left SIMD code";
   EXPECT_GT(test_util::vectorized_mentions(package("mlp.pt2")), 0)
       << "the default export has no SIMD code: this test no longer shows the option's effect";
-  ASSERT_EQ(out.size(), 6u);
+  ASSERT_EQ(out.size(), 7u);
   EXPECT_NE(out[0].find("export_compiled.py: --inductor-config 'layout_optimisation' is not an option of "
                         "torch._inductor.config (did you mean layout_optimization"),
             std::string::npos)
@@ -476,6 +484,11 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   // max_autotune/coordinate_descent_tuning/triton.cudagraphs of three exports: --max-autotune, the same with
   // coordinate_descent_tuning=False given, without --max-autotune.
   EXPECT_EQ(out[5], "True/True/None True/False/None False/None/None");
+  if (!torch::cuda::is_available()) {
+    EXPECT_EQ(out[6],
+              "export_compiled.py: --device cuda needs a CUDA GPU in this Python (torch.cuda.is_available() "
+              "is False): export where the package will run, or --device cpu");
+  }
 }
 
 // Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program

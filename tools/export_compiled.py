@@ -1253,6 +1253,9 @@ def main(argv=None) -> int:
         options = cli_inductor_options(a.inductor_config)
     except ValueError as e:
         raise SystemExit(f"export_compiled.py: {e}")
+    if a.device == "cuda" and not torch.cuda.is_available():  # before the model is built, and without a traceback
+        raise SystemExit("export_compiled.py: --device cuda needs a CUDA GPU in this Python (torch.cuda.is_available() "
+                         "is False): export where the package will run, or --device cpu")
     dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
     model = load_factory(a.factory)(**json.loads(a.kwargs))
