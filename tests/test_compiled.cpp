@@ -491,6 +491,47 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   }
 }
 
+// The exporter's command line refuses what it cannot use before anything is built or compiled, each time with
+// the setting named and what it takes, never with a traceback: keyword arguments that are not a JSON object, a
+// factory that returns no module, sizes that are not numbers, a training batch of another length than the loss
+// takes. From Python, a model that is not a module is a TypeError that says so.
+TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
+  const std::string models = test_util::source_dir() + "/tests/compiled/models.py";
+  const auto out = test_util::lines(
+      test_util::exporter_python("def run(*args):\n"
+                                 "    try:\n"
+                                 "        e.main(list(args) + ['-o', 'x.pt2'])\n"
+                                 "        print('accepted')\n"
+                                 "    except SystemExit as x:\n"
+                                 "        print(x)\n"
+                                 "m = '" +
+                                 models +
+                                 "'\n"
+                                 "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '{bad')\n"
+                                 "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '[1]')\n"
+                                 "run('builtins:object', '--input', '4,16')\n"
+                                 "run(m + ':make_mlp', '--input', '4,x')\n"
+                                 "run(m + ':make_mlp', '--train', '--loss', m + ':classify_loss', '--input', '4,16')\n"
+                                 "try:\n"
+                                 "    e.export_compiled(3, (torch.ones(1),), 'x.pt2')\n"
+                                 "except TypeError as x:\n"
+                                 "    print(x)\n"));
+  ASSERT_EQ(out.size(), 6u);
+  EXPECT_EQ(out[0].rfind("--kwargs must be a JSON object of the factory's keyword arguments, e.g. '{\"width\": 64}', "
+                         "got '{bad' (Expecting property name",
+                         0),
+            0u)
+      << out[0];
+  EXPECT_EQ(out[1],
+            "--kwargs must be a JSON object of the factory's keyword arguments, e.g. '{\"width\": 64}', got '[1]'");
+  EXPECT_EQ(out[2], "FACTORY: builtins:object returned object, not a torch.nn.Module");
+  EXPECT_EQ(out[3], "--input '4,x': sizes must be integers separated by commas, e.g. 8,3,224,224");
+  EXPECT_EQ(out[4],
+            "export_compiled.py: the loss classify_loss(model, x, y) cannot take (model, 1 batch tensor): missing a "
+            "required argument: 'y'; give one example tensor (--input) per batch tensor after the model");
+  EXPECT_EQ(out[5], "model must be a torch.nn.Module, got int");
+}
+
 // Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program
 // (here a custom op whose fake kernel says contiguous where the real one returns channels-last, which
 // AOTInductor's generated code does not check) is refused, with the kernel named, and the file removed.

@@ -394,6 +394,7 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' needs a CUDA GPU in this Python (torch.cuda.is_available() is False)")
     options = inductor_options(inductor_configs)
+    _check_module(model)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device=device, dtype=dtype).eval()
     if channels_last:
@@ -733,6 +734,28 @@ def _joint_program(program):
     return joint._update(gm, signature)
 
 
+def _check_module(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_loss_takes(loss, model, batch) -> None:
+    """ValueError where loss(model, *batch) would not bind: a batch of another length than the loss takes."""
+    import inspect
+
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+        return
+    try:
+        signature.bind(model, *batch)
+    except TypeError as e:
+        name = getattr(loss, "__name__", type(loss).__name__)
+        raise ValueError(f"the loss {name}{signature} cannot take (model, {len(batch)} batch tensor"
+                         f"{'' if len(batch) == 1 else 's'}): {e}; give one example tensor (--input) per batch "
+                         "tensor after the model") from None
+
+
 def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
                  dynamic_batch: tuple[int, int] | None = None, device: str = "cpu", amp: str = "off",
                  channels_last: bool = False, max_autotune: bool = False, fallback_random: bool = True,
@@ -767,6 +790,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     if not callable(loss):
         raise ValueError("loss must be a callable loss(model, *batch) -> scalar tensor")
     options = inductor_options(inductor_configs)
+    _check_module(model)
+    _check_loss_takes(loss, model, example_batch)
     model = model.to(device).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -1258,7 +1283,17 @@ def main(argv=None) -> int:
                          "is False): export where the package will run, or --device cpu")
     dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
-    model = load_factory(a.factory)(**json.loads(a.kwargs))
+    try:
+        kwargs = json.loads(a.kwargs)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--kwargs must be a JSON object of the factory's keyword arguments, e.g. "
+                         f"'{{\"width\": 64}}', got {a.kwargs!r} ({e})")
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--kwargs must be a JSON object of the factory's keyword arguments, e.g. "
+                         f"'{{\"width\": 64}}', got {a.kwargs!r}")
+    model = load_factory(a.factory)(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise SystemExit(f"FACTORY: {a.factory} returned {type(model).__name__}, not a torch.nn.Module")
     inputs = tuple(parse_input(s, dtype) for s in a.input)
     if a.train:
         started = time.time()
