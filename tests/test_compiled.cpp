@@ -491,10 +491,10 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   }
 }
 
-// The exporter's command line refuses what it cannot use before anything is built or compiled, each time with
-// the setting named and what it takes, never with a traceback: keyword arguments that are not a JSON object, a
+// The exporter's command line refuses what it cannot use before anything is compiled, each time with the
+// setting named and what it takes, never with a traceback: keyword arguments that are not a JSON object, a
 // factory that returns no module, sizes that are not numbers, a training batch of another length than the loss
-// takes. From Python, a model that is not a module is a TypeError that says so.
+// takes, more inputs than the model's forward takes. From Python, a model that is not a module is a TypeError.
 TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
   const std::string models = test_util::source_dir() + "/tests/compiled/models.py";
   const auto out = test_util::lines(
@@ -512,11 +512,12 @@ TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
                                  "run('builtins:object', '--input', '4,16')\n"
                                  "run(m + ':make_mlp', '--input', '4,x')\n"
                                  "run(m + ':make_mlp', '--train', '--loss', m + ':classify_loss', '--input', '4,16')\n"
+                                 "run(m + ':make_mlp', '--input', '4,16', '--input', '4,16')\n"
                                  "try:\n"
                                  "    e.export_compiled(3, (torch.ones(1),), 'x.pt2')\n"
                                  "except TypeError as x:\n"
                                  "    print(x)\n"));
-  ASSERT_EQ(out.size(), 6u);
+  ASSERT_EQ(out.size(), 7u);
   EXPECT_EQ(out[0].rfind("--kwargs must be a JSON object of the factory's keyword arguments, e.g. '{\"width\": 64}', "
                          "got '{bad' (Expecting property name",
                          0),
@@ -528,8 +529,11 @@ TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
   EXPECT_EQ(out[3], "--input '4,x': sizes must be integers separated by commas, e.g. 8,3,224,224");
   EXPECT_EQ(out[4],
             "export_compiled.py: the loss classify_loss(model, x, y) cannot take (model, 1 batch tensor): missing a "
-            "required argument: 'y'; give one example tensor (--input) per batch tensor after the model");
-  EXPECT_EQ(out[5], "model must be a torch.nn.Module, got int");
+            "required argument: 'y'; give one example tensor (--input) per tensor it takes");
+  EXPECT_EQ(out[5],
+            "export_compiled.py: the model's Mlp.forward(x) cannot take 2 inputs: too many positional arguments; "
+            "give one example tensor (--input) per tensor it takes");
+  EXPECT_EQ(out[6], "model must be a torch.nn.Module, got int");
 }
 
 // Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program

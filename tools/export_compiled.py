@@ -395,6 +395,8 @@ def export_compiled(model: torch.nn.Module, example_inputs, path: str, *,
         raise RuntimeError("device='cuda' needs a CUDA GPU in this Python (torch.cuda.is_available() is False)")
     options = inductor_options(inductor_configs)
     _check_module(model)
+    _check_takes(model.forward, tuple(example_inputs), f"the model's {type(model).__name__}.forward",
+                 _count(len(example_inputs), "input"))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device=device, dtype=dtype).eval()
     if channels_last:
@@ -739,21 +741,24 @@ def _check_module(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _check_loss_takes(loss, model, batch) -> None:
-    """ValueError where loss(model, *batch) would not bind: a batch of another length than the loss takes."""
+def _check_takes(fn, args, what: str, given: str) -> None:
+    """ValueError where fn(*args) would not bind: `what` (the loss, the model's forward) takes other arguments
+    than the example tensors give; `given` says what the caller gave, for the message."""
     import inspect
 
     try:
-        signature = inspect.signature(loss)
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: the call will tell
         return
     try:
-        signature.bind(model, *batch)
+        signature.bind(*args)
     except TypeError as e:
-        name = getattr(loss, "__name__", type(loss).__name__)
-        raise ValueError(f"the loss {name}{signature} cannot take (model, {len(batch)} batch tensor"
-                         f"{'' if len(batch) == 1 else 's'}): {e}; give one example tensor (--input) per batch "
-                         "tensor after the model") from None
+        raise ValueError(f"{what}{signature} cannot take {given}: {e}; give one example tensor (--input) per "
+                         "tensor it takes") from None
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
@@ -791,7 +796,8 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
         raise ValueError("loss must be a callable loss(model, *batch) -> scalar tensor")
     options = inductor_options(inductor_configs)
     _check_module(model)
-    _check_loss_takes(loss, model, example_batch)
+    _check_takes(loss, (model, *example_batch), f"the loss {getattr(loss, '__name__', type(loss).__name__)}",
+                 f"(model, {_count(len(example_batch), 'batch tensor')})")
     model = model.to(device).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
