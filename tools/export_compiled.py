@@ -1290,13 +1290,12 @@ def main(argv=None) -> int:
     dtype = DTYPES[a.dtype]
     torch.manual_seed(a.seed)
     try:
-        kwargs = json.loads(a.kwargs)
+        kwargs, why = json.loads(a.kwargs), ""
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--kwargs must be a JSON object of the factory's keyword arguments, e.g. "
-                         f"'{{\"width\": 64}}', got {a.kwargs!r} ({e})")
+        kwargs, why = None, f" ({e})"
     if not isinstance(kwargs, dict):
         raise SystemExit(f"--kwargs must be a JSON object of the factory's keyword arguments, e.g. "
-                         f"'{{\"width\": 64}}', got {a.kwargs!r}")
+                         f"'{{\"width\": 64}}', got {a.kwargs!r}{why}")
     model = load_factory(a.factory)(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"FACTORY: {a.factory} returned {type(model).__name__}, not a torch.nn.Module")
