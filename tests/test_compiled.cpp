@@ -494,30 +494,38 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
 // The exporter's command line refuses what it cannot use before anything is compiled, each time with the
 // setting named and what it takes, never with a traceback: keyword arguments that are not a JSON object, a
 // factory that returns no module, sizes that are not numbers, a training batch of another length than the loss
-// takes, more inputs than the model's forward takes. From Python, a model that is not a module is a TypeError.
+// takes, more inputs than the model's forward takes, a loss that is not one number. From Python, a model that is
+// not a module is a TypeError.
 TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
   const std::string models = test_util::source_dir() + "/tests/compiled/models.py";
-  const auto out = test_util::lines(
-      test_util::exporter_python("def run(*args):\n"
-                                 "    try:\n"
-                                 "        e.main(list(args) + ['-o', 'x.pt2'])\n"
-                                 "        print('accepted')\n"
-                                 "    except SystemExit as x:\n"
-                                 "        print(x)\n"
-                                 "m = '" +
-                                 models +
-                                 "'\n"
-                                 "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '{bad')\n"
-                                 "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '[1]')\n"
-                                 "run('builtins:object', '--input', '4,16')\n"
-                                 "run(m + ':make_mlp', '--input', '4,x')\n"
-                                 "run(m + ':make_mlp', '--train', '--loss', m + ':classify_loss', '--input', '4,16')\n"
-                                 "run(m + ':make_mlp', '--input', '4,16', '--input', '4,16')\n"
-                                 "try:\n"
-                                 "    e.export_compiled(3, (torch.ones(1),), 'x.pt2')\n"
-                                 "except TypeError as x:\n"
-                                 "    print(x)\n"));
-  ASSERT_EQ(out.size(), 7u);
+  const auto out = test_util::lines(test_util::exporter_python(
+      "def run(*args):\n"
+      "    try:\n"
+      "        e.main(list(args) + ['-o', 'x.pt2'])\n"
+      "        print('accepted')\n"
+      "    except SystemExit as x:\n"
+      "        print(x)\n"
+      "m = '" +
+      models +
+      "'\n"
+      "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '{bad')\n"
+      "run(m + ':make_mlp', '--input', '4,16', '--kwargs', '[1]')\n"
+      "run('builtins:object', '--input', '4,16')\n"
+      "run(m + ':make_mlp', '--input', '4,x')\n"
+      "run(m + ':make_mlp', '--train', '--loss', m + ':classify_loss', '--input', '4,16')\n"
+      "run(m + ':make_mlp', '--input', '4,16', '--input', '4,16')\n"
+      "def per_sample(model, x, y):\n"
+      "    return torch.nn.functional.cross_entropy(model(x), y, reduction='none')\n"
+      "try:\n"
+      "    e.export_train(e.load_factory(m + ':make_mlp')(), per_sample, (torch.randn(4, 16), torch.zeros(4, "
+      "dtype=torch.long)), 'x.pt2')\n"
+      "except ValueError as x:\n"
+      "    print(x)\n"
+      "try:\n"
+      "    e.export_compiled(3, (torch.ones(1),), 'x.pt2')\n"
+      "except TypeError as x:\n"
+      "    print(x)\n"));
+  ASSERT_EQ(out.size(), 8u);
   EXPECT_EQ(out[0].rfind("--kwargs must be a JSON object of the factory's keyword arguments, e.g. '{\"width\": 64}', "
                          "got '{bad' (Expecting property name",
                          0),
@@ -533,7 +541,8 @@ TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
   EXPECT_EQ(out[5],
             "export_compiled.py: the model's Mlp.forward(x) cannot take 2 inputs: too many positional arguments; "
             "give one example tensor (--input) per tensor it takes");
-  EXPECT_EQ(out[6], "model must be a torch.nn.Module, got int");
+  EXPECT_EQ(out[6], "loss must return a floating-point scalar tensor (one element), got a float32 tensor of shape [4]");
+  EXPECT_EQ(out[7], "model must be a torch.nn.Module, got int");
 }
 
 // Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program

@@ -813,7 +813,9 @@ def export_train(model: torch.nn.Module, loss, example_batch, path: str, *,
     with torch.no_grad():
         probe = _probe(step.loss, model, *batch)
     if not (isinstance(probe, torch.Tensor) and probe.numel() == 1 and probe.is_floating_point()):
-        raise ValueError(f"loss must return a floating-point scalar tensor, got {probe!r:.200}")
+        got = (f"a {str(probe.dtype).replace('torch.', '')} tensor of shape {list(probe.shape)}"
+               if isinstance(probe, torch.Tensor) else f"{type(probe).__name__} {probe!r:.100}")
+        raise ValueError(f"loss must return a floating-point scalar tensor (one element), got {got}")
     precision = AttentionPrecision(device, attention if amp != "off" else "autocast")
     if precision.mode == "fastest" and device == "cpu":
         # One eager forward, with grad, measures each attention shape; the model's buffers (BatchNorm
