@@ -456,19 +456,11 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
       "False}, verify=False)\n"
       "e.export_compiled(m, (x,), 'y.pt2', verify=False)\n"
       "keys = ('max_autotune', 'coordinate_descent_tuning', 'triton.cudagraphs')\n"
-      "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"
-      // --device cuda where torch sees no GPU: refused before the model is built, without a traceback.
-      "if torch.cuda.is_available():\n"
-      "    print('a GPU here: --device cuda exports')\n"
-      "else:\n"
-      "    try:\n"
-      "        e.main(['models.py:make_mlp', '-o', 'x.pt2', '--input', '4,16', '--device', 'cuda'])\n"
-      "    except SystemExit as x:\n"
-      "        print(x)\n"));
+      "print(' '.join('/'.join(str(c.get(k)) for k in keys) for c in seen))\n"));
   EXPECT_EQ(test_util::vectorized_mentions(package("mlp_scalar.pt2")), 0) << "cpp.simdlen=1 left SIMD code";
   EXPECT_GT(test_util::vectorized_mentions(package("mlp.pt2")), 0)
       << "the default export has no SIMD code: this test no longer shows the option's effect";
-  ASSERT_EQ(out.size(), 7u);
+  ASSERT_EQ(out.size(), 6u);
   EXPECT_NE(out[0].find("export_compiled.py: --inductor-config 'layout_optimisation' is not an option of "
                         "torch._inductor.config (did you mean layout_optimization"),
             std::string::npos)
@@ -484,27 +476,24 @@ TEST(Compiled, ExporterPassesInductorOptionsThroughAndRecordsThem) {
   // max_autotune/coordinate_descent_tuning/triton.cudagraphs of three exports: --max-autotune, the same with
   // coordinate_descent_tuning=False given, without --max-autotune.
   EXPECT_EQ(out[5], "True/True/None True/False/None False/None/None");
-  if (!torch::cuda::is_available()) {
-    EXPECT_EQ(out[6],
-              "export_compiled.py: --device cuda needs a CUDA GPU in this Python (torch.cuda.is_available() "
-              "is False): export where the package will run, or --device cpu");
-  }
 }
 
 // The exporter's command line refuses what it cannot use before anything is compiled, each time with the
 // setting named and what it takes, never with a traceback: keyword arguments that are not a JSON object, a
 // factory that returns no module, sizes that are not numbers, a training batch of another length than the loss
-// takes, more inputs than the model's forward takes, a loss that is not one number. From Python, a model that is
-// not a module is a TypeError.
+// takes, more inputs than the model's forward takes, a loss that is not one number, --device cuda where torch
+// sees no GPU. From Python, a model that is not a module is a TypeError.
 TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
   const std::string models = test_util::source_dir() + "/tests/compiled/models.py";
   const auto out = test_util::lines(test_util::exporter_python(
-      "def run(*args):\n"
+      "def refused(error, f, *args):\n"
       "    try:\n"
-      "        e.main(list(args) + ['-o', 'x.pt2'])\n"
+      "        f(*args)\n"
       "        print('accepted')\n"
-      "    except SystemExit as x:\n"
+      "    except error as x:\n"
       "        print(x)\n"
+      "def run(*args):\n"
+      "    refused(SystemExit, e.main, list(args) + ['-o', 'x.pt2'])\n"
       "m = '" +
       models +
       "'\n"
@@ -516,16 +505,14 @@ TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
       "run(m + ':make_mlp', '--input', '4,16', '--input', '4,16')\n"
       "def per_sample(model, x, y):\n"
       "    return torch.nn.functional.cross_entropy(model(x), y, reduction='none')\n"
-      "try:\n"
-      "    e.export_train(e.load_factory(m + ':make_mlp')(), per_sample, (torch.randn(4, 16), torch.zeros(4, "
-      "dtype=torch.long)), 'x.pt2')\n"
-      "except ValueError as x:\n"
-      "    print(x)\n"
-      "try:\n"
-      "    e.export_compiled(3, (torch.ones(1),), 'x.pt2')\n"
-      "except TypeError as x:\n"
-      "    print(x)\n"));
-  ASSERT_EQ(out.size(), 8u);
+      "refused(ValueError, e.export_train, e.load_factory(m + ':make_mlp')(), per_sample, (torch.randn(4, 16), "
+      "torch.zeros(4, dtype=torch.long)), 'x.pt2')\n"
+      "refused(TypeError, e.export_compiled, 3, (torch.ones(1),), 'x.pt2')\n"
+      "if torch.cuda.is_available():\n"
+      "    print('a GPU here: --device cuda exports')\n"
+      "else:\n"
+      "    run(m + ':make_mlp', '--input', '4,16', '--device', 'cuda')\n"));
+  ASSERT_EQ(out.size(), 9u);
   EXPECT_EQ(out[0].rfind("--kwargs must be a JSON object of the factory's keyword arguments, e.g. '{\"width\": 64}', "
                          "got '{bad' (Expecting property name",
                          0),
@@ -543,6 +530,11 @@ TEST(Compiled, ExporterRefusesBadArgumentsNamingTheSetting) {
             "give one example tensor (--input) per tensor it takes");
   EXPECT_EQ(out[6], "loss must return a floating-point scalar tensor (one element), got a float32 tensor of shape [4]");
   EXPECT_EQ(out[7], "model must be a torch.nn.Module, got int");
+  if (!torch::cuda::is_available()) {
+    EXPECT_EQ(out[8],
+              "export_compiled.py: --device cuda needs a CUDA GPU in this Python (torch.cuda.is_available() "
+              "is False): export where the package will run, or --device cpu");
+  }
 }
 
 // Every package is run once on the example inputs before it is kept: a compiler that builds a wrong program
