@@ -648,9 +648,14 @@ TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
     GTEST_SKIP() << "skipped: g++ has no static libstdc++.a for the stand-in compiler to link";
   TempDir dir;
   const std::string static_cxx = dir / "g++-static", blind_cxx = dir / "g++-blind";
-  std::ofstream(static_cxx) << "#!/bin/sh\n"
-                               "case \" $* \" in *\" -shared \"*) exec g++ \"$@\" -static-libstdc++ ;; esac\n"
-                               "exec g++ \"$@\"\n";
+  // Both exec the compiler Inductor would use (PERF_TEST_CXX, set below) as Inductor names it: its `-v`
+  // output, which names the compiler as called, keys Inductor's vector-ISA checks, and the exporter's
+  // remembered checks (remember_vec_isa_checks) then answer them. Calling plain `g++` where Inductor calls it
+  // otherwise (CXX=/usr/bin/g++, say) ran the checks again: 38 s of this test's 67 on an H200 host.
+  std::ofstream(static_cxx)
+      << "#!/bin/sh\n"
+         "case \" $* \" in *\" -shared \"*) exec \"$PERF_TEST_CXX\" \"$@\" -static-libstdc++ ;; esac\n"
+         "exec \"$PERF_TEST_CXX\" \"$@\"\n";
   std::ofstream(blind_cxx)
       << "#!/bin/sh\n"
          "for a in \"$@\"; do case $a in -print-file-name=*) echo \"${a#*=}\"; exit 0 ;; esac; done\n"
@@ -665,6 +670,8 @@ TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
       // /tmp/torchinductor_<user>), and these compilers' paths are new in every run; without one the two
       // exports take 37 s here, against 56 s with it.
       "config.aot_inductor.precompile_headers = False\n"
+      "from torch._inductor.cpp_builder import get_cpp_compiler\n"
+      "os.environ['PERF_TEST_CXX'] = get_cpp_compiler()\n"
       "def needs_libstdcxx(p):\n"
       "    with zipfile.ZipFile(p) as z:\n"
       "        return any('libstdc++.so.6' in e._elf_needed(z.read(n)) for n in z.namelist() if n.endswith('.so'))\n"
