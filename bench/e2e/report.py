@@ -230,14 +230,15 @@ def plot(charts, device, docs, name):
         ax.set_yticklabels(names, fontsize=8)
         ax.invert_yaxis()
         ax.axvline(1.0, color="gray", linewidth=0.8)
+        ax.set_xlim(0, 1.2 * max([v for v in ratios if v] + [1.0]))  # room for the longest bar's label
         ax.set_xlabel(f"throughput vs {base_label}")
-        ax.set_title(job)
+        ax.set_title(job.replace(" (", "\n(", 1), fontsize=10)  # the run on its own line: long names fit
         for k, v in enumerate(ratios):
             ax.text(v or 0.0, k, " failed" if v is None else f" {v:.2f}x", va="center", fontsize=8,
                     color="tab:red" if v is None else "black")
         for label, losses in curves:
             lax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
-        lax.set_title(f"{job}: loss per step")
+        lax.set_title(f"{job}: loss per step".replace(" (", "\n(", 1), fontsize=10)
         lax.set_xlabel("step")
         lax.legend(fontsize=6)
     fig.suptitle(f"Training throughput, {device} (blue: Python, orange: C++)")
