@@ -24,16 +24,19 @@ cat >"$work/build/CTestTestfile.cmake" <<EOF
 add_test(slow_python "$python" "$work/slow.py")
 add_test(quick_one "true")
 EOF
-# Stand-in torches (a package of gpu-check's three probed sources), here one with its bytecode: a call inside
-# gpu-check on a GPU machine inherits the outer call's PYTHONPYCACHEPREFIX, and that machine's torch has none.
+# Run inside gpu-check on a GPU machine, this inherits the outer call's PYTHONPYCACHEPREFIX: gpu-check's calls
+# here must find their own case.
+unset PYTHONPYCACHEPREFIX
+# Stand-in torches (a package of gpu-check's three probed sources), here one with its bytecode (the machine's
+# torch may have none).
 standin_torch() {  # <folder>
   mkdir -p "$1/torch/_inductor"
   touch "$1/torch/__init__.py" "$1/torch/_tensor.py" "$1/torch/_inductor/__init__.py" "$1/torch/_inductor/codecache.py"
 }
 standin_torch "$work/site-cached"
-env -u PYTHONPYCACHEPREFIX "$python" -m compileall -q "$work/site-cached" >/dev/null
+"$python" -m compileall -q "$work/site-cached" >/dev/null
 cd "$root" || exit 1
-env -u PYTHONPYCACHEPREFIX PYTHONPATH="$work/site-cached" PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
+PYTHONPATH="$work/site-cached" PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
   PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out" PERF_GPU_SLOW_TEST_S=2 PERF_GPU_BUDGET_S=400 \
   bash scripts/gpu-check.sh --part tests >"$work/stdout" 2>&1
 summary=$(cat "$work/out/tests-summary.txt" 2>/dev/null)
@@ -62,9 +65,9 @@ for how in read-only PYTHONDONTWRITEBYTECODE; do
   standin_torch "$fake"
   if [[ $how == read-only ]]; then
     touch "$fake/torch/__pycache__" "$fake/torch/_inductor/__pycache__"
-    why="which is read-only" set_env=(-u PYTHONPYCACHEPREFIX -u PYTHONDONTWRITEBYTECODE)
+    why="which is read-only" set_env=(-u PYTHONDONTWRITEBYTECODE)
   else
-    why="and PYTHONDONTWRITEBYTECODE is set" set_env=(-u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1)
+    why="and PYTHONDONTWRITEBYTECODE is set" set_env=(PYTHONDONTWRITEBYTECODE=1)
   fi
   rm -rf "$work/build/gpu-work/pycache"
   env "${set_env[@]}" PYTHONPATH="$fake" PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
