@@ -23,11 +23,17 @@ PERF_VENV=${PERF_VENV:-$HOME/.cache/perf/venv-torch-$TORCH_VERSION}
 log() { echo "[bootstrap] $*" >&2; }
 
 py="$PERF_VENV/bin/python"
-torch_ok="" torch_prefix=""  # asked once: importing torch takes seconds
+torch_ok="" torch_prefix=""  # asked once
+# Found, not imported (importing torch takes 2-3 s, and every test run starts here): torch's version from its
+# torch/version.py, and torch.utils.cmake_prefix_path as that module makes it (<torch>/share/cmake).
 torch_ready() {
   if [ -z "$torch_ok" ]; then
-    read -r torch_ok torch_prefix < <("$py" -c "import torch, numpy
-print(int(torch.__version__.split('+')[0] == '$TORCH_VERSION'), torch.utils.cmake_prefix_path)" 2>/dev/null || echo 0)
+    read -r torch_ok torch_prefix < <("$py" -c "import importlib.util as u, os
+t, n = u.find_spec('torch'), u.find_spec('numpy')
+root = os.path.dirname(t.origin)
+v = [l.split('=', 1)[1].strip(' \'\"\n') for l in open(os.path.join(root, 'version.py')) if l.startswith('__version__')]
+print(int(n is not None and v[0].split('+')[0] == '$TORCH_VERSION'), os.path.join(root, 'share', 'cmake'))" \
+      2>/dev/null || echo 0)
   fi
   [ "$torch_ok" = 1 ]
 }
@@ -89,7 +95,8 @@ if ! torch_ready; then
   PY=${PERF_BASE_PYTHON:-python3}
   [ -x "$py" ] || "$PY" -m venv "$PERF_VENV" >&2
   "$py" -m pip install --quiet --progress-bar off --disable-pip-version-check "torch==$TORCH_VERSION" numpy >&2
-  torch_ok=""
-  torch_ready || { log "torch==$TORCH_VERSION with numpy still does not import from $py"; exit 1; }
+  torch_ok=""  # found again, and this once imported
+  torch_ready && "$py" -c "import torch, numpy" >&2 ||
+    { log "torch==$TORCH_VERSION with numpy still does not import from $py"; exit 1; }
 fi
 echo "$torch_prefix"

@@ -11,7 +11,8 @@
 set -uo pipefail
 root=$1 python=$2
 venv=$(dirname "$(dirname "$python")")
-"$venv/bin/python" -c "import torch, numpy" 2>/dev/null ||
+# LibTorch's prefix as torch says it (bootstrap.sh works it out without importing torch).
+prefix=$("$venv/bin/python" -c "import torch, numpy; print(torch.utils.cmake_prefix_path)" 2>/dev/null) ||
   { echo "skipped: $python is not the python of a venv with torch and numpy (bootstrap.sh's PERF_VENV)"; exit 0; }
 source "$(dirname "$0")/check.sh"  # $work, check, $fails
 
@@ -34,7 +35,6 @@ run() {  # <PATH> <PERF_DEPS_DIR>: the exit status in $rc, stdout in $work/out, 
     bash "$root/scripts/bootstrap.sh" >"$work/out" 2>"$work/err"
   rc=$?
 }
-prefix=$("$python" -c "import torch; print(torch.utils.cmake_prefix_path)")
 
 run "$bin" "$deps"
 check "everything there: exit 0 (got $rc; stderr: $(head -c 300 "$work/err"))" [ "$rc" -eq 0 ]

@@ -10,6 +10,8 @@ import argparse
 import glob
 import os
 import shutil
+import subprocess
+import sys
 
 from report_check_util import ROOT, check, read, report_rows, rows_of, run_report, write
 
@@ -122,6 +124,7 @@ def kept_runs(out, h100_path, h100_rows):
     stamp = rows[0]["run"]
     check([{k: v for k, v in r.items() if k != "run"} for r in rows] == fresh and all(r["run"] == stamp for r in rows)
           and stamp["machine"] == "the VM" and stamp["command"] == "bash scripts/bench-compiled.sh --device cuda"
+          and stamp["torch"] == torch_version_imported()
           and files[0].endswith(f"-{stamp['commit']}.jsonl") and len(stamp["date"]) == 10,
           f"the kept rows are the run's, each with its run: {stamp} in {files[0]}")
     # A kept run and a new one that has batch 32 only, twice as fast: batch 1 from the kept run, 32 from the new.
@@ -158,6 +161,26 @@ def kept_runs(out, h100_path, h100_rows):
           f"exit {rc}, {log[-2000:]}\n{table}")
 
 
+def torch_version_imported():
+    """torch.__version__ as a Python importing torch says it (the kept run's stamp reads it without the import)."""
+    return subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout.strip()
+
+
+def torch_version_fallback(out):
+    """Where the installed torch has no version.py, runs.torch_version() imports torch for it: a stand-in package."""
+    standin = os.path.join(out, "standin-torch")
+    shutil.rmtree(standin, ignore_errors=True)
+    os.makedirs(os.path.join(standin, "torch"))
+    with open(os.path.join(standin, "torch", "__init__.py"), "w") as f:
+        f.write("__version__ = '9.9.9+standin'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([standin, os.path.join(ROOT, "bench")]))
+    got = subprocess.run([sys.executable, "-c", "import runs; print(runs.torch_version())"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    check(got.returncode == 0 and got.stdout.strip() == "9.9.9+standin",
+          f"runs.torch_version() without torch/version.py: exit {got.returncode}, {got.stdout + got.stderr}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -166,6 +189,7 @@ def main():
     path, rows = kept_h100(a.out)
     goal_lines(a.out, rows)
     kept_runs(a.out, path, rows)
+    torch_version_fallback(a.out)
     print("report_compiled tables: ok")
 
 

@@ -1182,12 +1182,13 @@ TEST(Checkpoint, LowersPeakActivationMemory) {
   // A fixed mmap threshold: glibc then returns every large block on free, so
   // RSS follows live memory (its dynamic threshold would keep freed blocks).
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  // 8 layers with 4096 x 1024 activations (16 MiB each, several kept per layer)
-  // and small weights, so that activations dominate the peak.
+  // 8 layers with 16384 x 256 activations (16 MiB each, several kept per layer)
+  // and small weights (256 KiB), so that activations dominate the peak. Narrow
+  // layers: the same memory as 4096 x 1024 for a quarter of the matmul work.
   torch::manual_seed(0);
   std::vector<torch::nn::Linear> layers;
-  for (int i = 0; i < 8; ++i) layers.emplace_back(1024, 1024);
-  const auto x = torch::randn({4096, 1024}, torch::requires_grad());
+  for (int i = 0; i < 8; ++i) layers.emplace_back(256, 256);
+  const auto x = torch::randn({16384, 256}, torch::requires_grad());
   auto peak_growth = [&](bool ckpt) {
     torch::Tensor h = x;
     for (auto& l : layers) l->zero_grad();

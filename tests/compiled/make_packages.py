@@ -15,7 +15,9 @@ OUT/<name>.pt2 and OUT/<name>.ref.pt holding the initial state, STEPS batches,
 Python eager training's loss, state (before the step) and gradients per step
 (torch.optim.AdamW), the final state and an eval() forward of the trained model
 (tests/test_compiled_train.cpp); OUT/mlp_train_scalar.pt2, the MLP's step for
-batch 8 exported with cpp.simdlen=1 (no reference of its own: mlp_train's).
+batch 8 exported with cpp.simdlen=1 (no reference of its own: mlp_train's). OUT/example_net_train.pt2:
+examples/compiled_train.py's step, exported by the tool's command line as that file's header says (batch 64), for
+the test example_compiled_train_learns (its CUDA twin: make_cuda_packages.py).
 
 The exports run in processes of their own, half as many at once as there are cores
 (PERF_EXPORT_JOBS sets how many).
@@ -27,6 +29,7 @@ import io
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import time
 import zipfile
@@ -36,6 +39,7 @@ import torch._inductor.config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "export_compiled.py")
+EXAMPLE = os.path.join(HERE, "..", "..", "examples", "compiled_train.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(TOOL))
 import models  # noqa: E402
@@ -131,7 +135,7 @@ def export_train_package(out: str, name: str) -> None:
 
 def cache_key() -> str:
     h = hashlib.sha256(torch.__version__.encode())
-    for f in (TOOL, os.path.join(HERE, "models.py"), __file__):
+    for f in (TOOL, os.path.join(HERE, "models.py"), EXAMPLE, __file__):
         with open(f, "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()[:16]
@@ -192,12 +196,19 @@ def export_cnn_plain(out: str) -> None:
                 zout.writestr(item, zin.read(item.filename))
 
 
+def export_example_train(out: str) -> None:
+    # The command a user of examples/compiled_train runs (its header comment), on the CPU.
+    subprocess.run([sys.executable, TOOL, f"{EXAMPLE}:make", "--train", "--loss", f"{EXAMPLE}:loss", "--input", "64,64",
+                    "--input", "64:int64", "--device", "cpu", "-o", os.path.join(out, "example_net_train.pt2")],
+                   check=True)
+
+
 def tasks() -> list:
     """(function, arguments after `out`) for every export, the training steps (the slowest) first."""
     return ([(export_train_package, (name,)) for name in train_specs()] +
             [(export_inference_package, (name,)) for name in specs()] +
             [(export_mlp_autotuned, ()), (export_mlp_scalar, ()), (export_mlp_train_scalar, ()),
-             (export_cnn_plain, ())])
+             (export_cnn_plain, ()), (export_example_train, ())])
 
 
 def run_task(out: str, threads: int, index: int) -> float:
