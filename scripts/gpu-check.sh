@@ -159,6 +159,70 @@ if [[ $parts != build ]]; then
     fail "refusing: $py's torch cannot use the GPU (torch.cuda.is_available() is False)"
 fi
 
+# ccache: the compiles an earlier GPU session made come from its cache. Its build part left the cache in its
+# results (gpu-ccache.tar), carried back here as PERF_GPU_CCACHE (default gpu-ccache/ccache.tar): on an H200 the
+# build was 216 s of a 900-s session, nearly all of it compiling. ccache from PATH, else the copy scripts/gpu-deps.sh
+# puts in PERF_DEPS_DIR/ccache. The cache lives in the build folder (every call on this machine uses it); a call
+# that compiled something leaves what this machine's calls used in the results again, for the next session.
+ccache_bin="" ccache_line="ccache: none (neither on PATH nor in PERF_DEPS_DIR/ccache: every compile is done here)"
+for c in "$(command -v ccache 2>/dev/null)" "${PERF_DEPS_DIR:+$PERF_DEPS_DIR/ccache/bin/ccache}"; do
+  [ -n "$c" ] && [ -x "$c" ] || continue
+  if "$c" --version >/dev/null 2>&1; then
+    ccache_bin=$(cd "$(dirname "$c")" && pwd)/$(basename "$c")
+    break
+  fi
+  ccache_line="ccache: $c does not run here ($("$c" --version 2>&1 | head -n 1)): every compile is done here"
+done
+ccache_counts() {  # "<hits> <misses>" since this call zeroed the counters
+  "$ccache_bin" --print-stats | awk '$1 ~ /^(direct|preprocessed)_cache_hit$/ { h += $2 }
+                                    $1 == "cache_miss" { m += $2 } END { print h + 0, m + 0 }'
+}
+if [ -n "$ccache_bin" ]; then
+  # Hits across sessions: paths under the tree relative (another checkout folder), the compiler known by its
+  # content (not its mtime), and no size limit below what one build needs.
+  export CCACHE_DIR=$build/ccache CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content CCACHE_MAXSIZE=4G
+  seed=${PERF_GPU_CCACHE:-gpu-ccache/ccache.tar}
+  if [ ! -f "$CCACHE_DIR/perf-since" ]; then
+    mkdir -p "$CCACHE_DIR"
+    if [ -f "$seed" ] && tar -xf "$seed" -C "$CCACHE_DIR" 2>/dev/null; then
+      seeded="seeded from $seed ($(du -sh "$seed" | cut -f1))"
+    else
+      seeded="empty: no $seed from an earlier session"
+    fi
+    echo "$seeded" >"$CCACHE_DIR/perf-since"  # its mtime: entries older than it were not used on this machine
+  fi
+  "$ccache_bin" --zero-stats >/dev/null
+  ccache_line="ccache: $ccache_bin, cache $(cat "$CCACHE_DIR/perf-since")"
+fi
+# What this machine's calls used of the cache, for the next session (a call that compiled nothing leaves none).
+save_ccache() {
+  local rc=$? hits misses size
+  if [ -n "$ccache_bin" ]; then
+    read -r hits misses < <(ccache_counts)
+    if ((misses > 0)); then
+      "$ccache_bin" --evict-older-than "$(($(date +%s) - $(stat -c %Y "$CCACHE_DIR/perf-since")))s" >/dev/null
+      tar -cf "$out/gpu-ccache.tar" -C "$CCACHE_DIR" --exclude=./perf-since .
+      size=$(stat -c %s "$out/gpu-ccache.tar")
+      if ((size > 15 * 1024 * 1024)); then  # a lent machine returns files up to 16 MiB
+        "$ccache_bin" --recompress 19 >/dev/null
+        tar -cf "$out/gpu-ccache.tar" -C "$CCACHE_DIR" --exclude=./perf-since .
+        size=$(stat -c %s "$out/gpu-ccache.tar")
+      fi
+      if ((size > 15 * 1024 * 1024)); then
+        rm -f "$out/gpu-ccache.tar"
+        echo "ccache: $hits compiles from the cache, $misses compiled; the cache ($((size >> 20)) MiB) is too big to return"
+      else
+        echo "ccache: $hits compiles from the cache, $misses compiled; gpu-ccache.tar ($((size >> 20)) MiB) in" \
+             "$out: keep it as gpu-ccache/ccache.tar and carry gpu-ccache to the next session (docs/gpu-runs.md)"
+      fi
+    else
+      echo "ccache: $hits compiles from the cache, none compiled"
+    fi
+  fi
+  return $rc
+}
+trap save_ccache EXIT
+
 # Ends a part: its logs into <part>.tar.gz, its summary beside it.
 finish() {  # part status started
   local part=$1 st=$2 t0=$3
@@ -208,7 +272,9 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
     >"$logs/vec-isa.txt" 2>&1 &
   isa_check=$!
   # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
-  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
+  launcher_args=()
+  [ -n "$ccache_bin" ] && launcher_args=(-DCMAKE_CXX_COMPILER_LAUNCHER="$ccache_bin")
+  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" "${launcher_args[@]}" \
     -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TEST_SHARDS=0 -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
     { tail -30 "$logs/configure.log"; st=1; }
   if wait "$isa_check"; then
@@ -240,6 +306,12 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
     echo "$pyc_line"
     echo "$isa_line"
+    if [ -n "$ccache_bin" ]; then
+      read -r hits misses < <(ccache_counts)
+      echo "$ccache_line: $hits compiles from it, $misses compiled"
+    else
+      echo "$ccache_line"
+    fi
     # The CUDA test packages, exported and checked against eager at build time: a refused one
     # ends its log with the exporter's reason (and the kernel it blames), kept with the logs.
     pk=$build/tests/packages/cuda

@@ -9,11 +9,13 @@
 # DIR gets: googletest/ (sources, as Debian's googletest package ships them),
 # CLI11/CLI/ (header-only), benchmark-prefix/ (Debian's Google Benchmark
 # headers, static library and CMake package; optional: without it only
-# bench_setup is left out). Installs the Debian packages if missing (apt-get).
+# bench_setup is left out), ccache/ (Debian's ccache with the library it links
+# that a GPU machine may lack, libhiredis; gpu-check's compile cache across
+# sessions). Installs the Debian packages if missing (apt-get).
 set -euo pipefail
 dir=${1:?usage: scripts/gpu-deps.sh DIR}
 need=()
-for p in googletest libcli11-dev libbenchmark-dev; do
+for p in googletest libcli11-dev libbenchmark-dev ccache; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then
@@ -32,5 +34,17 @@ cp -r /usr/lib/"$multiarch"/cmake/benchmark "$dir/benchmark-prefix/lib/$multiarc
 if [ -d /usr/include/gloo ]; then  # libgloo-dev: perf/distributed.h's Gloo tests
   mkdir -p "$dir/gloo-include" && cp -r /usr/include/gloo "$dir/gloo-include/"
 fi
+# ccache, run through a script that puts its own libhiredis first (a copy of Debian's libzstd and libstdc++ is
+# not needed: every Ubuntu or Debian has them, and the compilers ccache starts would see them too).
+rm -rf "$dir/ccache" && mkdir -p "$dir/ccache/bin" "$dir/ccache/libexec" "$dir/ccache/lib"
+cp "$(command -v ccache)" "$dir/ccache/libexec/ccache"
+ldd "$(command -v ccache)" | awk '/libhiredis/ { print $3 }' | xargs -r -I{} cp {} "$dir/ccache/lib/"
+cat >"$dir/ccache/bin/ccache" <<'SH'
+#!/bin/sh
+d=$(cd "$(dirname "$0")/.." && pwd)
+LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/libexec/ccache" "$@"
+SH
+chmod +x "$dir/ccache/bin/ccache"
+"$dir/ccache/bin/ccache" --version | head -n 1
 du -sh "$dir"
 echo "gpu-deps: ready in $dir; on the GPU machine: PERF_DEPS_DIR=$dir bash scripts/gpu-check.sh"
