@@ -210,7 +210,8 @@ save_ccache() {
       fi
       if ((size > 15 * 1024 * 1024)); then
         rm -f "$out/gpu-ccache.tar"
-        echo "ccache: $hits compiles from the cache, $misses compiled; the cache ($((size >> 20)) MiB) is too big to return"
+        echo "ccache: $hits compiles from the cache, $misses compiled; the cache ($((size >> 20)) MiB) is too big" \
+             "to return"
       else
         echo "ccache: $hits compiles from the cache, $misses compiled; gpu-ccache.tar ($((size >> 20)) MiB) in" \
              "$out: keep it as gpu-ccache/ccache.tar and carry gpu-ccache to the next session (docs/gpu-runs.md)"
@@ -271,11 +272,11 @@ copy perf-deps/ here, and run: PERF_DEPS_DIR=perf-deps bash scripts/gpu-check.sh
 from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.valid_vec_isa_list())) or 'none')" \
     >"$logs/vec-isa.txt" 2>&1 &
   isa_check=$!
-  # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
   launcher_args=()
   [ -n "$ccache_bin" ] && launcher_args=(-DCMAKE_CXX_COMPILER_LAUNCHER="$ccache_bin")
-  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" "${launcher_args[@]}" \
-    -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TEST_SHARDS=0 -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+  # shellcheck disable=SC2086  # PERF_CMAKE_ARGS: extra arguments, split on spaces
+  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${prefix_args[@]}" "${deps_args[@]}" \
+    "${launcher_args[@]}" -DPERF_TEST_TIMEOUT="$test_timeout" -DPERF_TEST_SHARDS=0 -DPERF_TESTS_UNITY="$unity" ${PERF_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
     { tail -30 "$logs/configure.log"; st=1; }
   if wait "$isa_check"; then
     isa_line="Inductor's vector ISA checks: $(tail -n 1 "$logs/vec-isa.txt") ($(($(date +%s) - s0)) s, with the configuration)"
