@@ -58,7 +58,8 @@ def this_run(machine="", command=""):
 def torch_version():
     """torch.__version__ without importing torch: the `__version__ = '...'` line of the installed package's
     torch/version.py. A report needs nothing else of torch, and importing it took 2.3 of a report's 2.8 s (about 25
-    reports run in the tests). Imports torch only where that file or line is not there."""
+    reports run in the tests); scripts/bootstrap.sh asks it too. Imports torch only where that file or line is not
+    there."""
     spec = importlib.util.find_spec("torch")  # finds the package without running it
     if spec and spec.origin:
         try:

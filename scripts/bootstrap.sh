@@ -24,16 +24,17 @@ log() { echo "[bootstrap] $*" >&2; }
 
 py="$PERF_VENV/bin/python"
 torch_ok="" torch_prefix=""  # asked once
-# Found, not imported (importing torch takes 2-3 s, and every test run starts here): torch's version from its
-# torch/version.py, and torch.utils.cmake_prefix_path as that module makes it (<torch>/share/cmake).
+# Found, not imported (importing torch takes 2-3 s, and every test run starts here): torch's version as
+# bench/runs.py reads it (torch/version.py), and torch.utils.cmake_prefix_path as that module makes it.
 torch_ready() {
   if [ -z "$torch_ok" ]; then
-    read -r torch_ok torch_prefix < <("$py" -c "import importlib.util as u, os
-t, n = u.find_spec('torch'), u.find_spec('numpy')
-root = os.path.dirname(t.origin)
-v = [l.split('=', 1)[1].strip(' \'\"\n') for l in open(os.path.join(root, 'version.py')) if l.startswith('__version__')]
-print(int(n is not None and v[0].split('+')[0] == '$TORCH_VERSION'), os.path.join(root, 'share', 'cmake'))" \
-      2>/dev/null || echo 0)
+    read -r torch_ok torch_prefix < <("$py" -c 'import importlib.util as u, os, sys
+sys.path.insert(0, sys.argv[1])
+from runs import torch_version
+t = u.find_spec("torch")
+print(int(u.find_spec("numpy") is not None and torch_version().split("+")[0] == sys.argv[2]),
+      os.path.join(os.path.dirname(t.origin), "share", "cmake"))' "$(cd "$(dirname "$0")/../bench" && pwd)" \
+      "$TORCH_VERSION" 2>/dev/null || echo 0)
   fi
   [ "$torch_ok" = 1 ]
 }
