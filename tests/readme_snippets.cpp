@@ -1,10 +1,13 @@
 // README.md's C++ examples, verbatim, each inside the context it assumes (a
 // model `Net`, a `dataset`, a `loader`, ...). Compiled, not run, under the
-// strict flags but for unused variables (perf_readme_snippets: examples declare
-// what a real program would go on to use); tests/readme_snippets.py checks that
-// every ```cpp block of README.md appears here line for line, so an example
-// that no longer compiles, or one edited in the README alone, fails CI. The
-// examples stand as the README prints them (clang-format off around each).
+// strict flags but for unused variables (examples declare what a real program
+// would go on to use); tests/readme_snippets.py checks that every ```cpp block
+// of README.md appears here line for line, so an example that no longer
+// compiles, or one edited in the README alone, fails CI. The examples stand as
+// the README prints them (clang-format off around each).
+//
+// The first include is also perf/compiled.h's header check (tests/CMakeLists.txt):
+// it comes first, and the flags are the header checks' own until the pragmas below.
 #include <perf/compiled.h>
 #include <perf/perf.h>  // or the one header you need
 #include <torch/torch.h>
@@ -13,6 +16,9 @@
 #include <functional>
 #include <iostream>
 #include <optional>
+
+#pragma GCC diagnostic ignored "-Wunused-variable"
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
 
 struct NetImpl : torch::nn::Module {
   NetImpl() {

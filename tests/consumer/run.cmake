@@ -2,7 +2,8 @@
 # installed (MODE=find_package, PREFIX: where MODE=install put it) or as a
 # subdirectory (optionally with another compiler and standard: CXX_COMPILER,
 # CXX_STANDARD), then runs it: header-only and against perf::perf_static, or
-# header-only alone with STATIC=OFF.
+# header-only alone with STATIC=OFF, or perf::perf_static alone with
+# HEADER_ONLY=OFF.
 # Invoked by ctest with -P.
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(common -G "${GENERATOR}" -DTorch_DIR=${Torch_DIR} -DPERF_WITH_CUDA=${PERF_WITH_CUDA})
@@ -18,6 +19,10 @@ endif()
 if(NOT DEFINED STATIC)
   set(STATIC ON)
 endif()
+if(NOT DEFINED HEADER_ONLY)
+  set(HEADER_ONLY ON)
+endif()
+set(programs -DPERF_CONSUMER_HEADER_ONLY=${HEADER_ONLY} -DPERF_CONSUMER_STATIC=${STATIC})
 
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
@@ -46,13 +51,17 @@ elseif(MODE STREQUAL "find_package")  # against the install of MODE=install at P
     message(FATAL_ERROR "no perf installed at PREFIX=${PREFIX} (the consumer_install test installs it)")
   endif()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
-      -DCMAKE_PREFIX_PATH=${PREFIX} -DPERF_CONSUMER_STATIC=${STATIC})
+      -DCMAKE_PREFIX_PATH=${PREFIX} ${programs})
 else()
   run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build ${common}
-      -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR} -DPERF_CONSUMER_STATIC=${STATIC})
+      -DPERF_CONSUMER_MODE=add_subdirectory -DPERF_SOURCE_DIR=${PERF_SOURCE_DIR} ${programs})
 endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
-run(${WORK_DIR}/build/consumer ${EXPECT_CUDA} header-only)
+if(HEADER_ONLY)
+  run(${WORK_DIR}/build/consumer ${EXPECT_CUDA} header-only)
+elseif(EXISTS ${WORK_DIR}/build/consumer)
+  message(FATAL_ERROR "HEADER_ONLY=OFF built the header-only consumer all the same")
+endif()
 if(STATIC)
   run(${WORK_DIR}/build/consumer_static ${EXPECT_CUDA} static)
 elseif(EXISTS ${WORK_DIR}/build/consumer_static OR EXISTS ${WORK_DIR}/build/perf/libperf_static.a)
