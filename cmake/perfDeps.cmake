@@ -19,3 +19,12 @@ function(perf_find_cli11)
   message(FATAL_ERROR "perf examples and benchmarks need CLI11: install libcli11-dev, set PERF_DEPS_DIR "
                       "(scripts/gpu-deps.sh), or configure with -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF")
 endfunction()
+
+# benchmark::benchmark (Google Benchmark), where there is one: bench_setup alone needs it. Found at the top
+# level, like CLI11, so that perf_programs (PERF_PROGRAMS_UNITY) sees the target too.
+function(perf_find_benchmark)
+  if(PERF_DEPS_DIR)
+    list(APPEND CMAKE_PREFIX_PATH "${PERF_DEPS_DIR}/benchmark-prefix")
+  endif()
+  find_package(benchmark CONFIG QUIET)
+endfunction()

@@ -8,7 +8,9 @@
 # program: cold at -O3 on CI's 2 cores, 130 s of compiling instead of 747 s
 # (README, "Tests"). The file names the programs by relative path, so a clone in another
 # folder still hits ccache. Programs in the batch must not define the same
-# file-local name twice (the compiler says so if they do). Off by default: a
+# file-local name twice (the compiler says so if they do), nor register
+# anything at static initialisation, and each links every program's libraries
+# (Google Benchmark's too). Off by default: a
 # user who builds one example compiles that one file, and so do
 # scripts/compiler-check.sh and scripts/gpu-check.sh (many cores).
 option(PERF_PROGRAMS_UNITY "Compile perf's examples and benchmarks as one translation unit (CI: a sixth of the compile time)" OFF)

@@ -8,6 +8,11 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}  # relative paths: a new clone hit
 # ...also for the sanitizer builds' -g1 objects, whose hash would otherwise
 # include the working directory (their debug info then names the first clone's folder).
 export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# Depend mode: a miss runs the compiler once, its -MD file naming the headers, instead of the
+# preprocessor first and then the compiler. A LibTorch translation unit missed in 26.3 s against
+# 22.5 s without ccache, in 23.3 s in this mode: about 3 s of each of a fresh CI's 50 compiles.
+# Entries stored either way are hit either way.
+export CCACHE_DEPEND=${CCACHE_DEPEND:-1}
 # ccache hashes LANG, LC_ALL, LC_CTYPE and LC_MESSAGES into every entry (they set the compiler's
 # message language): a CI runner whose locale differs from the shell that filled the cache would
 # miss every entry and compile everything again. One fixed locale for everything the scripts run.

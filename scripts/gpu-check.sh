@@ -180,7 +180,8 @@ ccache_counts() {  # "<hits> <misses>" since this call zeroed the counters
 if [ -n "$ccache_bin" ]; then
   # Hits across sessions: paths under the tree relative (another checkout folder), the compiler known by its
   # content (not its mtime), and no size limit below what one build needs.
-  export CCACHE_DIR=$build/ccache CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content CCACHE_MAXSIZE=4G
+  export CCACHE_DIR=$build/ccache CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content CCACHE_MAXSIZE=4G \
+    CCACHE_DEPEND=1  # a miss runs the compiler alone, not the preprocessor first (scripts/common.sh)
   seed=${PERF_GPU_CCACHE:-gpu-ccache/ccache.tar}
   if [ ! -f "$CCACHE_DIR/perf-since" ]; then
     mkdir -p "$CCACHE_DIR"
