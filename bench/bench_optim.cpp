@@ -15,6 +15,8 @@
 
 #if PERF_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 #include <CLI/CLI.hpp>
@@ -98,6 +100,11 @@ std::vector<torch::Tensor> make_params(const torch::Device& device,
 // (k = 320 / SMs: detail::elements_per_call); the probe keeps the evidence for
 // that choice on each device. On the CPU it is a control (the CPU kernel has no
 // such limit, and flat mode makes one call there).
+// On a GPU a last pair asks what those calls leave: one after another on a
+// stream, a call's blocks (at most 2 per SM where k = 2) run alone; the same
+// calls alternated between two streams, forked from the current one and joined
+// back, let the next call's blocks share the SMs with this one's. If that moves
+// more bytes, flat mode could issue its calls so (capturable: a fork and a join).
 std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t numel, const perf::BenchOptions& opts,
                                            int64_t& units) {
   constexpr int64_t chunk = 65536;
@@ -110,17 +117,17 @@ std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t 
   auto params = torch::randn({numel}, f), grads = torch::randn({numel}, f);
   auto exp_avg = torch::zeros({numel}, f), exp_avg_sq = torch::zeros({numel}, f);
   auto step = torch::ones({}, f), lr = torch::full({}, 1e-3, f);
-  auto run = [&](int64_t piece) {
-    for (int64_t begin = 0; begin < numel; begin += piece) {
-      const int64_t len = std::min(piece, numel - begin);
-      const std::vector<at::Tensor> p{params.narrow(0, begin, len)}, g{grads.narrow(0, begin, len)},
-          a{exp_avg.narrow(0, begin, len)}, b{exp_avg_sq.narrow(0, begin, len)}, st{step};
-      if (device.is_cuda()) {
-        at::_fused_adamw_(p, g, a, b, {}, st, lr, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
-      } else {
-        at::_fused_adamw_(p, g, a, b, {}, st, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
-      }
+  auto call = [&](int64_t begin, int64_t len) {
+    const std::vector<at::Tensor> p{params.narrow(0, begin, len)}, g{grads.narrow(0, begin, len)},
+        a{exp_avg.narrow(0, begin, len)}, b{exp_avg_sq.narrow(0, begin, len)}, st{step};
+    if (device.is_cuda()) {
+      at::_fused_adamw_(p, g, a, b, {}, st, lr, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
+    } else {
+      at::_fused_adamw_(p, g, a, b, {}, st, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false, std::nullopt, std::nullopt);
     }
+  };
+  auto run = [&](int64_t piece) {
+    for (int64_t begin = 0; begin < numel; begin += piece) call(begin, std::min(piece, numel - begin));
   };
   std::vector<perf::Comparison> out;
   for (const int64_t k : {1, 2, 4}) {
@@ -130,6 +137,32 @@ std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t 
         "one call", [&] { run(numel); }, "calls of " + std::to_string(k * units) + " chunks", [&] { run(piece); },
         opts));
   }
+#if PERF_WITH_CUDA
+  const int64_t piece = std::max<int64_t>(1, 320 / units) * units * chunk;  // flat mode's calls
+  if (device.is_cuda() && piece < numel) {
+    const c10::DeviceIndex index = device.index() < 0 ? c10::cuda::current_device() : device.index();
+    const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+    at::cuda::CUDAEvent fork, join;
+    auto two_streams = [&] {
+      const auto current = c10::cuda::getCurrentCUDAStream(index);
+      fork.record(current);
+      fork.block(side);
+      for (int64_t begin = 0, i = 0; begin < numel; begin += piece, ++i) {
+        if (i % 2 == 0) {
+          call(begin, std::min(piece, numel - begin));
+        } else {
+          const c10::cuda::CUDAStreamGuard on_side(side);
+          call(begin, std::min(piece, numel - begin));
+        }
+      }
+      join.record(side);
+      join.block(current);  // the timer's stop event, on the current stream, waits for both
+    };
+    const std::string calls = "calls of " + std::to_string(piece / chunk) + " chunks";
+    out.push_back(perf::compare(
+        calls, [&] { run(piece); }, calls + ", two streams", two_streams, opts));
+  }
+#endif
   return out;
 }
 

@@ -98,7 +98,9 @@ def main():
             md += ["bench_optim's launch-geometry probe: the same AdamW update (`at::_fused_adamw_`) as one call over "
                    "the buffer and as calls of k x (SMs on a GPU, threads on a CPU) chunks of 65536 elements, the "
                    "evidence for the calls flat mode issues on CUDA (docs/benchmarks.md). On a CPU it is a control "
-                   "(flat mode makes one call there).", ""]
+                   "(flat mode makes one call there). On a GPU, where the run has it, a last pair issues flat mode's "
+                   "calls alternately on two streams, so that one call's blocks can share the SMs with the next's.",
+                   ""]
         if len(distinct) > 1:
             md += [f"Run: {describe(first['run'])}.", ""]
         cpp = pairs(rs)
