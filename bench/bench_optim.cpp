@@ -138,8 +138,11 @@ std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t 
         opts));
   }
 #if PERF_WITH_CUDA
-  const int64_t piece = std::max<int64_t>(1, 320 / units) * units * chunk;  // flat mode's calls
-  if (device.is_cuda() && piece < numel) {
+  std::vector<perf::optim::detail::Bucket> buckets;
+  auto& flat = perf::optim::detail::bucket_for(buckets, device, torch::kFloat);
+  flat.flat = true;
+  const int64_t piece = perf::optim::detail::elements_per_call(flat);  // flat mode's calls, as it issues them
+  if (device.is_cuda() && piece > 0 && piece < numel) {
     const c10::DeviceIndex index = device.index() < 0 ? c10::cuda::current_device() : device.index();
     const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
     at::cuda::CUDAEvent fork, join;
