@@ -1,6 +1,7 @@
 // Tests for perf/optim.h: parity with LibTorch's and Python's optimizers.
 #include <gtest/gtest.h>
 #include <perf/amp.h>
+#include <perf/cuda_graph.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
@@ -942,12 +943,38 @@ TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
 // elements, k = 320 / SMs: 17.3M on an H100) is updated in several fused calls,
 // one of its parameters cut across two: the same values as the fused
 // per-tensor path, and kernels() says how many calls ran.
+namespace {
+
+#if PERF_WITH_CUDA
+// Parameter sizes whose flat bucket on GPU 0 takes three fused calls (two and a
+// bit), one parameter cut across two of them.
+std::vector<int64_t> three_call_sizes() {
+  const int64_t sms = at::cuda::getDeviceProperties(0)->multiProcessorCount;
+  const int64_t per_call = std::max<int64_t>(1, 320 / sms) * std::min<int64_t>(sms, 320) * 65536;
+  return {per_call / 2 + 3, per_call, per_call / 2 + 100, 1000};
+}
+#endif
+
+// Sets how many streams flat mode's CUDA calls use, for one scope.
+class ScopedFlatCudaStreams {
+ public:
+  explicit ScopedFlatCudaStreams(int streams) : before_(perf::optim::detail::flat_cuda_streams()) {
+    perf::optim::detail::set_flat_cuda_streams(streams);
+  }
+  ~ScopedFlatCudaStreams() { perf::optim::detail::set_flat_cuda_streams(before_); }
+  ScopedFlatCudaStreams(const ScopedFlatCudaStreams&) = delete;
+  ScopedFlatCudaStreams& operator=(const ScopedFlatCudaStreams&) = delete;
+
+ private:
+  int before_;
+};
+
+}  // namespace
+
 TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralCalls) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
-  const int64_t sms = at::cuda::getDeviceProperties(0)->multiProcessorCount;
-  const int64_t per_call = std::max<int64_t>(1, 320 / sms) * std::min<int64_t>(sms, 320) * 65536;
-  const std::vector<int64_t> sizes{per_call / 2 + 3, per_call, per_call / 2 + 100, 1000};  // 2 calls and a bit
+  const std::vector<int64_t> sizes = three_call_sizes();
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   torch::manual_seed(11);
   std::vector<torch::Tensor> flat_params, plain_params, start;
@@ -984,6 +1011,203 @@ TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralCalls) {
   // elements that end near zero have ulps far below the update's rounding.
   for (size_t i = 0; i < sizes.size(); ++i)
     EXPECT_LE((flat_params[i] - plain_params[i]).abs().max().item<float>(), 1e-6f) << "parameter " << i;
+#endif
+}
+
+// Flat mode's CUDA calls alternated between two streams (detail::
+// flat_cuda_streams, an internal setting for bench_optim and these tests until
+// a GPU run settles its default): anything but 1 or 2 is refused and changes
+// nothing, and on the CPU, where flat mode makes one call, 2 changes neither
+// the values nor kernels().
+TEST(OptimFlat, TwoCudaStreamsIsAValidatedSettingThatTheCpuIgnores) {
+  ASSERT_EQ(perf::optim::detail::flat_cuda_streams(), 1);
+  PERF_EXPECT_THROW_MSG(perf::optim::detail::set_flat_cuda_streams(3), "streams must be 1 or 2, got 3");
+  PERF_EXPECT_THROW_MSG(perf::optim::detail::set_flat_cuda_streams(0), "streams must be 1 or 2, got 0");
+  EXPECT_EQ(perf::optim::detail::flat_cuda_streams(), 1);
+  const auto run = [](int streams) {
+    const ScopedFlatCudaStreams scoped(streams);
+    EXPECT_EQ(perf::optim::detail::flat_cuda_streams(), streams);
+    torch::manual_seed(5);
+    std::vector<torch::Tensor> ps{torch::randn({40, 30}).requires_grad_(), torch::randn({30}).requires_grad_()};
+    perf::optim::AdamW opt(ps, perf::optim::AdamWOptions(1e-2).flat(true));
+    for (int i = 0; i < 3; ++i) {
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : ps) p.mutable_grad().copy_(torch::randn_like(p));
+      }
+      opt.step();
+    }
+    return std::make_pair(torch::cat({ps[0].detach().flatten(), ps[1].detach()}), opt.kernels().back());
+  };
+  const auto [one, one_line] = run(1);
+  const auto [two, two_line] = run(2);
+  EXPECT_EQ(perf::optim::detail::flat_cuda_streams(), 1);
+  EXPECT_TRUE(torch::equal(one, two));
+  EXPECT_EQ(two_line, one_line);
+  EXPECT_EQ(two_line, "cpu Float: fused, flat (1 tensor for 2 parameters)");
+}
+
+// On the GPU, the same calls alternated between the caller's stream and a side
+// stream update exactly as on one stream: the same kernels on the same slices
+// (AdamW, and SGD with momentum, whose first step creates its buffers), through
+// a scaled step and a skipped one. The results are read on the caller's stream
+// right after step(), with no device sync: the join makes the side's writes
+// visible there. The caller's stream is current again after each step.
+TEST(OptimFlat, OnGpuCallsOnTwoStreamsUpdateAsOnOne) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  const std::vector<int64_t> sizes = three_call_sizes();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  using Make = std::function<OptPtr(std::vector<torch::Tensor>)>;
+  const std::vector<std::pair<const char*, Make>> optimizers = {
+      {"AdamW",
+       [](std::vector<torch::Tensor> ps) -> OptPtr {
+         return std::make_unique<perf::optim::AdamW>(std::move(ps),
+                                                     perf::optim::AdamWOptions(1e-3).weight_decay(0.01).flat(true));
+       }},
+      {"SGD", [](std::vector<torch::Tensor> ps) -> OptPtr {
+         return std::make_unique<perf::optim::SGD>(
+             std::move(ps), perf::optim::SGDOptions(1e-2).momentum(0.9).nesterov(true).flat(true));
+       }}};
+  for (const auto& [name, make] : optimizers) {
+    SCOPED_TRACE(name);
+    torch::manual_seed(12);
+    std::vector<torch::Tensor> one_params, two_params;
+    for (const auto n : sizes) {
+      const auto t = torch::randn({n}, cuda);
+      one_params.push_back(t.clone().requires_grad_());
+      two_params.push_back(t.clone().requires_grad_());
+    }
+    auto one = make(one_params), two = make(two_params);
+    auto& one_fused = dynamic_cast<perf::optim::FusedOptimizer&>(*one);
+    auto& two_fused = dynamic_cast<perf::optim::FusedOptimizer&>(*two);
+    const auto caller = c10::cuda::getCurrentCUDAStream();
+    const auto scale = torch::full({}, 4.0f, cuda);
+    for (int step = 0; step < 4; ++step) {
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          const auto g = torch::randn({sizes[i]}, cuda) * (step >= 2 ? 4.0 : 1.0);
+          one_params[i].mutable_grad().copy_(g);
+          two_params[i].mutable_grad().copy_(g);
+        }
+      }
+      // Steps 0 and 1 plain, 2 scaled by 4, 3 scaled and skipped (found_inf 1).
+      const auto found_inf = torch::full({}, step == 3 ? 1.0f : 0.0f, cuda);
+      for (int streams : {1, 2}) {
+        const ScopedFlatCudaStreams scoped(streams);
+        auto& opt = streams == 1 ? one_fused : two_fused;
+        if (step < 2) {
+          opt.step();
+        } else {
+          opt.step_scaled(scale, found_inf);
+        }
+        EXPECT_EQ(c10::cuda::getCurrentCUDAStream(), caller) << "step " << step;
+      }
+      for (size_t i = 0; i < sizes.size(); ++i)
+        EXPECT_TRUE(torch::equal(two_params[i], one_params[i])) << "step " << step << ", parameter " << i;
+    }
+    EXPECT_EQ(one_fused.kernels().back(), "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls");
+    EXPECT_EQ(two_fused.kernels().back(),
+              "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls on 2 streams");
+  }
+#endif
+}
+
+// Captured in a CUDA graph, the side stream's calls are a branch of the graph
+// joined back before the capture ends (work left on it would fail
+// capture_end), and each replay, with new gradients, updates as an eager step
+// on one stream does. The capture stream is a high-priority one, so it is never
+// the optimizer's side stream (a low-priority one from the pool).
+TEST(OptimFlat, OnGpuCallsOnTwoStreamsAreCapturedAndReplayed) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  const std::vector<int64_t> sizes = three_call_sizes();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  torch::manual_seed(13);
+  std::vector<torch::Tensor> eager_params, graph_params;
+  for (const auto n : sizes) {
+    const auto t = torch::randn({n}, cuda);
+    eager_params.push_back(t.clone().requires_grad_());
+    graph_params.push_back(t.clone().requires_grad_());
+  }
+  const auto options = perf::optim::AdamWOptions(1e-3).weight_decay(0.01).flat(true);
+  perf::optim::AdamW eager(eager_params, options), graphed(graph_params, options);
+  const auto new_grads = [&] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const auto g = torch::randn({sizes[i]}, cuda);
+      eager_params[i].mutable_grad().copy_(g);
+      graph_params[i].mutable_grad().copy_(g);  // a view of the buffer the graph reads
+    }
+  };
+  const ScopedFlatCudaStreams two(2);
+  new_grads();
+  graphed.step();  // eager first: state, lr tensor and the side stream exist before capture
+  {
+    const ScopedFlatCudaStreams one(1);
+    eager.step();
+  }
+  const auto capture = c10::cuda::getStreamFromPool(/*isHighPriority=*/true);
+  capture.synchronize();
+  at::cuda::CUDAGraph graph;
+  {
+    c10::cuda::CUDAStreamGuard on_capture(capture);
+    graph.capture_begin();
+    graphed.step();
+    graph.capture_end();
+  }
+  EXPECT_EQ(graphed.kernels().back(), "cuda:0 Float: fused, flat (1 tensor for 4 parameters), 3 calls on 2 streams");
+  for (int replay = 0; replay < 4; ++replay) {
+    new_grads();
+    graph.replay();
+    const ScopedFlatCudaStreams one(1);
+    eager.step();
+    for (size_t i = 0; i < sizes.size(); ++i)
+      EXPECT_TRUE(torch::equal(graph_params[i], eager_params[i])) << "replay " << replay << ", parameter " << i;
+  }
+#endif
+}
+
+// Under perf::TrainStep (warmed up and captured on its own stream), a flat
+// optimizer whose calls alternate between two streams trains as on one: a
+// linear layer of one and a half calls' worth of parameters, six steps, the
+// same losses and weights.
+TEST(OptimFlat, OnGpuTrainStepCapturesCallsOnTwoStreams) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  const int64_t per_call = three_call_sizes()[1];
+  const int64_t in = 1024, out = per_call * 3 / 2 / in + 1;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  torch::manual_seed(14);
+  const auto x = torch::randn({8, in}, cuda), y = torch::randn({8, out}, cuda);
+  torch::nn::Linear init(in, out);
+  const auto run = [&](int streams) {
+    const ScopedFlatCudaStreams scoped(streams);
+    torch::nn::Linear model(in, out);
+    {
+      torch::NoGradGuard no_grad;
+      model->weight.copy_(init->weight);
+      model->bias.copy_(init->bias);
+    }
+    model->to(torch::kCUDA);
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).flat(true));
+    perf::TrainStep step(
+        *model, [&](const at::Tensor& a, const at::Tensor& t) { return torch::mse_loss(model->forward(a), t); }, opt, x,
+        y);
+    std::vector<at::Tensor> losses;
+    for (int i = 0; i < 6; ++i) losses.push_back(step.step(x.roll(i, 0), y.roll(i, 0)));
+    return std::make_tuple(torch::stack(losses).cpu(), model->weight.detach().cpu(), opt.kernels().back());
+  };
+  const auto [one_losses, one_weight, one_line] = run(1);
+  const auto [two_losses, two_weight, two_line] = run(2);
+  EXPECT_EQ(one_line, "cuda:0 Float: fused, flat (1 tensor for 2 parameters), 2 calls");
+  EXPECT_EQ(two_line, "cuda:0 Float: fused, flat (1 tensor for 2 parameters), 2 calls on 2 streams");
+  EXPECT_TRUE(torch::allclose(two_losses, one_losses, 1e-6, 0)) << two_losses << one_losses;
+  // A slice not updated in a step, or updated twice, is off by about lr (1e-3).
+  EXPECT_LE(test_util::max_diff(two_weight, one_weight), 1e-6);
+  EXPECT_FALSE(torch::equal(two_weight, init->weight)) << "it trained";
 #endif
 }
 

@@ -31,6 +31,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <perf/config.h>
@@ -45,6 +48,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -142,6 +146,7 @@ PERF_INLINE void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none 
 namespace detail {
 struct FlatStore;
 struct Bucket;
+struct SideStream;
 }  // namespace detail
 
 /// One option of one param group that step() hands its kernels as a host value
@@ -260,6 +265,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void ensure_flat();
   // Flat: the next step or zero_grad rebuilds (state was replaced by torch::load).
   void invalidate_flat() noexcept;
+  // Flat mode on CUDA: the side stream for a bucket whose calls of `per_call`
+  // elements are to alternate between two streams (detail::flat_cuda_streams());
+  // nullptr where they all run on the current stream.
+  detail::SideStream* side_stream(const detail::Bucket& b, int64_t per_call);
 
   std::vector<std::string> kernels_;
   bool skip_updates_ = false;
@@ -411,6 +420,63 @@ size_t for_each_slice(const Bucket& b, int64_t elements, Call&& call);
 // in-place detach_ refuses them).
 PERF_INLINE void clear_grad(at::Tensor& g, bool set_to_none);
 
+// ---- flat mode's CUDA calls on two streams
+
+// Flat mode on CUDA issues its calls (elements_per_call) on 1 or 2 streams.
+// With 2, every second call runs on a side stream forked from the current one
+// and joined back before step() returns (a CUDA graph captures both branches),
+// so that one call's blocks can share the SMs with the next call's: one stream
+// runs at most 320 blocks at a time, 2 per SM of an H100 or H200. The same
+// kernels on the same slices, so the same values either way. Process-wide and
+// internal, default 1: bench_optim and the tests compare the two until a GPU
+// run settles the default (docs/benchmarks.md, "What the split calls leave").
+PERF_INLINE int flat_cuda_streams() noexcept;
+PERF_INLINE void set_flat_cuda_streams(int streams);  // 1 or 2
+
+// One CUDA device's side stream (from the pool) and its fork and join events.
+struct SideStream {
+  explicit SideStream(c10::Stream s) : stream(s) {}
+  c10::Stream stream;
+  c10::Event fork{c10::DeviceType::CUDA}, join{c10::DeviceType::CUDA};
+};
+
+// Runs a bucket's calls alternately on the current stream of its device and on
+// `side` (every call on the current stream where side is nullptr or is that
+// stream). The side stream waits for what the current stream had queued before
+// the first call; join() makes the current stream wait for the side's calls.
+// The destructor joins if join() did not run (an exception on its way), so that
+// a capture never ends with work left on the side stream.
+class StreamAlternation {
+ public:
+  PERF_INLINE StreamAlternation(SideStream* side, const c10::Device& device);
+  PERF_INLINE ~StreamAlternation();
+  StreamAlternation(const StreamAlternation&) = delete;
+  StreamAlternation& operator=(const StreamAlternation&) = delete;
+
+  template <class F>
+  void run(F&& f) {
+    if (side_ == nullptr || calls_++ % 2 == 0) {
+      f();
+      return;
+    }
+    if (!forked_) {
+      side_->fork.block(side_->stream);
+      forked_ = true;
+    }
+    const c10::StreamGuard on_side(side_->stream);
+    f();
+  }
+  PERF_INLINE void join();
+  // ", N calls" (N > 1), with " on 2 streams" where the side stream ran some.
+  PERF_INLINE std::string note(size_t calls) const;
+
+ private:
+  SideStream* side_ = nullptr;
+  std::optional<c10::Stream> current_;
+  size_t calls_ = 0;
+  bool forked_ = false, joined_ = false;
+};
+
 // ---- flat mode
 
 // Where one parameter lives in its (device, dtype) buffers.
@@ -439,6 +505,7 @@ struct FlatStore {
   std::vector<FlatSlot> slots;      // group order, then parameter order
   std::vector<size_t> group_begin;  // slots of group g: [group_begin[g], group_begin[g + 1])
   bool built = false;
+  std::map<c10::DeviceIndex, SideStream> sides;  // made by an eager step that needs one (FusedOptimizer::side_stream)
 };
 
 // Each parameter starts at a 256-byte boundary (vectorised loads; the CUDA
@@ -632,16 +699,21 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
         at::_foreach_add_(b.unique_steps, 1);
         if (b.device.is_cuda()) {  // lr as a device tensor: replayed graphs see the scheduler's value
           const auto& lr = this->lr_tensor(g, b.device, o.lr());
-          const size_t calls = detail::for_each_slice(b, detail::elements_per_call(b), [&](const detail::Bucket& s) {
-            if constexpr (D) {
-              at::_fused_adamw_(s.params, s.grads, s.a, s.b, s.c, s.steps, lr, beta1, beta2, o.weight_decay(), o.eps(),
-                                o.amsgrad(), o.maximize(), gs, fi);
-            } else {
-              at::_fused_adam_(s.params, s.grads, s.a, s.b, s.c, s.steps, lr, beta1, beta2, o.weight_decay(), o.eps(),
-                               o.amsgrad(), o.maximize(), gs, fi);
-            }
+          const int64_t per_call = detail::elements_per_call(b);
+          detail::StreamAlternation streams(this->side_stream(b, per_call), b.device);
+          const size_t calls = detail::for_each_slice(b, per_call, [&](const detail::Bucket& s) {
+            streams.run([&] {
+              if constexpr (D) {
+                at::_fused_adamw_(s.params, s.grads, s.a, s.b, s.c, s.steps, lr, beta1, beta2, o.weight_decay(),
+                                  o.eps(), o.amsgrad(), o.maximize(), gs, fi);
+              } else {
+                at::_fused_adam_(s.params, s.grads, s.a, s.b, s.c, s.steps, lr, beta1, beta2, o.weight_decay(), o.eps(),
+                                 o.amsgrad(), o.maximize(), gs, fi);
+              }
+            });
           });
-          if (calls > 1) this->kernels_.back() += ", " + std::to_string(calls) + " calls";
+          streams.join();
+          this->kernels_.back() += streams.note(calls);
         } else if constexpr (D) {
           at::_fused_adamw_(b.params, b.grads, b.a, b.b, b.c, b.steps, o.lr(), beta1, beta2, o.weight_decay(), o.eps(),
                             o.amsgrad(), o.maximize(), gs, fi);

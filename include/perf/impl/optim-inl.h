@@ -3,6 +3,7 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <perf/optim.h>
 
 #if PERF_WITH_CUDA
@@ -150,6 +151,48 @@ PERF_INLINE int64_t elements_per_call(const Bucket& b) {
 #else
   return 0;
 #endif
+}
+
+PERF_INLINE std::atomic<int>& flat_cuda_streams_setting() noexcept {
+  static std::atomic<int> streams{1};
+  return streams;
+}
+
+PERF_INLINE int flat_cuda_streams() noexcept { return flat_cuda_streams_setting().load(); }
+
+PERF_INLINE void set_flat_cuda_streams(int streams) {
+  TORCH_CHECK(streams == 1 || streams == 2, "perf::optim::detail::set_flat_cuda_streams: streams must be 1 or 2, got ",
+              streams);
+  flat_cuda_streams_setting().store(streams);
+}
+
+PERF_INLINE StreamAlternation::StreamAlternation(SideStream* side, const c10::Device& device) {
+  if (side == nullptr) return;
+  const auto current = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+  if (current == side->stream) return;  // the pool handed out the stream this thread is on: nothing to overlap
+  side->fork.record(current);           // before the first call: the side stream waits for what came before it
+  side_ = side;
+  current_ = current;
+}
+
+PERF_INLINE void StreamAlternation::join() {
+  joined_ = true;
+  if (!forked_) return;
+  side_->join.record(side_->stream);
+  side_->join.block(*current_);
+}
+
+PERF_INLINE StreamAlternation::~StreamAlternation() {
+  if (joined_) return;
+  try {
+    join();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the exception that unwinds us is the one to report
+  }
+}
+
+PERF_INLINE std::string StreamAlternation::note(size_t calls) const {
+  if (calls < 2) return "";
+  return ", " + std::to_string(calls) + " calls" + (forked_ ? " on 2 streams" : "");
 }
 
 PERF_INLINE std::string kernel_line(const Bucket& b, bool fused) {
@@ -316,6 +359,22 @@ PERF_INLINE const torch::Tensor& FusedOptimizer::lr_tensor(size_t g, const c10::
     slot.host = lr;
   }
   return slot.value;
+}
+
+PERF_INLINE detail::SideStream* FusedOptimizer::side_stream(const detail::Bucket& b, int64_t per_call) {
+  if (detail::flat_cuda_streams() < 2 || !flat_ || !b.flat || !b.device.is_cuda() || per_call <= 0) return nullptr;
+  int64_t total = 0;
+  for (const auto& p : b.params) total += p.numel();
+  if (total <= per_call) return nullptr;  // one call
+  auto it = flat_->sides.find(b.device.index());
+  if (it == flat_->sides.end()) {
+    // An eager step makes it (a step before capture is required anyway: lr_tensor). Under
+    // capture without one, the calls stay on one stream: the same values, no overlap.
+    if (detail::capturing_cuda_graph()) return nullptr;
+    const auto stream = c10::impl::getDeviceGuardImpl(b.device.type())->getStreamFromGlobalPool(b.device);
+    it = flat_->sides.try_emplace(b.device.index(), stream).first;
+  }
+  return &it->second;
 }
 
 PERF_INLINE std::vector<const void*> FusedOptimizer::state_addresses() {
@@ -765,11 +824,16 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
       if (fused) {
         if (b.device.is_cuda()) {
           const auto& lr = lr_tensor(g, b.device, o.lr());
-          const size_t calls = detail::for_each_slice(b, detail::elements_per_call(b), [&](const detail::Bucket& s) {
-            at::_fused_sgd_(s.params, s.grads, s.a, o.weight_decay(), o.momentum(), lr, o.dampening(), o.nesterov(),
-                            o.maximize(), s.first, gs, fi);
+          const int64_t per_call = detail::elements_per_call(b);
+          detail::StreamAlternation streams(side_stream(b, per_call), b.device);
+          const size_t calls = detail::for_each_slice(b, per_call, [&](const detail::Bucket& s) {
+            streams.run([&] {
+              at::_fused_sgd_(s.params, s.grads, s.a, o.weight_decay(), o.momentum(), lr, o.dampening(), o.nesterov(),
+                              o.maximize(), s.first, gs, fi);
+            });
           });
-          if (calls > 1) kernels_.back() += ", " + std::to_string(calls) + " calls";
+          streams.join();
+          kernels_.back() += streams.note(calls);
         } else {
           at::_fused_sgd_(b.params, b.grads, b.a, o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
                           o.maximize(), b.first, gs, fi);
