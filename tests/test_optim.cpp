@@ -1014,6 +1014,126 @@ TEST(OptimFlat, OnGpuABucketLargerThanOneCallIsUpdatedInSeveralCalls) {
 #endif
 }
 
+namespace {
+
+// A stand-in device (PrivateUse1, installed for one scope) whose streams and
+// events only log what is done with them: the order of StreamAlternation's
+// records, waits and stream switches, checked on any machine.
+class LoggingStreams final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  static constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+  static c10::Stream stream(c10::StreamId id) { return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, 0), id); }
+
+  mutable std::vector<std::string> log;
+  mutable c10::StreamId current = 1;
+
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device) const override { return c10::Device(kType, 0); }
+  c10::Device getDevice() const override { return c10::Device(kType, 0); }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const override { return stream(current); }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    const auto before = stream(current);
+    current = s.id();
+    return before;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void** event, const c10::Stream& s, const c10::DeviceIndex, const c10::EventFlag) const override {
+    if (*event == nullptr) *event = reinterpret_cast<void*>(++events_);  // e1, e2, ... in order of first record
+    log.push_back("record " + name(*event) + " on s" + std::to_string(s.id()));
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    log.push_back("s" + std::to_string(s.id()) + " waits for " + name(event));
+  }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+
+ private:
+  static std::string name(void* event) { return "e" + std::to_string(reinterpret_cast<intptr_t>(event)); }
+  mutable intptr_t events_ = 0;
+};
+
+class ScopedLoggingDevice {
+ public:
+  ScopedLoggingDevice() : before_(slot().exchange(&impl_)) {}
+  ~ScopedLoggingDevice() { slot().store(before_); }
+  ScopedLoggingDevice(const ScopedLoggingDevice&) = delete;
+  ScopedLoggingDevice& operator=(const ScopedLoggingDevice&) = delete;
+  LoggingStreams& impl() { return impl_; }
+
+ private:
+  static std::atomic<const c10::impl::DeviceGuardImplInterface*>& slot() {
+    return c10::impl::device_guard_impl_registry[static_cast<size_t>(LoggingStreams::kType)];
+  }
+  LoggingStreams impl_;
+  const c10::impl::DeviceGuardImplInterface* before_;
+};
+
+}  // namespace
+
+// Flat mode's calls on two streams, in the order a GPU sees them (on a logging
+// stand-in device): the fork event is recorded on the caller's stream before
+// the first call, the side stream waits for it before its first call, every
+// second call runs there with the caller's stream current again after it, and
+// the caller's stream waits for the side's last call. A call that throws on the
+// side stream still leaves the caller's stream current and joined (a capture
+// would fail on work left on the side). With one call, the side stream being
+// the caller's, or none, nothing waits on anything.
+TEST(OptimFlat, CallsOnTwoStreamsForkAndJoinInOrder) {
+  using perf::optim::detail::SideStream;
+  using perf::optim::detail::StreamAlternation;
+  using Log = std::vector<std::string>;
+  ScopedLoggingDevice device;  // first: the events below are destroyed through it
+  auto& fake = device.impl();
+  const c10::Device d(LoggingStreams::kType, 0);
+  SideStream side(LoggingStreams::stream(2));
+  const auto call = [&] { fake.log.push_back("call on s" + std::to_string(fake.current)); };
+  const auto calls = [&](SideStream* on, int n) {
+    StreamAlternation streams(on, d);
+    for (int i = 0; i < n; ++i) streams.run(call);
+    streams.join();
+    return streams.note(static_cast<size_t>(n));
+  };
+
+  EXPECT_EQ(calls(&side, 3), ", 3 calls on 2 streams");
+  EXPECT_EQ(fake.log, (Log{"record e1 on s1", "call on s1", "s2 waits for e1", "call on s2", "call on s1",
+                           "record e2 on s2", "s1 waits for e2"}));
+  EXPECT_EQ(fake.current, 1);
+  fake.log.clear();
+  EXPECT_EQ(calls(&side, 2), ", 2 calls on 2 streams");  // the next step: the same two events
+  EXPECT_EQ(fake.log, (Log{"record e1 on s1", "call on s1", "s2 waits for e1", "call on s2", "record e2 on s2",
+                           "s1 waits for e2"}));
+
+  fake.log.clear();
+  try {
+    StreamAlternation streams(&side, d);
+    streams.run(call);
+    streams.run([&] {
+      call();
+      throw std::runtime_error("a kernel's check failed");
+    });
+    streams.join();
+    ADD_FAILURE() << "the second call's exception was lost";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "a kernel's check failed");
+  }
+  EXPECT_EQ(fake.current, 1);
+  EXPECT_EQ(fake.log, (Log{"record e1 on s1", "call on s1", "s2 waits for e1", "call on s2", "record e2 on s2",
+                           "s1 waits for e2"}));
+
+  fake.log.clear();
+  EXPECT_EQ(calls(&side, 1), "");
+  EXPECT_EQ(fake.log, (Log{"record e1 on s1", "call on s1"}));  // recorded, waited for by nothing
+  fake.log.clear();
+  fake.current = 2;
+  EXPECT_EQ(calls(&side, 3), ", 3 calls");
+  EXPECT_EQ(fake.log, (Log{"call on s2", "call on s2", "call on s2"}));
+  fake.log.clear();
+  fake.current = 1;
+  EXPECT_EQ(calls(nullptr, 2), ", 2 calls");
+  EXPECT_EQ(fake.log, (Log{"call on s1", "call on s1"}));
+}
+
 // Flat mode's CUDA calls alternated between two streams (detail::
 // flat_cuda_streams, an internal setting for bench_optim and these tests until
 // a GPU run settles its default): anything but 1 or 2 is refused and changes

@@ -433,11 +433,11 @@ PERF_INLINE void clear_grad(at::Tensor& g, bool set_to_none);
 PERF_INLINE int flat_cuda_streams() noexcept;
 PERF_INLINE void set_flat_cuda_streams(int streams);  // 1 or 2
 
-// One CUDA device's side stream (from the pool) and its fork and join events.
+// One device's side stream (from the pool) and its fork and join events.
 struct SideStream {
-  explicit SideStream(c10::Stream s) : stream(s) {}
+  explicit SideStream(c10::Stream s) : stream(s), fork(s.device_type()), join(s.device_type()) {}
   c10::Stream stream;
-  c10::Event fork{c10::DeviceType::CUDA}, join{c10::DeviceType::CUDA};
+  c10::Event fork, join;
 };
 
 // Runs a bucket's calls alternately on the current stream of its device and on
