@@ -15,8 +15,6 @@
 
 #if PERF_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
 #endif
 
 #include <CLI/CLI.hpp>
@@ -99,12 +97,9 @@ std::vector<torch::Tensor> make_params(const torch::Device& device,
 // spreads evenly over the SMs. Flat mode on CUDA issues its calls the second way
 // (k = 320 / SMs: detail::elements_per_call); the probe keeps the evidence for
 // that choice on each device. On the CPU it is a control (the CPU kernel has no
-// such limit, and flat mode makes one call there).
-// On a GPU a last pair asks what those calls leave: one after another on a
-// stream, a call's blocks (at most 2 per SM where k = 2) run alone; the same
-// calls alternated between two streams, forked from the current one and joined
-// back, let the next call's blocks share the SMs with this one's. If that moves
-// more bytes, flat mode could issue its calls so (capturable: a fork and a join).
+// such limit, and flat mode makes one call there). Those calls alternated
+// between two streams are timed through the optimizer itself (main: "flat, 2
+// streams").
 std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t numel, const perf::BenchOptions& opts,
                                            int64_t& units) {
   constexpr int64_t chunk = 65536;
@@ -137,35 +132,6 @@ std::vector<perf::Comparison> launch_probe(const torch::Device& device, int64_t 
         "one call", [&] { run(numel); }, "calls of " + std::to_string(k * units) + " chunks", [&] { run(piece); },
         opts));
   }
-#if PERF_WITH_CUDA
-  std::vector<perf::optim::detail::Bucket> buckets;
-  auto& flat = perf::optim::detail::bucket_for(buckets, device, torch::kFloat);
-  flat.flat = true;
-  const int64_t piece = perf::optim::detail::elements_per_call(flat);  // flat mode's calls, as it issues them
-  if (device.is_cuda() && piece > 0 && piece < numel) {
-    const c10::DeviceIndex index = device.index() < 0 ? c10::cuda::current_device() : device.index();
-    const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
-    at::cuda::CUDAEvent fork, join;
-    auto two_streams = [&] {
-      const auto current = c10::cuda::getCurrentCUDAStream(index);
-      fork.record(current);
-      fork.block(side);
-      for (int64_t begin = 0, i = 0; begin < numel; begin += piece, ++i) {
-        if (i % 2 == 0) {
-          call(begin, std::min(piece, numel - begin));
-        } else {
-          const c10::cuda::CUDAStreamGuard on_side(side);
-          call(begin, std::min(piece, numel - begin));
-        }
-      }
-      join.record(side);
-      join.block(current);  // the timer's stop event, on the current stream, waits for both
-    };
-    const std::string calls = "calls of " + std::to_string(piece / chunk) + " chunks";
-    out.push_back(perf::compare(
-        calls, [&] { run(piece); }, calls + ", two streams", two_streams, opts));
-  }
-#endif
   return out;
 }
 

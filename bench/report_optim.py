@@ -117,8 +117,9 @@ def main():
             md += ["bench_optim's launch-geometry probe: the same AdamW update (`at::_fused_adamw_`) as one call over "
                    "the buffer and as calls of k x (SMs on a GPU, threads on a CPU) chunks of 65536 elements, the "
                    "evidence for the calls flat mode issues on CUDA (docs/benchmarks.md). On a CPU it is a control "
-                   "(flat mode makes one call there). On a GPU, where the run has it, a last pair issues flat mode's "
-                   "calls alternately on two streams, so that one call's blocks can share the SMs with the next's.",
+                   "(flat mode makes one call there). A run kept before 2026-11-29 may end with a pair that issued flat "
+                   "mode's calls alternately on two streams; runs since time that through the optimizer (ResNet-50's "
+                   "\"flat, 2 streams\" rows).",
                    ""]
         if len(distinct) > 1:
             md += [f"Run: {describe(first['run'])}.", ""]

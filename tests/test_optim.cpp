@@ -953,6 +953,27 @@ std::vector<int64_t> three_call_sizes() {
   const int64_t per_call = std::max<int64_t>(1, 320 / sms) * std::min<int64_t>(sms, 320) * 65536;
   return {per_call / 2 + 3, per_call, per_call / 2 + 100, 1000};
 }
+
+// Two copies of the same random CUDA parameters of `sizes`, one per optimizer compared.
+std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> twin_params(const std::vector<int64_t>& sizes) {
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> out;
+  for (const auto n : sizes) {
+    const auto t = torch::randn({n}, torch::TensorOptions().device(torch::kCUDA));
+    out.first.push_back(t.clone().requires_grad_());
+    out.second.push_back(t.clone().requires_grad_());
+  }
+  return out;
+}
+
+// The same new random gradients (times `factor`) into both copies' .grad().
+void twin_grads(std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, double factor = 1.0) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto g = torch::randn_like(a[i]) * factor;
+    a[i].mutable_grad().copy_(g);
+    b[i].mutable_grad().copy_(g);
+  }
+}
 #endif
 
 // Sets how many streams flat mode's CUDA calls use, for one scope.
@@ -1192,26 +1213,14 @@ TEST(OptimFlat, OnGpuCallsOnTwoStreamsUpdateAsOnOne) {
   for (const auto& [name, make] : optimizers) {
     SCOPED_TRACE(name);
     torch::manual_seed(12);
-    std::vector<torch::Tensor> one_params, two_params;
-    for (const auto n : sizes) {
-      const auto t = torch::randn({n}, cuda);
-      one_params.push_back(t.clone().requires_grad_());
-      two_params.push_back(t.clone().requires_grad_());
-    }
+    auto [one_params, two_params] = twin_params(sizes);
     auto one = make(one_params), two = make(two_params);
     auto& one_fused = dynamic_cast<perf::optim::FusedOptimizer&>(*one);
     auto& two_fused = dynamic_cast<perf::optim::FusedOptimizer&>(*two);
     const auto caller = c10::cuda::getCurrentCUDAStream();
     const auto scale = torch::full({}, 4.0f, cuda);
     for (int step = 0; step < 4; ++step) {
-      {
-        torch::NoGradGuard no_grad;
-        for (size_t i = 0; i < sizes.size(); ++i) {
-          const auto g = torch::randn({sizes[i]}, cuda) * (step >= 2 ? 4.0 : 1.0);
-          one_params[i].mutable_grad().copy_(g);
-          two_params[i].mutable_grad().copy_(g);
-        }
-      }
+      twin_grads(one_params, two_params, step >= 2 ? 4.0 : 1.0);
       // Steps 0 and 1 plain, 2 scaled by 4, 3 scaled and skipped (found_inf 1).
       const auto found_inf = torch::full({}, step == 3 ? 1.0f : 0.0f, cuda);
       for (int streams : {1, 2}) {
@@ -1242,25 +1251,14 @@ TEST(OptimFlat, OnGpuCallsOnTwoStreamsUpdateAsOnOne) {
 TEST(OptimFlat, OnGpuCallsOnTwoStreamsAreCapturedAndReplayed) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
-  const std::vector<int64_t> sizes = three_call_sizes();
-  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   torch::manual_seed(13);
-  std::vector<torch::Tensor> eager_params, graph_params;
-  for (const auto n : sizes) {
-    const auto t = torch::randn({n}, cuda);
-    eager_params.push_back(t.clone().requires_grad_());
-    graph_params.push_back(t.clone().requires_grad_());
-  }
+  auto twins = twin_params(three_call_sizes());  // not a structured binding: clang < 16 cannot capture one
+  auto& eager_params = twins.first;
+  auto& graph_params = twins.second;
   const auto options = perf::optim::AdamWOptions(1e-3).weight_decay(0.01).flat(true);
   perf::optim::AdamW eager(eager_params, options), graphed(graph_params, options);
-  const auto new_grads = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      const auto g = torch::randn({sizes[i]}, cuda);
-      eager_params[i].mutable_grad().copy_(g);
-      graph_params[i].mutable_grad().copy_(g);  // a view of the buffer the graph reads
-    }
-  };
+  // Into graph_params' .grad(): views of the buffer the graph reads.
+  const auto new_grads = [&] { twin_grads(eager_params, graph_params); };
   const ScopedFlatCudaStreams two(2);
   new_grads();
   graphed.step();  // eager first: state, lr tensor and the side stream exist before capture
@@ -1283,7 +1281,7 @@ TEST(OptimFlat, OnGpuCallsOnTwoStreamsAreCapturedAndReplayed) {
     graph.replay();
     const ScopedFlatCudaStreams one(1);
     eager.step();
-    for (size_t i = 0; i < sizes.size(); ++i)
+    for (size_t i = 0; i < graph_params.size(); ++i)
       EXPECT_TRUE(torch::equal(graph_params[i], eager_params[i])) << "replay " << replay << ", parameter " << i;
   }
 #endif
