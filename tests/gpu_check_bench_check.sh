@@ -30,7 +30,7 @@ if [[ \${1:-} == bench/peer_optim.py ]]; then
   exec "$python" bench/peer_optim.py --device cpu --iters 2 --warmup 0 --json "\$json"
 fi
 if [[ \${1:-} == tools/export_compiled.py ]]; then
-  while [ \$# -gt 0 ]; do [ "\$1" = -o ] && { echo stand-in >"\$2"; exit 0; }; shift; done
+  while [ \$# -gt 0 ]; do [ "\$1" = -o ] && { echo stand-in >"\$2"; echo "\$2" >>"$work/exported"; exit 0; }; shift; done
   exit 1
 fi
 if [[ \${1:-} == bench/peer_compiled.py ]]; then
@@ -93,5 +93,18 @@ import json, sys
 configs = sorted(json.loads(line)["config"] for line in open(sys.argv[1]))
 sys.exit(0 if configs == ["C++ eager fp32", "C++ package fp32 (batch 1)", "Python eager fp32"] else 1)' \
   "${kept:-/dev/null}"
+
+check "that call exported the two packages of --quick" test "$(wc -l <"$work/exported")" = 2
+
+# The same call again on this machine: the packages exported from the same sources and arguments are used again
+# (a max-autotune export can take more than one call's budget), and the summary's rows come as before.
+rm -rf "$work/out"
+(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
+  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick \
+  >"$work/stdout-again" 2>&1)
+check "a second call exports nothing again" test "$(wc -l <"$work/exported")" = 2
+check "and says which packages it used again" test "$(grep -c "from an earlier call on this machine (same sources \
+and arguments)" "$work/stdout-again")" = 2
+check "and measures them" grep -qF "bench_compiled failed (exit 1" "$work/out/bench-summary.txt"
 
 finish_check "gpu-check bench part"

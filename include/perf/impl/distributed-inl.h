@@ -158,9 +158,15 @@ PERF_INLINE c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Proc
     pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
     pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
 #else
+#ifdef PERF_SEPARATE_COMPILATION  // this body is perf::perf_static's: its own build lacked them
+    constexpr const char* rebuild = " (perf::perf_static: rebuild it with them on its include path)";
+#else
+    constexpr const char* rebuild = "";
+#endif
     TORCH_CHECK(false,
                 "perf::init_process_group: backend \"gloo\" needs Gloo's headers, which the LibTorch wheel does "
-                "not ship: install them (Debian/Ubuntu: libgloo-dev) and rebuild, or use backend \"nccl\" on CUDA");
+                "not ship: install them (Debian/Ubuntu: libgloo-dev) and rebuild, or use backend \"nccl\" on CUDA",
+                rebuild);
 #endif
   } else {
 #if PERF_WITH_NCCL
