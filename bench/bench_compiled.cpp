@@ -8,14 +8,18 @@
 // per configuration for bench/report_compiled.py, next to bench/peer_compiled.py's
 // Python rows (a decision's recipe and times on perf::optimize's rows). scripts/bench-compiled.sh exports the packages
 // and runs all of it. A package exported for one batch size (no --dynamic-batch) is timed at that batch only: the like
-// of torch.compile, which specialises on the first shape.
+// of torch.compile, which specialises on the first shape. After each batch's timing, --profile-calls calls of
+// perf::optimize's rows and the eager recipe's graphs run under LibTorch's profiler (profile_rows, below).
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
 #include <perf/model.h>
+#include <perf/profile.h>
 #include <perf/setup.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -24,6 +28,49 @@
 
 #include "program.h"
 #include "resnet.h"
+
+// The device's operations per call of each perf::optimize row and each graph of the eager recipe, from LibTorch's
+// profiler: on an H200 at batch 1 the default decision's graph ran 8% faster than the same recipe pinned on a fresh
+// model or decided on cuDNN's heuristics (0.286 against 0.310-0.313 ms), every row's spread under 0.5%. Kernels a
+// graph replays are traced too (CUPTI), so a differing kernel, count or copy shows here. A profiler that fails says so
+// and costs the run nothing else.
+static void profile_rows(const std::vector<std::pair<std::string, std::function<void()>>>& configs,
+                         const c10::Device& device, int64_t batch, int calls) {
+  const std::string on = device.is_cuda() ? "cuda" : "cpu";
+  const auto trace = (std::filesystem::temp_directory_path() / "bench_compiled_profile.json").string();
+  const auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
+  for (const auto& [name, call] : configs) {
+    if (name.rfind("perf::optimize", 0) != 0 && name.rfind("perf::graph(eager recipe)", 0) != 0) continue;
+    try {
+      call();
+      sync();
+      perf::Profile profile(trace, perf::ProfileOptions().top(0).out(nullptr).cuda(device.is_cuda()));
+      for (int i = 0; i < calls; ++i) call();
+      sync();  // every kernel done before the trace ends
+      std::vector<perf::OpStat> ops;
+      for (const auto& o : profile.stop().ops)
+        if (o.device == on) ops.push_back(o);
+      std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.self_us > b.self_us; });
+      int64_t n = 0;
+      double us = 0;
+      for (const auto& o : ops) n += o.calls, us += o.self_us;
+      std::cout << "profile of " << name << " at batch " << batch << ": " << std::fixed << std::setprecision(1)
+                << static_cast<double>(n) / calls << " " << on << " operations a call, " << us / calls
+                << " us of their time a call (" << calls << " calls)\n";
+      for (const auto& o : ops) {
+        std::cout << "    " << std::setw(9) << std::setprecision(2) << o.self_us / calls << " us " << std::setw(6)
+                  << std::setprecision(1) << static_cast<double>(o.calls) / calls << "x  " << o.name.substr(0, 110)
+                  << "\n";
+      }
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      std::cout << "profile of " << name << " at batch " << batch << ": none (" << what.substr(0, what.find('\n'))
+                << ")\n";
+    }
+  }
+}
 
 static int bench_compiled_main(int argc, char** argv) {
   CLI::App app("eager vs AOTInductor package, inference");
@@ -34,6 +81,7 @@ static int bench_compiled_main(int argc, char** argv) {
   int iters = 30;
   std::string json;
   bool package_graphs = true;
+  int profile_calls = 10;
   app.add_option("--package", packages, "packages of bench/resnet.py (scripts/bench-compiled.sh writes them)")
       ->required();
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -45,6 +93,11 @@ static int bench_compiled_main(int argc, char** argv) {
   app.add_flag("!--no-package-graphs", package_graphs,
                "on CUDA, leave out perf::graph of the packages (gpu-check reruns with it when a run with them "
                "fails or crashes)");
+  app.add_option("--profile-calls", profile_calls,
+                 "after each batch's timing, calls of every perf::optimize row (and on CUDA every graph of the eager "
+                 "recipe) under LibTorch's profiler: the device's operations a call, with their time, which tell "
+                 "apart rows that run the same recipe at different speeds; 0: none")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the packages load
   if (!json.empty()) {
@@ -188,6 +241,7 @@ static int bench_compiled_main(int argc, char** argv) {
       std::cout << line << std::fixed << std::setprecision(2) << std::setw(10) << stats[0].median_ms / s.median_ms
                 << "x\n";
     }
+    if (profile_calls > 0) profile_rows(configs, device, batch, profile_calls);
   }
   return 0;
 }

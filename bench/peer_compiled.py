@@ -45,17 +45,19 @@ def main():
         for batch in a.batches:
             x = torch.randn(batch, 3, a.image, a.image, device=a.device)
             with torch.inference_mode():
-                configs = [("Python eager fp32", lambda: model(x))]
-                for name, fn in compiled.items():
-                    started = time.time()
-                    fn(x)  # compiles here, for this shape
-                    print(f"{name}, batch {batch}: compiled in {time.time() - started:.0f} s", flush=True)
-                    configs.append((f"Python {name}", lambda fn=fn: fn(x)))
-                for name, fn in configs:
-                    ms = median_ms_on(a.device, fn, 5, a.iters)
+                # Each row is written as soon as it is measured, each mode right after its compilation: a run
+                # stopped in a long one (max-autotune on CUDA, minutes) keeps the rows before it.
+                for name, fn in [("eager fp32", model)] + list(compiled.items()):
+                    if name in compiled:
+                        started = time.time()
+                        fn(x)  # compiles here, for this shape
+                        print(f"{name}, batch {batch}: compiled in {time.time() - started:.0f} s", flush=True)
+                    name = f"Python {name}"
+                    ms = median_ms_on(a.device, lambda fn=fn: fn(x), 5, a.iters)
                     print(f"{a.device} batch {batch} {name}: {ms:.3f} ms", flush=True)
                     out.write(json.dumps({"lang": "python", "config": name, "device": a.device, "batch": batch,
                                           "median_ms": ms, "torch": torch.__version__}) + "\n")
+                    out.flush()
 
 
 if __name__ == "__main__":

@@ -656,6 +656,10 @@ if has bench; then
       echo "-- perf::optimize's decision per batch (bench_compiled; every recipe eager and as a CUDA graph)"
       awk '/^perf::optimize: / { on = 1 } on { print } /^  decided in / { on = 0 }' "$logs/bench_compiled.txt"
     fi
+    if grep -qs "^profile of " "$logs/bench_compiled.txt"; then
+      echo "-- kernels a call of perf::optimize's rows and the eager recipe's graphs (bench_compiled.txt lists them)"
+      grep -h "^profile of " "$logs/bench_compiled.txt"
+    fi
   } >"$logs/summary.txt"
   finish bench $st "$t0"
   status=$((status | st))

@@ -56,6 +56,8 @@ if ((graphs)); then
   exit 1
 fi
 row "package fp32 (batch 1)" 0.5
+echo "profile of perf::optimize(example) at batch 1: 61.0 cuda operations a call, 250.5 us of their time a call (10 calls)"
+echo "    40.00 us    1.0x  stand-in kernel"
 EOF
 chmod +x "$work/build/bench/bench_optim" "$work/build/bench/bench_compiled" "$work/bin/python"
 
@@ -87,6 +89,8 @@ check "with bench_compiled failing, the bench part fails (rc $rc)" test "$rc" !=
 check "its summary says how bench_compiled failed and that it ran again" grep -qF "bench_compiled failed (exit 1: \
 bench_compiled: stand-in failure in a package's graph) (log: bench_compiled-died.txt); again with --no-package-graphs" \
   <<<"$summary"
+check "and the profiled rows' kernels a call, one line each" test "$(grep -c "^profile of perf::optimize(example) at \
+batch 1: 61.0 cuda operations a call" <<<"$summary")" = 1
 check_kept bench compiled-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick'
 check "the kept run has the retry's rows and the peer's, not the failed attempt's" "$python" -c '
 import json, sys
