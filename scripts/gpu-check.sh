@@ -107,6 +107,43 @@ within_budget() {  # reserve command...
   return $rc
 }
 has() { [[ ",$parts," == *",$1,"* ]]; }
+
+# AOTInductor packages of bench/resnet.py for bench_compiled, compiled here for this GPU (about 80 s each), kept
+# out of the results. *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
+# Python rows at batch 1); fp32_b1_autotune the same with --max-autotune, the like of Python's max-autotune row
+# (left out with --quick, as that row is); bf16_nhwc*: perf's recipe (bf16, channels-last) compiled in, the
+# candidate for 3x eager at batch 1; the others take batches 1 to 64. All at once: each export is mostly one
+# compiler process, and the machine has cores to spare. A package an earlier call on this machine exported from
+# the same sources and arguments is used again: the max-autotune export alone ran past 168 s on an H200 (a885395),
+# so a second call finishes what the first could not. Sets variants[] and exports[] (a background job each, whose
+# status says whether its package is there); each export's log is gpu-work/logs/export_<variant>.log, which the bench
+# part copies to its own logs (started by the build part, an export outlives the bench part's fresh logs folder).
+variants=() exports=()
+start_bench_exports() {
+  local variant shape extra pkg key sources_key
+  variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc bf16_nhwc_b1); ((quick)) && variants=(fp32 fp32_b1)
+  wanted compiled || variants=()
+  exports=()
+  rm -rf "$build/gpu-work/logs"; mkdir -p "$build/gpu-work/logs"
+  sources_key=$(cat bench/resnet.py tools/export_compiled.py | cksum | cut -d' ' -f1)
+  for variant in "${variants[@]}"; do
+    shape=(--input "8,3,64,64" --dynamic-batch "1:64")
+    extra=(); [[ $variant == bf16_nhwc* ]] && extra=(--dtype bfloat16 --channels-last)
+    [[ $variant == *_b1* ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
+    [[ $variant == *_autotune ]] && extra+=(--max-autotune)
+    pkg=$build/gpu-work/resnet_cuda_$variant.pt2 key="$sources_key ${shape[*]} ${extra[*]}"
+    if [ -f "$pkg" ] && [ "$(cat "$pkg.key" 2>/dev/null)" = "$key" ]; then
+      echo "   export $variant: $pkg from an earlier call on this machine (same sources and arguments)"
+      echo "reused $pkg" >"$build/gpu-work/logs/export_$variant.log"
+      true &
+    else
+      rm -f "$pkg" "$pkg.key"
+      { within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" "${shape[@]}" \
+          --device cuda "${extra[@]}" >"$build/gpu-work/logs/export_$variant.log" 2>&1 && echo "$key" >"$pkg.key"; } &
+    fi
+    exports+=($!)
+  done
+}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
@@ -299,11 +336,19 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
   # rather than compiles: cached in $PERF_CACHE_DIR/e2e-packages by everything that shapes them
   # (PERF_E2E_ARGS and --jobs as --part e2e takes them). One this call has no time for is exported by the
   # next --part build, or by --part e2e.
-  e2e_export=""
-  if ((!st)) && "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  e2e_export="" cuda_here=0
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && cuda_here=1
+  if ((!st && cuda_here)); then
     PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --export-only --amp bf16 --device cuda \
       --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${e2e_more[@]}" >"$logs/e2e-export.txt" 2>&1 &
     e2e_export=$!
+  fi
+  # bench_compiled's packages beside the compilation too where this call benchmarks and does not test (the tests'
+  # timings would share the GPU with them): the max-autotune export ran past 168 s on an H200. The bench part
+  # waits for them.
+  if ((!st && cuda_here)) && has bench && ! has tests && wanted compiled; then
+    start_bench_exports
+    echo "bench_compiled's packages: ${#variants[@]} exports started beside the build" >>"$logs/bench-exports.txt"
   fi
   if ((!st)); then
     # Stopped by the budget, the next `--part build` on the same machine goes on where this one stopped.
@@ -343,6 +388,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
         fi
       done
     fi
+    cat "$logs/bench-exports.txt" 2>/dev/null
     [ -f "$logs/e2e-export.txt" ] && grep -E "^(cnn|transformer|mlp): |^FAILED" "$logs/e2e-export.txt" |
       sed 's/^/e2e training package: /'
     # The slowest compilations (ninja's log: start and end ms of each output), to see what bounds the build.
@@ -576,35 +622,9 @@ if has bench; then
         { echo "   report FAILED (see peer_optim.txt)"; st=1; }
     fi
   fi
-  # AOTInductor packages of bench/resnet.py, compiled here for this GPU (about 80 s each), kept out of the results.
-  # *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
-  # Python rows at batch 1); fp32_b1_autotune the same with --max-autotune, the like of Python's
-  # max-autotune row (left out with --quick, as that row is); bf16_nhwc*: perf's recipe (bf16,
-  # channels-last) compiled in, the candidate for 3x eager at batch 1; the others take batches 1 to 64.
-  variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc bf16_nhwc_b1); ((quick)) && variants=(fp32 fp32_b1)
-  wanted compiled || variants=()
-  # All at once: each export is mostly one compiler process, and the machine has cores to spare. A package an
-  # earlier call on this machine exported from the same sources and arguments is used again: the max-autotune
-  # export alone ran past 168 s on an H200 (a885395), so a second call finishes what the first could not.
-  packages=() exports=()
-  sources_key=$(cat bench/resnet.py tools/export_compiled.py | cksum | cut -d' ' -f1)
-  for variant in "${variants[@]}"; do
-    shape=(--input "8,3,64,64" --dynamic-batch "1:64")
-    extra=(); [[ $variant == bf16_nhwc* ]] && extra=(--dtype bfloat16 --channels-last)
-    [[ $variant == *_b1* ]] && shape=(--input "1,3,64,64" --dynamic-batch static)
-    [[ $variant == *_autotune ]] && extra+=(--max-autotune)
-    pkg=$work/resnet_cuda_$variant.pt2 key="$sources_key ${shape[*]} ${extra[*]}"
-    if [ -f "$pkg" ] && [ "$(cat "$pkg.key" 2>/dev/null)" = "$key" ]; then
-      echo "   export $variant: $pkg from an earlier call on this machine (same sources and arguments)"
-      echo "reused $pkg" >"$logs/export_$variant.log"
-      true &
-    else
-      rm -f "$pkg" "$pkg.key"
-      { within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" "${shape[@]}" \
-          --device cuda "${extra[@]}" >"$logs/export_$variant.log" 2>&1 && echo "$key" >"$pkg.key"; } &
-    fi
-    exports+=($!)
-  done
+  # bench/resnet.py's packages: started by the build part where it ran in this call without the tests, else here.
+  ((${#exports[@]})) || start_bench_exports
+  packages=()
   for i in "${!variants[@]}"; do
     if wait "${exports[i]}"; then
       packages+=(--package "$work/resnet_cuda_${variants[i]}.pt2")
@@ -612,6 +632,7 @@ if has bench; then
       echo "   export ${variants[i]} FAILED (see export_${variants[i]}.log)"; st=1
     fi
   done
+  ((${#variants[@]})) && cp "$build"/gpu-work/logs/export_*.log "$logs"/ 2>/dev/null
   # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
   compiled=$logs/compiled-cuda.jsonl
   if ((${#packages[@]})); then

@@ -111,4 +111,23 @@ check "and says which packages it used again" test "$(grep -c "from an earlier c
 and arguments)" "$work/stdout-again")" = 2
 check "and measures them" grep -qF "bench_compiled failed (exit 1" "$work/out/bench-summary.txt"
 
+# --part build,bench without the tests: the build part starts the exports beside the compilation (a stand-in
+# cmake here, which configures and builds nothing, and stand-in GoogleTest sources) and the bench part waits for
+# them rather than exporting again. Without --quick: the five variants, of which the two --quick exported above are
+# used again and the other three exported once.
+printf '#!/usr/bin/env bash\nexit 0\n' >"$work/bin/cmake"
+chmod +x "$work/bin/cmake"
+mkdir -p "$work/deps/googletest" && touch "$work/deps/googletest/CMakeLists.txt"
+rm -rf "$work/out" "$work/tar" "$work/exported"
+(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
+  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" PERF_GPU_CCACHE=/nonexistent \
+  bash scripts/gpu-check.sh --part build,bench --bench compiled >"$work/stdout-build" 2>&1)
+check "the build part's summary says the five exports started beside the build" grep -qF \
+  "bench_compiled's packages: 5 exports started beside the build" "$work/out/build-summary.txt"
+check "the three new ones exported once, the two of --quick used again" test \
+  "$(sort -u "$work/exported" | wc -l)-$(wc -l <"$work/exported")-$(grep -c "from an earlier call" "$work/stdout-build")" \
+  = 3-3-2
+check "and bench_compiled measured the five" test "$(grep -m1 "^== bench_compiled " "$work/stdout-build" |
+  grep -o -- "--package " | wc -l)" = 5
+
 finish_check "gpu-check bench part"
