@@ -45,7 +45,7 @@ run_report() {
   line="$((hits - ccache_hits0)) compiles from the cache, $((misses - ccache_misses0)) compiled"
   command -v ccache >/dev/null || line="no ccache"
   [ "$suites" = cuda,asan,tsan ] || line+=", suites $suites only"
-  echo "== ccache ($CCACHE_DIR): $line"
+  echo "== ccache ($CCACHE_DIR): $line; test.sh took $(($(date +%s) - run_started)) s"
   echo "$(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo '-') exit $rc" \
        "$(($(date +%s) - run_started)) s, $line, $PWD" >>"$HOME/.cache/perf/test-runs.log" 2>/dev/null || true
 }
@@ -70,13 +70,20 @@ fi
 # A suite that fails does not stop the next: a GPU machine lent for a few calls learns every suite's state
 # from one (at a885395 the ASan suite's failure left ThreadSanitizer's unrun). The run fails at the end, naming them.
 failed_suites=()
+# Each suite's time goes to the log in two parts (a fresh CI runs close to its 30-minute limit: this says where).
 run_suite() {  # <name> <build dir> <extra cmake args...>
-  local name=$1 dir=$2
+  local name=$1 dir=$2 t0 t1
   shift 2
-  if ! { perf_configure "$dir" "$@" && cmake --build "$dir" -j "$jobs" &&
+  t0=$(date +%s) t1=
+  if ! { perf_configure "$dir" "$@" && cmake --build "$dir" -j "$jobs" && t1=$(date +%s) &&
          (cd "$dir" && env "${test_env[@]}" ctest --output-on-failure -j "$ctest_jobs"); }; then
     failed_suites+=("$name")
     echo "== test.sh: the $name suite FAILED (above); going on with the others"
+  fi
+  if [ -n "$t1" ]; then
+    echo "== $name suite: configure and build $((t1 - t0)) s, tests $(($(date +%s) - t1)) s"
+  else
+    echo "== $name suite: configure and build stopped after $(($(date +%s) - t0)) s"
   fi
 }
 
