@@ -5,6 +5,11 @@ mode="reduce-overhead"). Medians per call (CUDA
 events on a GPU), one JSON line per configuration appended to --json.
 
     python bench/peer_compiled.py --device cpu --width 32 --image 64 --batches 1 32 --json out.jsonl
+
+--compile-only compiles every mode at every batch, in the order a timed run does, and measures nothing: Inductor's
+caches (its compiled graphs, max-autotune's choices) then hold them, and a timed run started afterwards on the
+same machine takes them from there. scripts/gpu-check.sh starts it beside the build, where max-autotune's minutes
+of compilation cost no benchmark time.
 """
 import argparse
 import json
@@ -29,8 +34,12 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-max-autotune", action="store_true",
                    help="skip max-autotune (minutes to compile on CUDA; on a 2-core CPU it took 8-11 s per batch)")
-    p.add_argument("--json", required=True, help="file to append one JSON line per configuration to")
+    p.add_argument("--json", help="file to append one JSON line per configuration to (required unless --compile-only)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile each mode at each batch into Inductor's caches, measure and write nothing")
     a = p.parse_args()
+    if not a.json and not a.compile_only:
+        p.error("--json is required (unless --compile-only)")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("peer_compiled: --device cuda but torch.cuda.is_available() is False")
     torch.manual_seed(0)
@@ -41,7 +50,9 @@ def main():
     if not a.no_max_autotune:
         modes.append(("torch.compile max-autotune", {"mode": "max-autotune"}))
     compiled = {name: torch.compile(model, **kw) for name, kw in modes}
-    with open(a.json, "a") as out:
+    # The same calls in the same order with --compile-only: torch.compile's recompilation for the second batch
+    # (dynamic batch) depends on what the code object saw before, and Inductor's cache keys on the graphs.
+    with open(a.json or os.devnull, "a") as out:
         for batch in a.batches:
             x = torch.randn(batch, 3, a.image, a.image, device=a.device)
             with torch.inference_mode():
@@ -52,6 +63,8 @@ def main():
                         started = time.time()
                         fn(x)  # compiles here, for this shape
                         print(f"{name}, batch {batch}: compiled in {time.time() - started:.0f} s", flush=True)
+                    if a.compile_only:
+                        continue
                     name = f"Python {name}"
                     ms = median_ms_on(a.device, lambda fn=fn: fn(x), 5, a.iters)
                     print(f"{a.device} batch {batch} {name}: {ms:.3f} ms", flush=True)

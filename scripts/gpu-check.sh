@@ -3,7 +3,8 @@
 # (under 8 minutes on an H100 with 16 cores):
 #
 #   build   configure and build everything with all cores (works without a GPU); on a GPU, beside the
-#           compilation, bench/e2e's training packages
+#           compilation, bench/e2e's training packages and (with bench, without tests) bench_compiled's
+#           packages and its Python peer's compilations
 #   tests   every ctest in its own process, then every GPU test in ONE process
 #   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
 #   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune), and
@@ -118,13 +119,23 @@ has() { [[ ",$parts," == *",$1,"* ]]; }
 # so a second call finishes what the first could not. Sets variants[] and exports[] (a background job each, whose
 # status says whether its package is there); each export's log is gpu-work/logs/export_<variant>.log, which the bench
 # part copies to its own logs (started by the build part, an export outlives the bench part's fresh logs folder).
-variants=() exports=()
+# Beside them, Python's peer compiles its torch.compile modes at its batches into Inductor's caches
+# (peer_compiled.py --compile-only; $peer_warmup, its log gpu-work/logs/peer_compiled_warmup.log), so that the timed
+# peer after bench_compiled takes them from there: Python's max-autotune compiles for minutes, as the export does.
+# Both sides' autotuning then times its choices with the other exports on the GPU; neither is favoured.
+variants=() exports=() peer_warmup=
 start_bench_exports() {
-  local variant shape extra pkg key sources_key
+  local variant shape extra pkg key sources_key peer_extra=()
   variants=(fp32 fp32_b1 fp32_b1_autotune bf16_nhwc bf16_nhwc_b1); ((quick)) && variants=(fp32 fp32_b1)
   wanted compiled || variants=()
-  exports=()
+  exports=() peer_warmup=
   rm -rf "$build/gpu-work/logs"; mkdir -p "$build/gpu-work/logs"
+  if wanted compiled; then
+    ((quick)) && peer_extra=(--no-max-autotune)
+    PYTHONUNBUFFERED=1 within_budget 60 "$py" bench/peer_compiled.py --device cuda --compile-only "${peer_extra[@]}" \
+      >"$build/gpu-work/logs/peer_compiled_warmup.log" 2>&1 &
+    peer_warmup=$!
+  fi
   sources_key=$(cat bench/resnet.py tools/export_compiled.py | cksum | cut -d' ' -f1)
   for variant in "${variants[@]}"; do
     shape=(--input "8,3,64,64" --dynamic-batch "1:64")
@@ -632,6 +643,11 @@ if has bench; then
       echo "   export ${variants[i]} FAILED (see export_${variants[i]}.log)"; st=1
     fi
   done
+  # Python's compilations too, before anything is timed on the GPU (a failed one leaves the timed peer to compile).
+  if [ -n "$peer_warmup" ]; then
+    wait "$peer_warmup" || echo "   peer_compiled --compile-only stopped or FAILED (see peer_compiled_warmup.log)"
+    cp "$build/gpu-work/logs/peer_compiled_warmup.log" "$logs"/ 2>/dev/null
+  fi
   ((${#variants[@]})) && cp "$build"/gpu-work/logs/export_*.log "$logs"/ 2>/dev/null
   # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
   compiled=$logs/compiled-cuda.jsonl
@@ -672,6 +688,9 @@ if has bench; then
     grep -hE "\(goal (>=|>) " "$logs/optim-cuda.md" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -h "^kept the run" "$logs/peer_compiled.txt" 2>/dev/null || true
+    # How long each torch.compile mode took to compile cold (the warm-up beside the build) and then from the cache.
+    grep -h "compiled in" "$logs/peer_compiled_warmup.log" 2>/dev/null | sed 's/^/Python warm-up: /' || true
+    grep -h "compiled in" "$logs/peer_compiled.txt" 2>/dev/null | sed 's/^/Python timed run: /' || true
     grep -hE "^(## |\| )|\(goal >= " "$logs/compiled-cuda.md" 2>/dev/null || true
     if grep -qs "^perf::optimize: " "$logs/bench_compiled.txt"; then
       echo "-- perf::optimize's decision per batch (bench_compiled; every recipe eager and as a CUDA graph)"

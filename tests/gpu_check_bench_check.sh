@@ -33,6 +33,14 @@ if [[ \${1:-} == tools/export_compiled.py ]]; then
   while [ \$# -gt 0 ]; do [ "\$1" = -o ] && { echo stand-in >"\$2"; echo "\$2" >>"$work/exported"; exit 0; }; shift; done
   exit 1
 fi
+# The peer's warm-up (--compile-only, which gpu-check starts beside the exports): a line in the order file when it ends.
+if [[ \${1:-} == bench/peer_compiled.py && " \$* " == *" --compile-only "* ]]; then
+  sleep 1
+  echo "warm-up \${*:2}" >>"$work/order"
+  echo "torch.compile default, batch 1: compiled in 9 s"
+  [[ " \$* " == *" --no-max-autotune "* ]] || echo "torch.compile max-autotune, batch 1: compiled in 99 s"
+  exit 0
+fi
 if [[ \${1:-} == bench/peer_compiled.py ]]; then
   $cpu_args
   echo '{"lang": "python", "config": "Python eager fp32", "device": "cuda", "batch": 1, "median_ms": 2.0}' >>"\$json"
@@ -44,6 +52,7 @@ EOF
 # an error (exit 1, the message last); without them (gpu-check's retry) it writes its rows and succeeds.
 cat >"$work/build/bench/bench_compiled" <<'EOF'
 #!/usr/bin/env bash
+echo bench_compiled >>@ORDER@
 json= graphs=1
 while [ $# -gt 0 ]; do
   case $1 in --json) json=$2; shift 2 ;; --no-package-graphs) graphs=0; shift ;; *) shift ;; esac
@@ -59,6 +68,7 @@ row "package fp32 (batch 1)" 0.5
 echo "profile of perf::optimize(example) at batch 1: 61.0 cuda operations a call, 250.5 us of their time a call (10 calls)"
 echo "    40.00 us    1.0x  stand-in kernel"
 EOF
+sed -i "s|@ORDER@|$work/order|" "$work/build/bench/bench_compiled"
 chmod +x "$work/build/bench/bench_optim" "$work/build/bench/bench_compiled" "$work/bin/python"
 
 (cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
@@ -99,6 +109,10 @@ sys.exit(0 if configs == ["C++ eager fp32", "C++ package fp32 (batch 1)", "Pytho
   "${kept:-/dev/null}"
 
 check "that call exported the two packages of --quick" test "$(wc -l <"$work/exported")" = 2
+check "and compiled Python's modes first, once, without max-autotune, before bench_compiled ran (twice)" test \
+  "$(tr '\n' '|' <"$work/order")" = "warm-up --device cuda --compile-only --no-max-autotune|bench_compiled|bench_compiled|"
+check "the summary has the warm-up's compile times" grep -qxF \
+  "Python warm-up: torch.compile default, batch 1: compiled in 9 s" <<<"$summary"
 
 # --part build,bench without the tests: the build part starts the exports beside the compilation (a stand-in
 # cmake here, which configures and builds nothing, and stand-in GoogleTest sources) and the bench part waits for
@@ -108,7 +122,7 @@ check "that call exported the two packages of --quick" test "$(wc -l <"$work/exp
 printf '#!/usr/bin/env bash\nexit 0\n' >"$work/bin/cmake"
 chmod +x "$work/bin/cmake"
 mkdir -p "$work/deps/googletest" && touch "$work/deps/googletest/CMakeLists.txt"
-rm -rf "$work/out" "$work/tar" "$work/exported"
+rm -rf "$work/out" "$work/tar" "$work/exported" "$work/order"
 (cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
   PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" PERF_GPU_CCACHE=/nonexistent \
   bash scripts/gpu-check.sh --part build,bench --bench compiled >"$work/stdout-build" 2>&1)
@@ -119,5 +133,9 @@ check "the three new ones exported once, the two of --quick used again" test \
   = 3-3-2
 check "and bench_compiled measured the five" test "$(grep -m1 "^== bench_compiled " "$work/stdout-build" |
   grep -o -- "--package " | wc -l)" = 5
+check "after Python's warm-up, started once beside the build, with max-autotune" test \
+  "$(tr '\n' '|' <"$work/order")" = "warm-up --device cuda --compile-only|bench_compiled|bench_compiled|"
+check "whose max-autotune compile time is in the summary" grep -qxF \
+  "Python warm-up: torch.compile max-autotune, batch 1: compiled in 99 s" "$work/out/bench-summary.txt"
 
 finish_check "gpu-check bench part"
