@@ -893,17 +893,20 @@ TEST(Optimize, OnGpuAnExampleAlsoMeasuresEachRecipeAsACudaGraph) {
 
 namespace {
 // Records cuDNN's benchmark flag at each forward call: the calls that run in
-// `seen`, those a CUDA graph capture records in `captured`.
+// `seen`, those a CUDA graph capture records in `captured`; cuDNN's
+// deterministic flag at the calls that run in `deterministic`.
 struct BenchmarkSpyImpl : torch::nn::Module {
   BenchmarkSpyImpl() {
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    (perf::optim::detail::capturing_cuda_graph() ? captured : seen).push_back(at::globalContext().benchmarkCuDNN());
+    const bool capturing = perf::optim::detail::capturing_cuda_graph();
+    (capturing ? captured : seen).push_back(at::globalContext().benchmarkCuDNN());
+    if (!capturing) deterministic.push_back(at::globalContext().deterministicCuDNN());
     return conv(x);
   }
   torch::nn::Conv2d conv{nullptr};
-  std::vector<bool> seen, captured;
+  std::vector<bool> seen, captured, deterministic;
 };
 TORCH_MODULE(BenchmarkSpy);
 }  // namespace
@@ -926,11 +929,14 @@ TEST(Optimize, AutotuneCandidatesChangesNothingOnTheCpu) {
 
 // On CUDA with benchmark mode on, autotune_candidates(false) measures every
 // candidate with it off (cuDNN's heuristic algorithms: no candidate autotunes
-// its convolutions) and turns it back on before the winner's capture, whose
-// warm-up calls autotune the winner alone; the program's flag is as it was
-// afterwards. Left on (the default), every call autotunes, as before. With the
-// program's benchmark mode off, nothing changes. Either way a capture records
-// its calls with the mode off (perf's capture: the warm-up has autotuned).
+// its convolutions) and cuDNN's deterministic mode on (ATen caches a plan under
+// a key with the deterministic flag and without the benchmark one: the
+// candidates' heuristic plans stay out of the winner's way), and turns both back
+// before the winner's capture, whose warm-up calls autotune the winner alone; the
+// program's flags are as they were afterwards. Left on (the default), every call
+// autotunes, as before. With the program's benchmark mode off, nothing changes.
+// Either way a capture records its calls with the mode off (perf's capture: the
+// warm-up has autotuned).
 TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest").cudnn_benchmark(true));
@@ -949,6 +955,10 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     while (off < seen.size() && !seen[off]) ++off;
     EXPECT_GE(off, c.measured_ms.size()) << "every candidate measured with benchmark mode off: " << c;
     for (size_t i = off; i < seen.size(); ++i) EXPECT_TRUE(seen[i]) << "call " << i << ": the winner's warm-up";
+    ASSERT_EQ(spy->deterministic.size(), seen.size());
+    for (size_t i = 0; i < seen.size(); ++i)
+      EXPECT_EQ(spy->deterministic[i], !seen[i]) << "call " << i << ": deterministic exactly while heuristic";
+    EXPECT_FALSE(at::globalContext().deterministicCuDNN()) << "the program's deterministic flag back";
     if (c.recipe.graph()) {
       EXPECT_GE(seen.size() - off, 1u) << "the winner's capture (its warm-up calls) autotunes: " << c;
       EXPECT_FALSE(spy->captured.empty()) << c;
@@ -969,6 +979,7 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     auto model = perf::optimize(spy, options);
     EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
     for (const bool b : spy->seen) EXPECT_TRUE(b) << "autotune_candidates(true), the default: every call autotunes";
+    for (const bool b : spy->deterministic) EXPECT_FALSE(b) << "the program's deterministic flag throughout";
     for (const bool b : spy->captured) EXPECT_FALSE(b) << "captured with benchmark mode off";
     EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
   }
@@ -981,6 +992,19 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     for (const bool b : spy->seen) EXPECT_FALSE(b);
     for (const bool b : spy->captured) EXPECT_FALSE(b);
     EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
+  }
+  {
+    // The program's own deterministic mode: the candidates' plans cannot be kept apart, and the reason says so.
+    at::globalContext().setDeterministicCuDNN(true);
+    const auto restore = c10::make_scope_exit([] { at::globalContext().setDeterministicCuDNN(false); });
+    BenchmarkSpy spy;
+    spy->eval();
+    auto model = perf::optimize(spy, perf::ModelOptions(options).autotune_candidates(false));
+    EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
+    EXPECT_TRUE(at::globalContext().deterministicCuDNN());
+    for (const bool b : spy->deterministic) EXPECT_TRUE(b);
+    EXPECT_NE(model.choice().reason.find("which the winner keeps: cuDNN's deterministic mode is on"), std::string::npos)
+        << model.choice();
   }
 }
 

@@ -656,6 +656,64 @@ TEST(Graph, CudnnBenchmarkOffGivesTheProgramsSettingBack) {
   EXPECT_FALSE(at::globalContext().benchmarkCuDNN()) << "not turned on where the program had it off";
 }
 
+// perf::optimize's autotune_candidates(false) scope: benchmark mode off and, where the program has it off,
+// cuDNN's deterministic mode on (ATen's plan cache keys on it, not on the benchmark flag: the candidates'
+// heuristic plans kept apart from the program's); both given back at release() or the scope's end, also when
+// it ends by an exception. A program with deterministic mode on keeps it, and the plans are not apart.
+TEST(Graph, CudnnHeuristicPlansKeepsTheCandidatesPlansApartAndGivesTheSettingsBack) {
+  auto& context = at::globalContext();
+  const bool benchmark = context.benchmarkCuDNN(), deterministic = context.deterministicCuDNN();
+  const auto restore = c10::make_scope_exit([&] {
+    context.setBenchmarkCuDNN(benchmark);
+    context.setDeterministicCuDNN(deterministic);
+  });
+  context.setBenchmarkCuDNN(true);
+  context.setDeterministicCuDNN(false);
+  {
+    perf::detail::CudnnHeuristicPlans scope;
+    EXPECT_TRUE(scope.active());
+    EXPECT_TRUE(scope.plans_apart());
+    EXPECT_FALSE(context.benchmarkCuDNN());
+    EXPECT_TRUE(context.deterministicCuDNN());
+    scope.release();
+    EXPECT_FALSE(scope.active());
+    EXPECT_FALSE(scope.plans_apart());
+    EXPECT_TRUE(context.benchmarkCuDNN());
+    EXPECT_FALSE(context.deterministicCuDNN());
+  }
+  EXPECT_TRUE(context.benchmarkCuDNN()) << "released once, not changed again at the end";
+  EXPECT_FALSE(context.deterministicCuDNN());
+  try {
+    perf::detail::CudnnHeuristicPlans scope;
+    throw std::runtime_error("mid-scope");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(context.benchmarkCuDNN());
+  EXPECT_FALSE(context.deterministicCuDNN());
+  {
+    perf::detail::CudnnHeuristicPlans scope(/*wanted=*/false);
+    EXPECT_FALSE(scope.active());
+    EXPECT_FALSE(context.deterministicCuDNN());
+  }
+  context.setDeterministicCuDNN(true);
+  {
+    perf::detail::CudnnHeuristicPlans scope;
+    EXPECT_TRUE(scope.active());
+    EXPECT_FALSE(scope.plans_apart()) << "the program's deterministic mode: the same cache keys";
+    EXPECT_FALSE(context.benchmarkCuDNN());
+  }
+  EXPECT_TRUE(context.deterministicCuDNN()) << "the program's deterministic mode left on";
+  EXPECT_TRUE(context.benchmarkCuDNN());
+  context.setDeterministicCuDNN(false);
+  context.setBenchmarkCuDNN(false);
+  {
+    perf::detail::CudnnHeuristicPlans scope;
+    EXPECT_FALSE(scope.active());
+    EXPECT_FALSE(context.deterministicCuDNN()) << "nothing to keep apart where benchmark mode is off";
+  }
+  EXPECT_FALSE(context.benchmarkCuDNN());
+}
+
 // With cuDNN's benchmark mode on (perf::setup's default), a convolution that
 // reaches the capture without a usable cached plan (its cached plan found no
 // memory for its workspace under capture, or its shape had no warm-up) would

@@ -392,6 +392,38 @@ class CudnnBenchmarkOff {
   bool active_;
 };
 
+// perf::optimize's autotune_candidates(false): cuDNN's benchmark mode off for a scope, so the candidates run
+// cuDNN's heuristic plans, and its deterministic mode on while it is (where it was off). ATen caches each
+// convolution's plan under a key that holds the deterministic flag but not the benchmark one, and looks there
+// before it reads the benchmark flag (aten/src/ATen/native/cudnn/Conv_v8.cpp, run_single_conv): measured under the
+// program's own key, a candidate's heuristic plan would stay its plan for the process, and the winner would never
+// autotune. Under the deterministic key the heuristic plans are kept apart, and the winner's first calls after
+// release() autotune. Deterministic plans compute the same function; the heuristics only choose among fewer.
+class CudnnHeuristicPlans {
+ public:
+  explicit CudnnHeuristicPlans(bool wanted = true)
+      : benchmark_off_(wanted),
+        deterministic_on_(benchmark_off_.active() && !at::globalContext().deterministicCuDNN()) {
+    if (deterministic_on_) at::globalContext().setDeterministicCuDNN(true);
+  }
+  ~CudnnHeuristicPlans() { release(); }
+  CudnnHeuristicPlans(const CudnnHeuristicPlans&) = delete;
+  CudnnHeuristicPlans& operator=(const CudnnHeuristicPlans&) = delete;
+  /// Whether this scope turned benchmark mode off (and has not given it back yet).
+  bool active() const noexcept { return benchmark_off_.active(); }
+  /// Whether the candidates' plans are kept apart from the program's (false where its deterministic mode was on).
+  bool plans_apart() const noexcept { return deterministic_on_; }
+  void release() {
+    if (deterministic_on_) at::globalContext().setDeterministicCuDNN(false);
+    deterministic_on_ = false;
+    benchmark_off_.release();
+  }
+
+ private:
+  CudnnBenchmarkOff benchmark_off_;
+  bool deterministic_on_;
+};
+
 // Keeps an optimizer's updates skipped on the device for a scope.
 class SkipUpdates {
  public:

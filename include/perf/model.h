@@ -106,9 +106,11 @@ struct ModelOptions {
   /// CUDA, with cuDNN's benchmark mode on (perf::setup()'s default): whether each candidate autotunes its
   /// convolutions while it is measured. Autotuning every shape of every layout and precision is most of a
   /// decision's time on a GPU (on an H100, 2.7 of 3.8 s for bench_compiled's CNN at batch 32, in the candidates'
-  /// first calls); false measures the candidates on cuDNN's heuristic algorithms and turns benchmark mode back on
-  /// before the winner is captured (or first called), so only the winner autotunes. The ranking may then differ
-  /// where autotuning would change it.
+  /// first calls); false measures the candidates on cuDNN's heuristic algorithms (under cuDNN's deterministic mode,
+  /// which keeps their plans out of the program's: ATen caches a plan whatever the benchmark flag) and turns
+  /// benchmark mode back on before the winner is captured (or first called), so only the winner autotunes. The
+  /// ranking may then differ where autotuning would change it. A program that runs with cuDNN's deterministic mode
+  /// on keeps the heuristic plans (choice().reason says so).
   TORCH_ARG(bool, autotune_candidates) = true;
 };
 
@@ -342,10 +344,11 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   // calls, not these (on an H100 a whole decision took 9.6 s against tune_seconds' 1.5 s), and the measured
   // calls would otherwise start with them.
   choice_.first_call_seconds = choice_.capture_seconds = 0;
-  // autotune_candidates(false): cuDNN's heuristic algorithms while the candidates are measured, the program's
-  // benchmark mode back for the winner's capture below (and in any case when this returns or throws).
-  detail::CudnnBenchmarkOff heuristic_plans(device_.is_cuda() && !options_.autotune_candidates());
-  const bool heuristics = heuristic_plans.active();
+  // autotune_candidates(false): cuDNN's heuristic algorithms while the candidates are measured, cached apart from
+  // the program's plans (perf/cuda_graph.h), the program's flags back for the winner's capture below (and in any
+  // case when this returns or throws).
+  detail::CudnnHeuristicPlans heuristic_plans(device_.is_cuda() && !options_.autotune_candidates());
+  const bool heuristics = heuristic_plans.active(), heuristics_apart = heuristic_plans.plans_apart();
   const auto first_call = [this](const std::function<void()>& call) {
     detail::idle(device_);  // so that no earlier queued kernel delays the start event (perf/bench.h)
     Timer timer(device_);
@@ -474,7 +477,11 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
     why << " (" << candidates << " eager, " << recipes.size() - candidates << " as CUDA graphs)";
   why << " on " << example.sizes() << " " << example.scalar_type() << " on " << device_;
   if (!graph_failed.empty()) why << "; not as a CUDA graph: capture failed (" << graph_failed << ")";
-  if (heuristics) why << "; measured on cuDNN's heuristic algorithms (autotune_candidates(false))";
+  if (heuristics) {
+    why << "; measured on cuDNN's heuristic algorithms (autotune_candidates(false))";
+    // ATen's plan cache ignores the benchmark flag: under the program's deterministic mode the winner keeps them.
+    if (!heuristics_apart) why << ", which the winner keeps: cuDNN's deterministic mode is on";
+  }
   choice_.recipe = recipes[best];
   detail::relayout(*module_, choice_.recipe.channels_last());
   heuristic_plans.release();  // the winner autotunes in its capture's warm-up
