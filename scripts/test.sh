@@ -70,7 +70,7 @@ fi
 # A suite that fails does not stop the next: a GPU machine lent for a few calls learns every suite's state
 # from one (at a885395 the ASan suite's failure left ThreadSanitizer's unrun). The run fails at the end, naming them.
 failed_suites=()
-# Each suite's time goes to the log in two parts (a fresh CI runs close to its 30-minute limit: this says where).
+# Each suite's time goes to the log in two parts, so that a slow run (a fresh CI's limit is 30 minutes) says where.
 run_suite() {  # <name> <build dir> <extra cmake args...>
   local name=$1 dir=$2 t0 t1
   shift 2

@@ -994,7 +994,7 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     EXPECT_EQ(model.choice().reason.find("heuristic"), std::string::npos) << model.choice();
   }
   {
-    // The program's own deterministic mode: the candidates' plans cannot be kept apart, and the reason says so.
+    // The program's own cuDNN deterministic mode: the candidates' plans cannot be kept apart, and the reason says so.
     at::globalContext().setDeterministicCuDNN(true);
     const auto restore = c10::make_scope_exit([] { at::globalContext().setDeterministicCuDNN(false); });
     BenchmarkSpy spy;
@@ -1003,7 +1003,8 @@ TEST(Optimize, OnGpuAutotuneCandidatesFalseAutotunesTheWinnerOnly) {
     EXPECT_TRUE(at::globalContext().benchmarkCuDNN());
     EXPECT_TRUE(at::globalContext().deterministicCuDNN());
     for (const bool b : spy->deterministic) EXPECT_TRUE(b);
-    EXPECT_NE(model.choice().reason.find("which the winner keeps: cuDNN's deterministic mode is on"), std::string::npos)
+    EXPECT_NE(model.choice().reason.find("which the winner keeps: the program's convolutions are deterministic"),
+              std::string::npos)
         << model.choice();
   }
 }

@@ -705,6 +705,17 @@ TEST(Graph, CudnnHeuristicPlansKeepsTheCandidatesPlansApartAndGivesTheSettingsBa
   EXPECT_TRUE(context.deterministicCuDNN()) << "the program's deterministic mode left on";
   EXPECT_TRUE(context.benchmarkCuDNN());
   context.setDeterministicCuDNN(false);
+  {
+    // torch::use_deterministic_algorithms: ATen's key takes it as cuDNN's flag, so nothing to keep apart either.
+    const bool algorithms = context.deterministicAlgorithms(), warn_only = context.deterministicAlgorithmsWarnOnly();
+    const auto put_back = c10::make_scope_exit([&] { context.setDeterministicAlgorithms(algorithms, warn_only); });
+    context.setDeterministicAlgorithms(true, false);
+    perf::detail::CudnnHeuristicPlans scope;
+    EXPECT_TRUE(scope.active());
+    EXPECT_FALSE(scope.plans_apart());
+    EXPECT_FALSE(context.deterministicCuDNN()) << "cuDNN's own flag left as it was";
+  }
+  EXPECT_FALSE(context.deterministicCuDNN());
   context.setBenchmarkCuDNN(false);
   {
     perf::detail::CudnnHeuristicPlans scope;

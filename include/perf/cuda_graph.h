@@ -393,17 +393,19 @@ class CudnnBenchmarkOff {
 };
 
 // perf::optimize's autotune_candidates(false): cuDNN's benchmark mode off for a scope, so the candidates run
-// cuDNN's heuristic plans, and its deterministic mode on while it is (where it was off). ATen caches each
-// convolution's plan under a key that holds the deterministic flag but not the benchmark one, and looks there
-// before it reads the benchmark flag (aten/src/ATen/native/cudnn/Conv_v8.cpp, run_single_conv): measured under the
-// program's own key, a candidate's heuristic plan would stay its plan for the process, and the winner would never
-// autotune. Under the deterministic key the heuristic plans are kept apart, and the winner's first calls after
-// release() autotune. Deterministic plans compute the same function; the heuristics only choose among fewer.
+// cuDNN's heuristic plans, and its deterministic mode on while it is (where the program's convolutions are not
+// deterministic already). ATen caches each convolution's plan under a key that holds the deterministic flag
+// (cuDNN's, or torch.use_deterministic_algorithms') but not the benchmark one, and looks there before it reads the
+// benchmark flag (aten/src/ATen/native/cudnn/Conv_v8.cpp, run_single_conv): measured under the program's own key,
+// a candidate's heuristic plan would stay its plan for the process, and the winner would never autotune. Under
+// the deterministic key the heuristic plans are kept apart, and the winner's first calls after release()
+// autotune. Deterministic plans compute the same function; the heuristics only choose among fewer.
 class CudnnHeuristicPlans {
  public:
   explicit CudnnHeuristicPlans(bool wanted = true)
       : benchmark_off_(wanted),
-        deterministic_on_(benchmark_off_.active() && !at::globalContext().deterministicCuDNN()) {
+        deterministic_on_(benchmark_off_.active() && !at::globalContext().deterministicCuDNN() &&
+                          !at::globalContext().deterministicAlgorithms()) {
     if (deterministic_on_) at::globalContext().setDeterministicCuDNN(true);
   }
   ~CudnnHeuristicPlans() { release(); }
@@ -411,7 +413,8 @@ class CudnnHeuristicPlans {
   CudnnHeuristicPlans& operator=(const CudnnHeuristicPlans&) = delete;
   /// Whether this scope turned benchmark mode off (and has not given it back yet).
   bool active() const noexcept { return benchmark_off_.active(); }
-  /// Whether the candidates' plans are kept apart from the program's (false where its deterministic mode was on).
+  /// Whether the candidates' plans are kept apart from the program's (false where its convolutions were
+  /// deterministic already: cuDNN's deterministic mode or torch.use_deterministic_algorithms).
   bool plans_apart() const noexcept { return deterministic_on_; }
   void release() {
     if (deterministic_on_) at::globalContext().setDeterministicCuDNN(false);

@@ -110,7 +110,7 @@ struct ModelOptions {
   /// which keeps their plans out of the program's: ATen caches a plan whatever the benchmark flag) and turns
   /// benchmark mode back on before the winner is captured (or first called), so only the winner autotunes. The
   /// ranking may then differ where autotuning would change it. A program that runs with cuDNN's deterministic mode
-  /// on keeps the heuristic plans (choice().reason says so).
+  /// on (or torch::use_deterministic_algorithms) keeps the heuristic plans (choice().reason says so).
   TORCH_ARG(bool, autotune_candidates) = true;
 };
 
@@ -479,8 +479,9 @@ void Optimized<M>::choose(const at::Tensor& example_in) {
   if (!graph_failed.empty()) why << "; not as a CUDA graph: capture failed (" << graph_failed << ")";
   if (heuristics) {
     why << "; measured on cuDNN's heuristic algorithms (autotune_candidates(false))";
-    // ATen's plan cache ignores the benchmark flag: under the program's deterministic mode the winner keeps them.
-    if (!heuristics_apart) why << ", which the winner keeps: cuDNN's deterministic mode is on";
+    // ATen's plan cache ignores the benchmark flag: where the program's convolutions are deterministic already,
+    // the candidates' key is the winner's, and it keeps their plans.
+    if (!heuristics_apart) why << ", which the winner keeps: the program's convolutions are deterministic";
   }
   choice_.recipe = recipes[best];
   detail::relayout(*module_, choice_.recipe.channels_last());
