@@ -10,6 +10,7 @@
 // and runs all of it. A package exported for one batch size (no --dynamic-batch) is timed at that batch only: the like
 // of torch.compile, which specialises on the first shape. After each batch's timing, --profile-calls calls of
 // perf::optimize's rows and the eager recipe's graphs run under LibTorch's profiler (profile_rows, below).
+#include <ATen/record_function.h>
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
@@ -32,23 +33,37 @@
 // The device's operations per call of each perf::optimize row and each graph of the eager recipe, from LibTorch's
 // profiler: on an H200 at batch 1 the default decision's graph ran 8% faster than the same recipe pinned on a fresh
 // model or decided on cuDNN's heuristics (0.286 against 0.310-0.313 ms), every row's spread under 0.5%. Kernels a
-// graph replays are traced too (CUPTI), so a differing kernel, count or copy shows here. A profiler that fails says so
-// and costs the run nothing else.
+// graph replays are traced too (CUPTI), so a differing kernel, count or copy shows here; at ac79462 none did, the
+// same 134 at the same 290 us. So each profiled call runs as perf::compare times it (after a sync, the device
+// idle) inside a range "call: <row> at batch <n>", and the trace goes to `traces` (a folder; none: a temporary file)
+// for bench/e2e/trace_table.py --calls, which splits each call's time into the host's start, the device's span and
+// the idle gaps in it. A profiler that fails says so and costs the run nothing else.
 static void profile_rows(const std::vector<std::pair<std::string, std::function<void()>>>& configs,
-                         const c10::Device& device, int64_t batch, int calls) {
+                         const c10::Device& device, int64_t batch, int calls, const std::string& traces) {
   const std::string on = device.is_cuda() ? "cuda" : "cpu";
-  const auto trace = (std::filesystem::temp_directory_path() / "bench_compiled_profile.json").string();
   const auto sync = [&] {
     if (device.is_cuda()) torch::cuda::synchronize();
   };
-  for (const auto& [name, call] : configs) {
+  for (size_t row = 0; row < configs.size(); ++row) {
+    const auto& [name, call] = configs[row];
     if (name.rfind("perf::optimize", 0) != 0 && name.rfind("perf::graph(eager recipe)", 0) != 0) continue;
+    const auto trace = traces.empty()
+                           ? (std::filesystem::temp_directory_path() / "bench_compiled_profile.json").string()
+                           : (std::filesystem::path(traces) /
+                              ("profile-b" + std::to_string(batch) + "-" + std::to_string(row) + ".json"))
+                                 .string();
+    const std::string range = "call: " + name + " at batch " + std::to_string(batch);
     try {
       call();
       sync();
       perf::Profile profile(trace, perf::ProfileOptions().top(0).out(nullptr).cuda(device.is_cuda()));
-      for (int i = 0; i < calls; ++i) call();
-      sync();  // every kernel done before the trace ends
+      for (int i = 0; i < calls; ++i) {
+        {
+          RECORD_USER_SCOPE(range.c_str());
+          call();
+        }
+        sync();  // the next call starts on an idle device, and every kernel is done before the trace ends
+      }
       std::vector<perf::OpStat> ops;
       for (const auto& o : profile.stop().ops)
         if (o.device == on) ops.push_back(o);
@@ -82,6 +97,7 @@ static int bench_compiled_main(int argc, char** argv) {
   std::string json;
   bool package_graphs = true;
   int profile_calls = 10;
+  std::string profile_traces;
   app.add_option("--package", packages, "packages of bench/resnet.py (scripts/bench-compiled.sh writes them)")
       ->required();
   app.add_option("--device", device_name, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -98,7 +114,11 @@ static int bench_compiled_main(int argc, char** argv) {
                  "recipe) under LibTorch's profiler: the device's operations a call, with their time, which tell "
                  "apart rows that run the same recipe at different speeds; 0: none")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--profile-traces", profile_traces,
+                 "folder to keep those calls' traces in (profile-b<batch>-<row>.json), for bench/e2e/trace_table.py "
+                 "--calls; default: none kept");
   CLI11_PARSE(app, argc, argv);
+  if (!profile_traces.empty()) std::filesystem::create_directories(profile_traces);
   std::ofstream json_out;  // opened first, so that a path it cannot write to fails before the packages load
   if (!json.empty()) {
     json_out.open(json, std::ios::app);
@@ -241,7 +261,7 @@ static int bench_compiled_main(int argc, char** argv) {
       std::cout << line << std::fixed << std::setprecision(2) << std::setw(10) << stats[0].median_ms / s.median_ms
                 << "x\n";
     }
-    if (profile_calls > 0) profile_rows(configs, device, batch, profile_calls);
+    if (profile_calls > 0) profile_rows(configs, device, batch, profile_calls, profile_traces);
   }
   return 0;
 }

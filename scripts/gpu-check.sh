@@ -122,7 +122,8 @@ has() { [[ ",$parts," == *",$1,"* ]]; }
 # Beside them, Python's peer compiles its torch.compile modes at its batches into Inductor's caches
 # (peer_compiled.py --compile-only; $peer_warmup, its log gpu-work/logs/peer_compiled_warmup.log), so that the timed
 # peer after bench_compiled takes them from there: Python's max-autotune compiles for minutes, as the export does.
-# Both sides' autotuning then times its choices with the other exports on the GPU; neither is favoured.
+# The max-autotune export waits for Python's at batch 1 and takes its timings (Inductor's cache, carried between
+# sessions: gpu-inductor.tar below), so both sides run on the same choices, timed once with the other exports on the GPU.
 variants=() exports=() peer_warmup=
 start_bench_exports() {
   local variant shape extra pkg key sources_key peer_extra=()
@@ -149,7 +150,13 @@ start_bench_exports() {
       true &
     else
       rm -f "$pkg" "$pkg.key"
-      { within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" "${shape[@]}" \
+      # The max-autotune export times the same convolutions, of the same shapes and layouts, as Python's
+      # max-autotune at batch 1: it starts once the warm-up has compiled that (or ended), and takes the timings
+      # from Inductor's cache rather than measure them again beside it. Both then run on the same choices.
+      { [[ $variant == *_autotune && -n $peer_warmup ]] && until ! kill -0 "$peer_warmup" 2>/dev/null ||
+          grep -qs "^torch.compile max-autotune, batch 1: compiled in" "$build/gpu-work/logs/peer_compiled_warmup.log"
+        do sleep 2; done
+        within_budget 60 "$py" tools/export_compiled.py bench/resnet.py:make_resnet -o "$pkg" "${shape[@]}" \
           --device cuda "${extra[@]}" >"$build/gpu-work/logs/export_$variant.log" 2>&1 && echo "$key" >"$pkg.key"; } &
     fi
     exports+=($!)
@@ -245,7 +252,7 @@ if [ -n "$ccache_bin" ]; then
 fi
 # What this machine's calls used of the cache, for the next session (a call that compiled nothing leaves none).
 save_ccache() {
-  local rc=$? hits misses size
+  local hits misses size
   if [ -n "$ccache_bin" ]; then
     read -r hits misses < <(ccache_counts)
     if ((misses > 0)); then
@@ -279,9 +286,41 @@ save_ccache() {
       echo "ccache: $hits compiles from the cache, none compiled"
     fi
   fi
-  return $rc
 }
-trap save_ccache EXIT
+
+# Inductor's autotuning: max-autotune times every Triton template of every convolution and matmul against ATen's
+# kernel, then tunes each Triton kernel's launch (coordinate descent). For bench/resnet.py at batch 1 on an H200
+# that took 290 s in each of the max-autotune export and Python's warm-up, and neither finished in a 500-s call
+# (ac79462). Inductor keeps those timings as it measures them, in small files of its cache folder: select_algorithm's
+# in cache/<hash of the GPU's name and the CUDA and Triton versions>, coordinate descent's in a <kernel>.best_config
+# beside each kernel's source. They go back in the results (gpu-inductor.tar), carried back here as
+# PERF_GPU_INDUCTOR (default gpu-inductor/autotune.tar), so that a later session's compiles on the same kind of GPU
+# take the timings measured already, a stopped call's too, and measure only the rest. One cache folder for the
+# call's Pythons (TORCHINDUCTOR_CACHE_DIR, default in the build folder, which the machine's later calls reuse).
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$build/inductor}
+inductor_seed=${PERF_GPU_INDUCTOR:-gpu-inductor/autotune.tar}
+inductor_line="Inductor's autotuning: none from an earlier session (no $inductor_seed)"
+if [ -f "$inductor_seed" ]; then
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+  # A file an earlier call on this machine wrote is newer than the seed's: kept (--skip-old-files).
+  if tar -xf "$inductor_seed" -C "$TORCHINDUCTOR_CACHE_DIR" --skip-old-files 2>/dev/null; then
+    inductor_line="Inductor's autotuning: seeded from $inductor_seed ($(tar -tf "$inductor_seed" | grep -vc '/$') files)"
+  else
+    inductor_line="Inductor's autotuning: $inductor_seed did not unpack (not a tar?): every timing is measured here"
+  fi
+fi
+save_inductor() {
+  local files
+  [ -d "$TORCHINDUCTOR_CACHE_DIR" ] || return 0
+  files=$(cd "$TORCHINDUCTOR_CACHE_DIR" && find . -type f \( -path './cache/*' -o -name '*.best_config' \) | sort)
+  [ -n "$files" ] || return 0
+  tar -cf "$out/gpu-inductor.tar" -C "$TORCHINDUCTOR_CACHE_DIR" -T - <<<"$files"
+  echo "Inductor's autotuning: $(wc -l <<<"$files") files ($(($(stat -c %s "$out/gpu-inductor.tar") >> 10)) KiB)" \
+       "in $out/gpu-inductor.tar: keep it as gpu-inductor/autotune.tar and carry gpu-inductor to the next session" \
+       "(docs/gpu-runs.md)"
+}
+# Both at the end, Inductor's first: the compiler cache's parts take what is left of the 8 files a machine returns.
+trap 'rc=$?; save_inductor; save_ccache; exit $rc' EXIT
 
 # Ends a part: its logs into <part>.tar.gz, its summary beside it.
 finish() {  # part status started
@@ -380,6 +419,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
     else
       echo "$ccache_line"
     fi
+    echo "$inductor_line"
     # The CUDA test packages, exported and checked against eager at build time: a refused one
     # ends its log with the exporter's reason (and the kernel it blames), kept with the logs.
     pk=$build/tests/packages/cuda
@@ -651,8 +691,12 @@ if has bench; then
   ((${#variants[@]})) && cp "$build"/gpu-work/logs/export_*.log "$logs"/ 2>/dev/null
   # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
   compiled=$logs/compiled-cuda.jsonl
+  # The profiled calls' traces (bench_compiled --profile-traces) stay out of the results: their lines, where each
+  # call's time goes (bench/e2e/trace_table.py --calls), go in the summary.
+  traces=(--profile-traces "$work/profile-traces")
+  rm -rf "$work/profile-traces"
   if ((${#packages[@]})); then
-    run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled"
+    run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" "${traces[@]}"
     rc=$?
     if ((rc != 0 && rc != 124 && rc != 125 && rc != 137)); then
       # Failed other than by the budget (124, 137: stopped; 125: not started). Most likely perf::graph of a
@@ -664,7 +708,12 @@ if has bench; then
         tee "$logs/bench_compiled-died.note"
       mv "$logs/bench_compiled.txt" "$logs/bench_compiled-died.txt"
       rm -f "$compiled"
-      run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" --no-package-graphs
+      rm -rf "$work/profile-traces"
+      run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" --no-package-graphs "${traces[@]}"
+    fi
+    if compgen -G "$work/profile-traces/*.json" >/dev/null; then
+      "$py" bench/e2e/trace_table.py --calls "$work"/profile-traces/*.json >"$logs/profile_calls.txt" 2>&1 ||
+        echo "   trace_table.py --calls FAILED (see profile_calls.txt)"
     fi
     peer_extra=(); ((quick)) && peer_extra=(--no-max-autotune)
     echo "== peer_compiled ${peer_extra[*]}"
@@ -688,7 +737,9 @@ if has bench; then
     grep -hE "\(goal (>=|>) " "$logs/optim-cuda.md" 2>/dev/null || true
     cat "$logs/bench_compiled-died.note" 2>/dev/null
     grep -h "^kept the run" "$logs/peer_compiled.txt" 2>/dev/null || true
-    # How long each torch.compile mode took to compile cold (the warm-up beside the build) and then from the cache.
+    # How long each torch.compile mode took to compile cold (the warm-up beside the build) and then from the cache,
+    # where the autotuning's timings came from.
+    wanted compiled && echo "$inductor_line"
     grep -h "compiled in" "$logs/peer_compiled_warmup.log" 2>/dev/null | sed 's/^/Python warm-up: /' || true
     grep -h "compiled in" "$logs/peer_compiled.txt" 2>/dev/null | sed 's/^/Python timed run: /' || true
     grep -hE "^(## |\| )|\(goal >= " "$logs/compiled-cuda.md" 2>/dev/null || true
@@ -699,6 +750,7 @@ if has bench; then
     if grep -qs "^profile of " "$logs/bench_compiled.txt"; then
       echo "-- kernels a call of perf::optimize's rows and the eager recipe's graphs (bench_compiled.txt lists them)"
       grep -h "^profile of " "$logs/bench_compiled.txt"
+      grep -h "^calls of " "$logs/profile_calls.txt" 2>/dev/null || true
     fi
   } >"$logs/summary.txt"
   finish bench $st "$t0"
@@ -728,6 +780,7 @@ if has e2e; then
   fi
   {
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    echo "$inductor_line"
     grep -E "^(python|cpp) |^exported|^kept the run|^--diagnose: |FAILED|e2e failed: |Exception in aoti_torch: " "$logs/e2e.txt" | cut -c1-600 || true
     grep -hE "^(## |\| |Failed: )|\(goal >= " "$logs/e2e-cuda.md" 2>/dev/null | cut -c1-900 || true
     echo "-- where a step's time goes (profile-<job>.md in e2e.tar.gz has each configuration's top kernels)"

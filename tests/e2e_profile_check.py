@@ -97,6 +97,40 @@ def hand_made():
         check("0 'e2e_profiled_steps' ranges, expected 1" in str(e), str(e))
     table = trace_table.markdown("mlp", [("C++ stock", s), ("Python", "OSError: no trace")])
     check("| C++ stock | 1.00 | 0.80 | 4 |" in table and "| Python | no profile: OSError: no trace |" in table, table)
+    hand_made_calls()
+
+
+def hand_made_calls():
+    """--calls (bench_compiled's --profile-traces): each call in its own range, its operations those from its start
+    to the next call's; the median call by its total, split into the device's start, span, busy union and gaps."""
+    def call(name, at, host, ops):  # ops: (name, start after `at`, duration)
+        return [x("user_annotation", trace_table.CALL + name, at, host)] + [x("kernel", n, at + t, d, 7) for n, t, d in ops]
+    # R: three calls of 100 us on the host; the device starts 20 / 30 / 40 us in. In the median one (30 us in):
+    # copy 30-35, K1 40-100, K2 on another stream 90-110 (overlapping K1), K3 150-160: 130 us span, 85 us busy,
+    # gaps of 5 us before K1 and 40 before K3. S: one call whose kernel ends past the range, and an operation in
+    # no call's time (before the first range). A range with no operation (T) is no call.
+    median = [("copy", 30, 5), ("K1", 40, 60), ("K2", 90, 20), ("K3", 150, 10)]
+    events = (call("R at batch 1", 1000, 100, [("copy", 20, 5), ("K1", 30, 60)])
+              + call("R at batch 1", 2000, 100, median)
+              + call("R at batch 1", 3000, 100, [("copy", 40, 5), ("K1", 50, 200)])
+              + call("S at batch 1", 4000, 50, [("L", 10, 300)]) + call("T", 5000, 10, [])
+              + [x("kernel", "stray", 500, 10, 7), x("cpu_op", "aten::copy_", 2000, 5)])
+    got = trace_table.calls(trace(events))
+    check(sorted(got) == ["R at batch 1", "S at batch 1"], f"the configurations with operations: {sorted(got)}")
+    r = got["R at batch 1"]
+    want = {"calls": 3, "total_us": 160, "host_us": 100, "start_us": 30, "span_us": 130, "busy_us": 85,
+            "operations": 4, "gaps": [(40, "K3"), (5, "K1")]}
+    check(r == want, f"the median call of R: {r}, want {want}")
+    s = got["S at batch 1"]
+    check(s["total_us"] == 310 and s["span_us"] == 300 and s["gaps"] == [], f"S: {s}")
+    check(trace_table.calls_line("R at batch 1", r) == (
+        "calls of R at batch 1: 160.0 us a call (median of 3): the device starts 30.0 us in (the call takes 100.0 us "
+        "on the host), then spans 130.0 us, busy 85.0 us, idle 45.0 us between 4 operations; widest gaps: 40.0 us "
+        "before K3; 5.0 us before K1"), trace_table.calls_line("R at batch 1", r))
+    out = subprocess.run([sys.executable, os.path.join(E2E, "trace_table.py"), "--calls", trace(events),
+                          trace([x("kernel", "K", 0, 1, 7)])], capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0 and out.stdout.count("\ncalls of ") + out.stdout.startswith("calls of ") == 2
+          and "no 'call: ...' range with device operations in it" in out.stdout, f"{out.stdout}{out.stderr}")
 
 
 def without_trace(out):

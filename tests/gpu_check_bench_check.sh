@@ -30,15 +30,29 @@ if [[ \${1:-} == bench/peer_optim.py ]]; then
   exec "$python" bench/peer_optim.py --device cpu --iters 2 --warmup 0 --json "\$json"
 fi
 if [[ \${1:-} == tools/export_compiled.py ]]; then
-  while [ \$# -gt 0 ]; do [ "\$1" = -o ] && { echo stand-in >"\$2"; echo "\$2" >>"$work/exported"; exit 0; }; shift; done
+  while [ \$# -gt 0 ]; do
+    [ "\$1" = -o ] && { echo stand-in >"\$2"; echo "\$2" >>"$work/exported"; echo "export \$(basename "\$2")" >>"$work/starts"; exit 0; }
+    shift
+  done
   exit 1
 fi
-# The peer's warm-up (--compile-only, which gpu-check starts beside the exports): a line in the order file when it ends.
+# The peer's warm-up (--compile-only, which gpu-check starts beside the exports): a line in the order file when it
+# ends. Its max-autotune leaves timings in Inductor's cache folder (two files gpu-check carries, one it does not)
+# and goes on for 5 s after its line at batch 1, which the max-autotune export waits for ($work/starts).
 if [[ \${1:-} == bench/peer_compiled.py && " \$* " == *" --compile-only "* ]]; then
   sleep 1
-  echo "warm-up \${*:2}" >>"$work/order"
   echo "torch.compile default, batch 1: compiled in 9 s"
-  [[ " \$* " == *" --no-max-autotune "* ]] || echo "torch.compile max-autotune, batch 1: compiled in 99 s"
+  if [[ " \$* " != *" --no-max-autotune "* ]]; then
+    mkdir -p "\$TORCHINDUCTOR_CACHE_DIR/cache" "\$TORCHINDUCTOR_CACHE_DIR/ab" "\$TORCHINDUCTOR_CACHE_DIR/fxgraph"
+    echo measured >"\$TORCHINDUCTOR_CACHE_DIR/cache/warm-up"
+    echo measured >"\$TORCHINDUCTOR_CACHE_DIR/ab/kernel.best_config"
+    echo compiled >"\$TORCHINDUCTOR_CACHE_DIR/fxgraph/graph"
+    echo "torch.compile max-autotune, batch 1: compiled in 99 s"
+    echo "warm-up: max-autotune at batch 1" >>"$work/starts"
+    sleep 5
+  fi
+  echo "warm-up \${*:2}" >>"$work/order"
+  echo "warm-up: ended" >>"$work/starts"
   exit 0
 fi
 if [[ \${1:-} == bench/peer_compiled.py ]]; then
@@ -53,11 +67,20 @@ EOF
 cat >"$work/build/bench/bench_compiled" <<'EOF'
 #!/usr/bin/env bash
 echo bench_compiled >>@ORDER@
-json= graphs=1
+json= graphs=1 traces=
 while [ $# -gt 0 ]; do
-  case $1 in --json) json=$2; shift 2 ;; --no-package-graphs) graphs=0; shift ;; *) shift ;; esac
+  case $1 in
+    --json) json=$2; shift 2 ;; --profile-traces) traces=$2; shift 2 ;; --no-package-graphs) graphs=0; shift ;;
+    *) shift ;;
+  esac
 done
 row() { echo "{\"lang\": \"cpp\", \"config\": \"C++ $1\", \"device\": \"cuda\", \"batch\": 1, \"median_ms\": $2}" >>"$json"; }
+# A profiled call's trace (--profile-traces): one call of 40 us on the host, its kernel 10 us in, for 250 us.
+mkdir -p "$traces"
+cat >"$traces/profile-b1-$graphs.json" <<JSON
+{"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "call: perf::optimize(example) at batch 1 ($graphs)",
+  "ts": 100, "dur": 40}, {"ph": "X", "cat": "kernel", "name": "stand-in kernel", "ts": 110, "dur": 250}]}
+JSON
 row "eager fp32" 1.0
 if ((graphs)); then
   row "perf::graph(package fp32 (batch 1))" 0.25
@@ -101,6 +124,9 @@ bench_compiled: stand-in failure in a package's graph) (log: bench_compiled-died
   <<<"$summary"
 check "and the profiled rows' kernels a call, one line each" test "$(grep -c "^profile of perf::optimize(example) at \
 batch 1: 61.0 cuda operations a call" <<<"$summary")" = 1
+check "and where their calls' time went, from the retry's traces alone" test "$(grep "^calls of " <<<"$summary")" = \
+  "calls of perf::optimize(example) at batch 1 (0): 260.0 us a call (median of 1): the device starts 10.0 us in (the \
+call takes 40.0 us on the host), then spans 250.0 us, busy 250.0 us, idle 0.0 us between 1 operations; widest gaps: none"
 check_kept bench compiled-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick'
 check "the kept run has the retry's rows and the peer's, not the failed attempt's" "$python" -c '
 import json, sys
@@ -119,12 +145,20 @@ check "the summary has the warm-up's compile times" grep -qxF \
 # them rather than exporting again. Without --quick: the five variants, of which the two --quick exported above are
 # used again (the same sources and arguments: a max-autotune export can take more than one call's budget, so a
 # second call on the machine goes on where the first stopped) and the other three exported once.
+# Inductor's autotuning timings from an earlier session (PERF_GPU_INDUCTOR) seed its cache folder, in the build
+# folder by default, without replacing a file this machine's calls wrote since; what the call's Pythons measured
+# goes back beside them in gpu-inductor.tar, and nothing else of that folder.
 printf '#!/usr/bin/env bash\nexit 0\n' >"$work/bin/cmake"
 chmod +x "$work/bin/cmake"
 mkdir -p "$work/deps/googletest" && touch "$work/deps/googletest/CMakeLists.txt"
-rm -rf "$work/out" "$work/tar" "$work/exported" "$work/order"
-(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
-  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" PERF_GPU_CCACHE=/nonexistent \
+rm -rf "$work/out" "$work/tar" "$work/exported" "$work/order" "$work/starts" "$work/build/inductor"
+mkdir -p "$work/seed/cache" "$work/seed/k" "$work/build/inductor/cache"
+echo seed >"$work/seed/cache/earlier" && echo seed >"$work/seed/k/x.best_config"
+echo seed >"$work/seed/cache/machine" && tar -cf "$work/autotune.tar" -C "$work/seed" . && sleep 1
+echo newer >"$work/build/inductor/cache/machine"
+(cd "$root" && env -u TORCHINDUCTOR_CACHE_DIR PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
+  PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" \
+  PERF_GPU_CCACHE=/nonexistent PERF_GPU_INDUCTOR="$work/autotune.tar" \
   bash scripts/gpu-check.sh --part build,bench --bench compiled >"$work/stdout-build" 2>&1)
 check "the build part's summary says the five exports started beside the build" grep -qF \
   "bench_compiled's packages: 5 exports started beside the build" "$work/out/build-summary.txt"
@@ -137,5 +171,19 @@ check "after Python's warm-up, started once beside the build, with max-autotune"
   "$(tr '\n' '|' <"$work/order")" = "warm-up --device cuda --compile-only|bench_compiled|bench_compiled|"
 check "whose max-autotune compile time is in the summary" grep -qxF \
   "Python warm-up: torch.compile max-autotune, batch 1: compiled in 99 s" "$work/out/bench-summary.txt"
+
+check "the max-autotune export started after Python's max-autotune at batch 1, before the warm-up ended" test \
+  "$(grep -E "^warm-up|_autotune" "$work/starts" | tr '\n' '|')" \
+  = "warm-up: max-autotune at batch 1|export resnet_cuda_fp32_b1_autotune.pt2|warm-up: ended|"
+check "the build summary says where Inductor's timings came from" grep -qxF \
+  "Inductor's autotuning: seeded from $work/autotune.tar (3 files)" "$work/out/build-summary.txt"
+check "the machine's newer file kept, the seed's others unpacked" test \
+  "$(cat "$work/build/inductor/cache/machine" "$work/build/inductor/cache/earlier")" = "newer
+seed"
+check "gpu-inductor.tar has the seed's timings and the warm-up's, not its compiled graph" test \
+  "$(tar -tf "$work/out/gpu-inductor.tar" 2>/dev/null | sort | tr '\n' ' ')" \
+  = "./ab/kernel.best_config ./cache/earlier ./cache/machine ./cache/warm-up ./k/x.best_config "
+check "and the call says how to carry it" grep -qE "^Inductor's autotuning: 5 files \([0-9]+ KiB\) in $work/out/\
+gpu-inductor.tar: keep it as gpu-inductor/autotune.tar and carry gpu-inductor" "$work/stdout-build"
 
 finish_check "gpu-check bench part"

@@ -8,6 +8,13 @@ optimizer's, other ATen kernels, copies and sets), and the kernels that took the
 time less that of the operators nested in them). Python and C++ are read the same way, so their rows compare.
 
     python bench/e2e/trace_table.py TRACE.json STEPS   # one trace's summary
+
+--calls reads traces where each call of a configuration ran in its own range "call: <configuration>", after a sync
+(bench_compiled's --profile-traces): per configuration, the median call split into the host's part before the
+device's first operation, the device's span from that operation's start to the last one's end, and the idle gaps in
+it, with the widest of them. Two rows that run the same kernels at different speeds differ in one of those.
+
+    python bench/e2e/trace_table.py --calls TRACE.json...
 """
 import json
 import sys
@@ -119,6 +126,54 @@ def markdown(job: str, entries: list) -> str:
     return "\n".join(out) + "\n"
 
 
+CALL = "call: "
+
+
+def calls(path: str, gaps: int = 3) -> dict:
+    """The calls traced at `path`, each in a range named CALL + its configuration, the device idle at its start (a
+    sync before it): {configuration: {"calls", and the median call's (by "total_us") "total_us" (from the range's
+    start to the last device operation's end), "host_us" (the range: the call on the host), "start_us" (from the
+    range's start to the device's first operation), "span_us" (first operation's start to last one's end),
+    "busy_us" (the operations' union), "operations", "gaps": [(idle us, the operation after it)] the `gaps` widest
+    between its operations}}. A call's operations are those that start from its range's start up to the next
+    call's."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(CALL)),
+                    key=lambda e: e["ts"])
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    per = {}
+    for i, r in enumerate(ranges):
+        until = ranges[i + 1]["ts"] if i + 1 < len(ranges) else float("inf")
+        ops = [e for e in device if r["ts"] <= e["ts"] < until]
+        if not ops:
+            continue
+        end = max(e["ts"] + e["dur"] for e in ops)
+        idle, reach = [], ops[0]["ts"] + ops[0]["dur"]
+        for e in ops[1:]:
+            if e["ts"] > reach:
+                idle.append((e["ts"] - reach, e["name"]))
+            reach = max(reach, e["ts"] + e["dur"])
+        per.setdefault(r["name"][len(CALL):], []).append(
+            {"total_us": end - r["ts"], "host_us": r["dur"], "start_us": ops[0]["ts"] - r["ts"],
+             "span_us": end - ops[0]["ts"], "busy_us": _union(ops), "operations": len(ops),
+             "gaps": sorted(idle, key=lambda g: -g[0])[:gaps]})
+    out = {}
+    for name, cs in per.items():
+        median = sorted(cs, key=lambda c: c["total_us"])[(len(cs) - 1) // 2]
+        out[name] = dict(median, calls=len(cs))
+    return out
+
+
+def calls_line(name: str, c: dict) -> str:
+    """One line for a log: a configuration's median call from calls()."""
+    widest = "; ".join(f"{us:.1f} us before {_short(op, 60)}" for us, op in c["gaps"]) or "none"
+    return (f"calls of {name}: {c['total_us']:.1f} us a call (median of {c['calls']}): the device starts "
+            f"{c['start_us']:.1f} us in (the call takes {c['host_us']:.1f} us on the host), then spans "
+            f"{c['span_us']:.1f} us, busy {c['busy_us']:.1f} us, idle {c['span_us'] - c['busy_us']:.1f} us between "
+            f"{c['operations']} operations; widest gaps: {widest}")
+
+
 def _union(events) -> float:
     """Microseconds covered by at least one of the events (kernels on several streams overlap)."""
     covered, reach = 0.0, float("-inf")
@@ -151,8 +206,16 @@ def _short(name: str, width: int = 100) -> str:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--calls":
+        for trace in sys.argv[2:]:
+            found = calls(trace)
+            if not found:
+                print(f"{trace}: no '{CALL}...' range with device operations in it")
+            for name, c in found.items():
+                print(calls_line(name, c))
+        sys.exit(0)
     if len(sys.argv) != 3:
-        sys.exit("usage: trace_table.py TRACE.json STEPS")
+        sys.exit("usage: trace_table.py TRACE.json STEPS, or trace_table.py --calls TRACE.json...")
     summary = summarize(sys.argv[1], int(sys.argv[2]))
     print(line(sys.argv[1], summary))
     for name, calls, ms, share in summary["rows"]:
