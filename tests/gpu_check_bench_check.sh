@@ -126,7 +126,7 @@ check "and the profiled rows' kernels a call, one line each" test "$(grep -c "^p
 batch 1: 61.0 cuda operations a call" <<<"$summary")" = 1
 check "and where their calls' time went, from the retry's traces alone" test "$(grep "^calls of " <<<"$summary")" = \
   "calls of perf::optimize(example) at batch 1 (0): 260.0 us a call (median of 1): the device starts 10.0 us in (the \
-call takes 40.0 us on the host), then spans 250.0 us, busy 250.0 us, idle 0.0 us between 1 operations; widest gaps: none"
+call takes 40.0 us on the host), then spans 250.0 us, busy 250.0 us, idle 0.0 us between 1 operation; widest gaps: none"
 check_kept bench compiled-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick'
 check "the kept run has the retry's rows and the peer's, not the failed attempt's" "$python" -c '
 import json, sys
@@ -154,7 +154,7 @@ mkdir -p "$work/deps/googletest" && touch "$work/deps/googletest/CMakeLists.txt"
 rm -rf "$work/out" "$work/tar" "$work/exported" "$work/order" "$work/starts" "$work/build/inductor"
 mkdir -p "$work/seed/cache" "$work/seed/k" "$work/build/inductor/cache"
 echo seed >"$work/seed/cache/earlier" && echo seed >"$work/seed/k/x.best_config"
-echo seed >"$work/seed/cache/machine" && tar -cf "$work/autotune.tar" -C "$work/seed" . && sleep 1
+echo seed >"$work/seed/cache/machine" && tar -cf "$work/autotune.tar" -C "$work/seed" .
 echo newer >"$work/build/inductor/cache/machine"
 (cd "$root" && env -u TORCHINDUCTOR_CACHE_DIR PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
   PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" \

@@ -171,7 +171,7 @@ def calls_line(name: str, c: dict) -> str:
     return (f"calls of {name}: {c['total_us']:.1f} us a call (median of {c['calls']}): the device starts "
             f"{c['start_us']:.1f} us in (the call takes {c['host_us']:.1f} us on the host), then spans "
             f"{c['span_us']:.1f} us, busy {c['busy_us']:.1f} us, idle {c['span_us'] - c['busy_us']:.1f} us between "
-            f"{c['operations']} operations; widest gaps: {widest}")
+            f"{c['operations']} operation{'s' if c['operations'] != 1 else ''}; widest gaps: {widest}")
 
 
 def _union(events) -> float:
