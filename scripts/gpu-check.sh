@@ -691,10 +691,12 @@ if has bench; then
   ((${#variants[@]})) && cp "$build"/gpu-work/logs/export_*.log "$logs"/ 2>/dev/null
   # bench_compiled and its Python peer (eager, torch.compile modes) into one results file, then the report.
   compiled=$logs/compiled-cuda.jsonl
-  # The profiled calls' traces (bench_compiled --profile-traces) stay out of the results: their lines, where each
-  # call's time goes (bench/e2e/trace_table.py --calls), go in the summary.
-  traces=(--profile-traces "$work/profile-traces")
-  rm -rf "$work/profile-traces"
+  # The profiled calls' traces (bench_compiled --profile-traces): their lines, where each call's time goes
+  # (bench/e2e/trace_table.py --calls), go in the summary, and the traces themselves in bench.tar.gz
+  # (bench/profile-traces/), so that a question the lines leave open (which operation a gap comes before, a
+  # kernel's launch dimensions) is answered on any machine after the session rather than in the next one. About
+  # 10 rows of 10 graph replays of 135 kernels: a few MiB of JSON, far less compressed; past 64 MiB they stay out.
+  traces=(--profile-traces "$logs/profile-traces")
   if ((${#packages[@]})); then
     run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" "${traces[@]}"
     rc=$?
@@ -708,12 +710,34 @@ if has bench; then
         tee "$logs/bench_compiled-died.note"
       mv "$logs/bench_compiled.txt" "$logs/bench_compiled-died.txt"
       rm -f "$compiled"
-      rm -rf "$work/profile-traces"
+      rm -rf "$logs/profile-traces"
       run_bench bench_compiled --device cuda "${packages[@]}" --json "$compiled" --no-package-graphs "${traces[@]}"
     fi
-    if compgen -G "$work/profile-traces/*.json" >/dev/null; then
-      "$py" bench/e2e/trace_table.py --calls "$work"/profile-traces/*.json >"$logs/profile_calls.txt" 2>&1 ||
+    if compgen -G "$logs/profile-traces/*.json" >/dev/null; then
+      "$py" bench/e2e/trace_table.py --calls "$logs"/profile-traces/*.json >"$logs/profile_calls.txt" 2>&1 ||
         echo "   trace_table.py --calls FAILED (see profile_calls.txt)"
+      # The rows that ran the same kernels 8% apart at batch 1 on an H200 (docs/benchmarks.md), operation by
+      # operation: the decision's graph against the same recipe pinned on a fresh model and decided with
+      # autotune_candidates(false), and the eager recipe's graph against its NHWC-input twin. Each pair: the faster
+      # row's name, then the start of the slower one's (the pinned recipe's name follows it).
+      for pair in "perf::optimize(example)|perf::optimize(recipe pinned: " \
+                  "perf::optimize(example)|perf::optimize(example, autotune_candidates(false))" \
+                  "perf::graph(eager recipe)|perf::graph(eager recipe), NHWC static input"; do
+        for b in 1 32; do
+          fast_trace=$(grep -lF "\"call: ${pair%%|*} at batch $b\"" "$logs"/profile-traces/*.json | head -n 1)
+          slow_trace=$(grep -lF "\"call: ${pair#*|}" "$logs"/profile-traces/*.json |
+            xargs -r grep -lF " at batch $b\"" | head -n 1)
+          if [ -n "$fast_trace" ] && [ -n "$slow_trace" ]; then
+            "$py" bench/e2e/trace_table.py --diff "$fast_trace" "$slow_trace" >>"$logs/profile_calls.txt" 2>&1 ||
+              echo "   trace_table.py --diff FAILED (see profile_calls.txt)"
+          fi
+        done
+      done
+      if (($(du -sm "$logs/profile-traces" | cut -f1) > 64)); then
+        rm -rf "$work/profile-traces" && mv "$logs/profile-traces" "$work/profile-traces"
+        echo "profile traces: over 64 MiB, left out of bench.tar.gz (on this machine: $work/profile-traces)" \
+          >>"$logs/profile_calls.txt"
+      fi
     fi
     peer_extra=(); ((quick)) && peer_extra=(--no-max-autotune)
     echo "== peer_compiled ${peer_extra[*]}"
@@ -750,7 +774,8 @@ if has bench; then
     if grep -qs "^profile of " "$logs/bench_compiled.txt"; then
       echo "-- kernels a call of perf::optimize's rows and the eager recipe's graphs (bench_compiled.txt lists them)"
       grep -h "^profile of " "$logs/bench_compiled.txt"
-      grep -h "^calls of " "$logs/profile_calls.txt" 2>/dev/null || true
+      grep -hE "^(calls of |profile traces: )" "$logs/profile_calls.txt" 2>/dev/null || true
+      grep -h -A2 "^diff of " "$logs/profile_calls.txt" 2>/dev/null | grep -v "^--$" || true
     fi
   } >"$logs/summary.txt"
   finish bench $st "$t0"

@@ -98,6 +98,7 @@ def hand_made():
     table = trace_table.markdown("mlp", [("C++ stock", s), ("Python", "OSError: no trace")])
     check("| C++ stock | 1.00 | 0.80 | 4 |" in table and "| Python | no profile: OSError: no trace |" in table, table)
     hand_made_calls()
+    hand_made_diff()
 
 
 def hand_made_calls():
@@ -131,6 +132,42 @@ def hand_made_calls():
                           trace([x("kernel", "K", 0, 1, 7)])], capture_output=True, text=True, timeout=60)
     check(out.returncode == 0 and out.stdout.count("\ncalls of ") + out.stdout.startswith("calls of ") == 2
           and "no 'call: ...' range with device operations in it" in out.stdout, f"{out.stdout}{out.stderr}")
+
+
+def hand_made_diff():
+    """--diff: two traces of one configuration each, their median calls compared operation by operation."""
+    def call(name, at, host, ops):  # ops: (name, start after `at`, duration[, grid])
+        return [x("user_annotation", trace_table.CALL + name, at, host)] + [
+            dict(x("kernel", o[0], at + o[1], o[2], 7), args={"grid": list(o[3] if len(o) > 3 else (1, 1, 1)),
+                                                              "block": [128, 1, 1]}) for o in ops]
+    # A: copy 10-12, K1 13-53, K2 54-94. B: the device starts 15 us later (copy 25-27), K1 28-68, then K2 a further
+    # 6 us later (75-115): 21 us more a call, 15 of them before the first operation and 6 idle.
+    fast = trace(call("fast", 0, 30, [("copy", 10, 2), ("K1", 13, 40), ("K2", 54, 40)]))
+    slow = trace(call("slow", 0, 30, [("copy", 25, 2), ("K1", 28, 40), ("K2", 75, 40)]))
+    got = trace_table.diff(fast, slow)
+    want = ("diff of slow (115.0 us a call) against fast (94.0 us): +21.0 us; the device's start +15.0 us, busy "
+            "+0.0 us, idle +6.0 us; 3 against 3 operations\n"
+            "the same operations in the same order, with the same grids and blocks\n"
+            "gaps that grew the most: +15.0 us before #0 copy; +6.0 us before #2 K2")
+    check(got == want, f"--diff of the same operations:\n{got}\nwant\n{want}")
+    other = trace(call("other", 0, 30, [("copy", 10, 2), ("K1", 13, 40, (2, 1, 1)), ("K2", 54, 40)]))
+    got = trace_table.diff(fast, other).splitlines()[1]
+    check(got == "first difference at operation #1: K1 grid [1, 1, 1] block [128, 1, 1] against K1 grid [2, 1, 1] "
+                 "block [128, 1, 1]", got)
+    fewer = trace(call("fewer", 0, 30, [("copy", 10, 2), ("K1", 13, 40)]))
+    got = trace_table.diff(fast, fewer).splitlines()[1]
+    check(got == "first difference at operation #2: K2 grid [1, 1, 1] block [128, 1, 1] against none", got)
+    two = trace(call("fast", 0, 30, [("K1", 10, 2)]) + call("slow", 100, 30, [("K1", 110, 2)]))
+    try:
+        trace_table.diff(fast, two)
+        check(False, "--diff of a trace with two configurations should fail")
+    except ValueError as e:
+        check("2 configurations with device operations (fast, slow); --diff takes traces of one each" in str(e),
+              str(e))
+    out = subprocess.run([sys.executable, os.path.join(E2E, "trace_table.py"), "--diff", fast, slow],
+                         capture_output=True, text=True, timeout=60)
+    check(out.returncode == 0 and out.stdout.startswith("diff of slow (115.0 us a call) against fast"),
+          f"{out.stdout}{out.stderr}")
 
 
 def without_trace(out):

@@ -75,12 +75,21 @@ while [ $# -gt 0 ]; do
   esac
 done
 row() { echo "{\"lang\": \"cpp\", \"config\": \"C++ $1\", \"device\": \"cuda\", \"batch\": 1, \"median_ms\": $2}" >>"$json"; }
-# A profiled call's trace (--profile-traces): one call of 40 us on the host, its kernel 10 us in, for 250 us.
+# A profiled call's trace (--profile-traces): one call of 40 us on the host, its kernel 10 us in, for 250 us; in
+# the retry also the recipe pinned, the same kernel 20 us later.
 mkdir -p "$traces"
-cat >"$traces/profile-b1-$graphs.json" <<JSON
-{"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "call: perf::optimize(example) at batch 1 ($graphs)",
-  "ts": 100, "dur": 40}, {"ph": "X", "cat": "kernel", "name": "stand-in kernel", "ts": 110, "dur": 250}]}
+trace() {  # <file> <row> <kernel's start>
+  cat >"$traces/$1" <<JSON
+{"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "call: $2", "ts": 100, "dur": 40},
+  {"ph": "X", "cat": "kernel", "name": "stand-in kernel", "ts": $3, "dur": 250}]}
 JSON
+}
+if ((graphs)); then
+  trace profile-b1-1.json "perf::optimize(example) at batch 1 (failed attempt)" 110
+else
+  trace profile-b1-0.json "perf::optimize(example) at batch 1" 110
+  trace profile-b1-2.json "perf::optimize(recipe pinned: stand-in recipe) at batch 1" 130
+fi
 row "eager fp32" 1.0
 if ((graphs)); then
   row "perf::graph(package fp32 (batch 1))" 0.25
@@ -124,9 +133,19 @@ bench_compiled: stand-in failure in a package's graph) (log: bench_compiled-died
   <<<"$summary"
 check "and the profiled rows' kernels a call, one line each" test "$(grep -c "^profile of perf::optimize(example) at \
 batch 1: 61.0 cuda operations a call" <<<"$summary")" = 1
-check "and where their calls' time went, from the retry's traces alone" test "$(grep "^calls of " <<<"$summary")" = \
-  "calls of perf::optimize(example) at batch 1 (0): 260.0 us a call (median of 1): the device starts 10.0 us in (the \
-call takes 40.0 us on the host), then spans 250.0 us, busy 250.0 us, idle 0.0 us between 1 operation; widest gaps: none"
+check "and where their calls' time went, from the retry's traces alone" test \
+  "$(grep "^calls of perf::optimize(example) at batch 1" <<<"$summary")" = "calls of perf::optimize(example) at batch \
+1: 260.0 us a call (median of 1): the device starts 10.0 us in (the call takes 40.0 us on the host), then spans \
+250.0 us, busy 250.0 us, idle 0.0 us between 1 operation; widest gaps: none"
+check "and the pinned recipe's calls against the decision's, operation by operation" test \
+  "$(grep -A2 "^diff of " <<<"$summary")" = "diff of perf::optimize(recipe pinned: stand-in recipe) at batch 1 (280.0 \
+us a call) against perf::optimize(example) at batch 1 (260.0 us): +20.0 us; the device's start +20.0 us, busy +0.0 \
+us, idle +0.0 us; 1 against 1 operations
+the same operations in the same order, with the same grids and blocks
+gaps that grew the most: +20.0 us before #0 stand-in kernel"
+check "bench.tar.gz has the retry's traces, not the failed attempt's" test \
+  "$(tar -tzf "$work/out/bench.tar.gz" 2>/dev/null | grep "/profile-traces/." | sort | tr '\n' ' ')" \
+  = "bench/profile-traces/profile-b1-0.json bench/profile-traces/profile-b1-2.json "
 check_kept bench compiled-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench compiled --quick'
 check "the kept run has the retry's rows and the peer's, not the failed attempt's" "$python" -c '
 import json, sys

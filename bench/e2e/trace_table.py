@@ -15,6 +15,12 @@ device's first operation, the device's span from that operation's start to the l
 it, with the widest of them. Two rows that run the same kernels at different speeds differ in one of those.
 
     python bench/e2e/trace_table.py --calls TRACE.json...
+
+--diff compares two such traces of one configuration each, operation by operation in their median calls: where
+the second's extra time is (the device's start, busy time, idle gaps), the first operation whose kernel or launch
+dimensions differ, and the gaps that grew the most, each before which operation.
+
+    python bench/e2e/trace_table.py --diff A.json B.json
 """
 import json
 import sys
@@ -137,6 +143,46 @@ def calls(path: str, gaps: int = 3) -> dict:
     "busy_us" (the operations' union), "operations", "gaps": [(idle us, the operation after it)] the `gaps` widest
     between its operations}}. A call's operations are those that start from its range's start up to the next
     call's."""
+    out = {}
+    for name, cs in _calls(path).items():
+        median = _median(cs)
+        idle = [(g, e["name"]) for g, e in zip(_gaps_before(median), median["ops"]) if g > 0][1:]
+        out[name] = {k: v for k, v in median.items() if k not in ("ops", "range")}
+        out[name].update(calls=len(cs), gaps=sorted(idle, key=lambda g: -g[0])[:gaps])
+    return out
+
+
+def diff(path_a: str, path_b: str, top: int = 3) -> str:
+    """Two traces of one configuration each (--calls' ranges), their median calls side by side: the second's time
+    against the first's, split as calls() splits it, then the first operation whose name or launch dimensions
+    (grid, block) differ, and the `top` gaps before an operation that grew the most where both run the same
+    operations."""
+    (name_a, a), (name_b, b) = (_one_configuration(p) for p in (path_a, path_b))
+    idle_a, idle_b = a["span_us"] - a["busy_us"], b["span_us"] - b["busy_us"]
+    lines = [f"diff of {name_b} ({b['total_us']:.1f} us a call) against {name_a} ({a['total_us']:.1f} us): "
+             f"{b['total_us'] - a['total_us']:+.1f} us; the device's start {b['start_us'] - a['start_us']:+.1f} us, "
+             f"busy {b['busy_us'] - a['busy_us']:+.1f} us, idle {idle_b - idle_a:+.1f} us; "
+             f"{len(a['ops'])} against {len(b['ops'])} operations"]
+    launch = [(e["name"], e.get("args", {}).get("grid"), e.get("args", {}).get("block")) for e in a["ops"]], \
+        [(e["name"], e.get("args", {}).get("grid"), e.get("args", {}).get("block")) for e in b["ops"]]
+    first = next((i for i, (x, y) in enumerate(zip(*launch)) if x != y), None)
+    if first is None and len(launch[0]) == len(launch[1]):
+        lines.append("the same operations in the same order, with the same grids and blocks")
+        grown = sorted(((gb - ga, i) for i, (ga, gb) in enumerate(zip(_gaps_before(a), _gaps_before(b)))),
+                       reverse=True)[:top]
+        lines.append("gaps that grew the most: " + ("; ".join(
+            f"{d:+.1f} us before #{i} {_short(a['ops'][i]['name'], 60)}" for d, i in grown if d > 0) or "none"))
+    else:
+        i = first if first is not None else min(len(launch[0]), len(launch[1]))
+        said = lambda ops, k: (f"{_short(ops[k][0], 60)} grid {ops[k][1]} block {ops[k][2]}"  # noqa: E731
+                               if k < len(ops) else "none")
+        lines.append(f"first difference at operation #{i}: {said(launch[0], i)} against {said(launch[1], i)}")
+    return "\n".join(lines)
+
+
+def _calls(path: str) -> dict:
+    """{configuration: [{"range", "ops" (its device operations, by start), "total_us", "host_us", "start_us",
+    "span_us", "busy_us", "operations"} a call]} (calls())."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(CALL)),
@@ -149,20 +195,33 @@ def calls(path: str, gaps: int = 3) -> dict:
         if not ops:
             continue
         end = max(e["ts"] + e["dur"] for e in ops)
-        idle, reach = [], ops[0]["ts"] + ops[0]["dur"]
-        for e in ops[1:]:
-            if e["ts"] > reach:
-                idle.append((e["ts"] - reach, e["name"]))
-            reach = max(reach, e["ts"] + e["dur"])
         per.setdefault(r["name"][len(CALL):], []).append(
-            {"total_us": end - r["ts"], "host_us": r["dur"], "start_us": ops[0]["ts"] - r["ts"],
-             "span_us": end - ops[0]["ts"], "busy_us": _union(ops), "operations": len(ops),
-             "gaps": sorted(idle, key=lambda g: -g[0])[:gaps]})
-    out = {}
-    for name, cs in per.items():
-        median = sorted(cs, key=lambda c: c["total_us"])[(len(cs) - 1) // 2]
-        out[name] = dict(median, calls=len(cs))
+            {"range": r, "ops": ops, "total_us": end - r["ts"], "host_us": r["dur"], "start_us": ops[0]["ts"] - r["ts"],
+             "span_us": end - ops[0]["ts"], "busy_us": _union(ops), "operations": len(ops)})
+    return per
+
+
+def _median(cs: list) -> dict:
+    return sorted(cs, key=lambda c: c["total_us"])[(len(cs) - 1) // 2]
+
+
+def _gaps_before(call: dict) -> list:
+    """The idle microseconds before each of a call's operations: the first's from the range's start (the device's
+    start), each next one's from the latest end before it (0 where it overlaps)."""
+    out, reach = [], call["range"]["ts"]
+    for e in call["ops"]:
+        out.append(max(0.0, e["ts"] - reach))
+        reach = max(reach, e["ts"] + e["dur"])
     return out
+
+
+def _one_configuration(path: str) -> tuple:
+    found = _calls(path)
+    if len(found) != 1:
+        raise ValueError(f"{path}: {len(found)} configurations with device operations "
+                         f"({', '.join(sorted(found)) or 'none'}); --diff takes traces of one each")
+    name, cs = next(iter(found.items()))
+    return name, _median(cs)
 
 
 def calls_line(name: str, c: dict) -> str:
@@ -214,8 +273,12 @@ if __name__ == "__main__":
             for name, c in found.items():
                 print(calls_line(name, c))
         sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--diff":
+        print(diff(sys.argv[2], sys.argv[3]))
+        sys.exit(0)
     if len(sys.argv) != 3:
-        sys.exit("usage: trace_table.py TRACE.json STEPS, or trace_table.py --calls TRACE.json...")
+        sys.exit("usage: trace_table.py TRACE.json STEPS, trace_table.py --calls TRACE.json..., or "
+                 "trace_table.py --diff A.json B.json")
     summary = summarize(sys.argv[1], int(sys.argv[2]))
     print(line(sys.argv[1], summary))
     for name, calls, ms, share in summary["rows"]:
