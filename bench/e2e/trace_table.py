@@ -163,8 +163,8 @@ def diff(path_a: str, path_b: str, top: int = 3) -> str:
              f"{b['total_us'] - a['total_us']:+.1f} us; the device's start {b['start_us'] - a['start_us']:+.1f} us, "
              f"busy {b['busy_us'] - a['busy_us']:+.1f} us, idle {idle_b - idle_a:+.1f} us; "
              f"{len(a['ops'])} against {len(b['ops'])} operations"]
-    launch = [(e["name"], e.get("args", {}).get("grid"), e.get("args", {}).get("block")) for e in a["ops"]], \
-        [(e["name"], e.get("args", {}).get("grid"), e.get("args", {}).get("block")) for e in b["ops"]]
+    launch = [[(e["name"], e.get("args", {}).get("grid"), e.get("args", {}).get("block")) for e in c["ops"]]
+              for c in (a, b)]
     first = next((i for i, (x, y) in enumerate(zip(*launch)) if x != y), None)
     if first is None and len(launch[0]) == len(launch[1]):
         lines.append("the same operations in the same order, with the same grids and blocks")
