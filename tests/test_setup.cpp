@@ -215,6 +215,52 @@ TEST(Setup, DefaultsNeverUndoDeterminism) {
   EXPECT_EQ(off.at("cudnn_benchmark").requested, "true");
 }
 
+// cudnn_benchmark_limit through its table entry, so that the CPU machines test
+// what setup() skips there: the value LibTorch reads back, the restore, and
+// the note when cudnn_benchmark is off as the same call leaves it.
+TEST(Setup, CudnnBenchmarkLimitAppliesRestoresAndSaysWhenItHasNoEffect) {
+  const KeepSettings keep;
+  auto& ctx = at::globalContext();
+  const auto& table = perf::detail::entries();
+  const auto entry = std::find_if(table.begin(), table.end(), [](const perf::detail::Entry& e) {
+    return std::string(e.name) == "cudnn_benchmark_limit";
+  });
+  ASSERT_NE(entry, table.end());
+  EXPECT_TRUE(entry->cuda_only);
+  EXPECT_EQ(entry->one_way, nullptr) << "ScopedSettings can restore it";
+  ctx.setDeterministicAlgorithms(false, false);
+  ctx.setDeterministicCuDNN(false);
+  ctx.setBenchmarkLimitCuDNN(10);
+
+  const auto all = perf::Settings().cudnn_benchmark_limit(0);
+  const auto plan = perf::detail::make_plan(all);
+  const auto req = entry->request(plan);
+  ASSERT_TRUE(req.value.has_value());
+  EXPECT_EQ(*req.value, "0");
+  EXPECT_EQ(req.note, "") << "cudnn_benchmark is on by default";
+  const auto restore = entry->save(plan);
+  entry->apply(plan);
+  EXPECT_EQ(ctx.benchmarkLimitCuDNN(), 0);
+  EXPECT_EQ(entry->read(plan), "0");
+  EXPECT_EQ(flags().at("cudnn_benchmark_limit"), "0");
+  restore();
+  EXPECT_EQ(ctx.benchmarkLimitCuDNN(), 10);
+  EXPECT_FALSE(entry->request(perf::detail::make_plan(perf::Settings())).value.has_value()) << "unset: untouched";
+
+  const std::string none = "no effect while cudnn_benchmark is off";
+  EXPECT_EQ(entry->request(perf::detail::make_plan(perf::Settings(all).cudnn_benchmark(false))).note, none);
+  EXPECT_EQ(entry->request(perf::detail::make_plan(perf::Settings(all).deterministic(true))).note, none);
+  EXPECT_EQ(entry->request(perf::detail::make_plan(perf::Settings(all).deterministic(true).cudnn_benchmark(true))).note,
+            "");
+  // Deterministic algorithms set earlier: cudnn_benchmark yields, so it stays as the program left it.
+  ctx.setDeterministicAlgorithms(true, false);
+  ctx.setBenchmarkCuDNN(false);
+  EXPECT_EQ(entry->request(perf::detail::make_plan(all)).note, none);
+  ctx.setBenchmarkCuDNN(true);
+  EXPECT_EQ(entry->request(perf::detail::make_plan(all)).note, "");
+  EXPECT_EQ(entry->request(perf::detail::make_plan(perf::Settings(all).deterministic(false))).note, "");
+}
+
 TEST(Setup, SecondCallIsUnchanged) {
   const KeepSettings keep;
   const auto s = perf::Settings().num_threads(1).matmul_precision("medium").sdpa_cudnn(false);
@@ -336,6 +382,7 @@ TEST(Setup, InvalidValuesThrowAndApplyNothing) {
       {perf::Settings(base).memory_fraction(1.5), {"memory_fraction", "(0, 1]"}},
       {perf::Settings(base).memory_fraction(-0.1), {"memory_fraction", "(0, 1]"}},
       {perf::Settings(base).num_threads(0), {"num_threads", ">= 1"}},
+      {perf::Settings(base).cudnn_benchmark_limit(-1), {"cudnn_benchmark_limit", ">= 0", "every algorithm"}},
       {perf::Settings(base).num_interop_threads(-3), {"num_interop_threads", ">= 1"}},
       {perf::Settings(base).matmul_precision("ultra"), {"matmul_precision", "\"highest\", \"high\", \"medium\""}},
       {perf::Settings(base).matmul_precision("High"), {"matmul_precision", "valid values"}},
@@ -506,10 +553,11 @@ TEST(Setup, ReportPrintsAnAlignedTable) {
         << line;
   }
   EXPECT_EQ(n, r.rows.size());
-  // tf32, matmul_precision, cudnn_benchmark, deterministic, cublas_workspace_config,
-  // fp16/bf16 reduction, num_threads, num_interop_threads, flush_denormal,
-  // sync_debug, memory_fraction, allocator, four sdpa backends, cpu_malloc_cache.
-  EXPECT_EQ(n, 18u);
+  // tf32, matmul_precision, cudnn_benchmark, cudnn_benchmark_limit, deterministic,
+  // cublas_workspace_config, fp16/bf16 reduction, num_threads, num_interop_threads,
+  // flush_denormal, sync_debug, memory_fraction, allocator, four sdpa backends,
+  // cpu_malloc_cache.
+  EXPECT_EQ(n, 19u);
   PERF_EXPECT_THROW_MSG(r.at("no_such_setting"), "no row named");
 }
 
@@ -517,17 +565,20 @@ TEST(Setup, WithoutCudaTheCudaSettingsAreSkipped) {
   const KeepSettings keep;
   if (perf_has_cuda()) GTEST_SKIP() << "skipped: this machine has a CUDA device (covered by OnGpu tests)";
   const auto fp16_before = at::globalContext().allowFP16ReductionCuBLAS();
+  const int limit_before = at::globalContext().benchmarkLimitCuDNN();
   const auto r = perf::setup(perf::Settings()
+                                 .cudnn_benchmark_limit(limit_before + 1)
                                  .sync_debug("warn")
                                  .memory_fraction(0.5)
                                  .allocator("expandable_segments:True")
                                  .fp16_reduced_precision_reduction(false));
-  for (const char* name :
-       {"tf32", "cudnn_benchmark", "sync_debug", "memory_fraction", "allocator", "fp16_reduced_precision_reduction"}) {
+  for (const char* name : {"tf32", "cudnn_benchmark", "cudnn_benchmark_limit", "sync_debug", "memory_fraction",
+                           "allocator", "fp16_reduced_precision_reduction"}) {
     EXPECT_EQ(r.at(name).status, perf::Status::skipped) << name;
     EXPECT_NE(r.at(name).reason.find("no CUDA device"), std::string::npos) << name;
   }
   EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(), fp16_before) << "skipped means untouched";
+  EXPECT_EQ(at::globalContext().benchmarkLimitCuDNN(), limit_before) << "skipped means untouched";
   // CPU settings still apply in the same call.
   EXPECT_NE(r.at("matmul_precision").status, perf::Status::skipped);
 }
@@ -536,9 +587,15 @@ TEST(Setup, OnGpuCudaSettingsApply) {
   const KeepSettings keep;
   if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
 #if PERF_WITH_CUDA
-  const auto r = perf::setup(
-      perf::Settings().sync_debug("warn").memory_fraction(0.5).fp16_reduced_precision_reduction(false).allocator(
-          "expandable_segments:True"));
+  const auto r = perf::setup(perf::Settings()
+                                 .sync_debug("warn")
+                                 .memory_fraction(0.5)
+                                 .fp16_reduced_precision_reduction(false)
+                                 .allocator("expandable_segments:True")
+                                 .cudnn_benchmark_limit(0));
+  EXPECT_EQ(at::globalContext().benchmarkLimitCuDNN(), 0);
+  EXPECT_EQ(r.at("cudnn_benchmark_limit").read_back, "0");
+  EXPECT_NE(r.at("cudnn_benchmark_limit").status, perf::Status::skipped);
   EXPECT_EQ(c10::cuda::warning_state().get_sync_debug_mode(), c10::cuda::SyncDebugMode::L_WARN);
   const auto dev = c10::cuda::current_device();
   EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(dev), 0.5);
@@ -564,6 +621,38 @@ TEST(Setup, OnGpuCudaSettingsApply) {
   EXPECT_NE(late.at("allocator").reason.find("too late"), std::string::npos);
   perf::setup(perf::Settings().sync_debug("off").memory_fraction(1.0));
 #endif
+}
+
+// Every algorithm cuDNN offers is timed on a shape no other test used, and the
+// one picked computes the same convolution as the CPU (fp32, TF32 off).
+TEST(Setup, OnGpuCudnnBenchmarkLimitZeroTimesEveryAlgorithm) {
+  const KeepSettings keep;
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto& ctx = at::globalContext();
+  const int before = ctx.benchmarkLimitCuDNN();
+  at::manual_seed(0);
+  const auto x = at::randn({3, 5, 23, 19});
+  const auto w = at::randn({7, 5, 3, 3});
+  const auto ref = at::conv2d(x.to(at::kDouble), w.to(at::kDouble), {}, 1, 1);
+  const auto [ref_dx, ref_dw] = [&] {
+    auto xd = x.to(at::kDouble).requires_grad_(), wd = w.to(at::kDouble).requires_grad_();
+    at::conv2d(xd, wd, {}, 1, 1).square().sum().backward();
+    return std::make_pair(xd.grad(), wd.grad());
+  }();
+  {
+    perf::ScopedSettings all(perf::Settings().tf32(false).cudnn_benchmark(true).cudnn_benchmark_limit(0));
+    EXPECT_EQ(ctx.benchmarkLimitCuDNN(), 0);
+    EXPECT_EQ(all.report().at("cudnn_benchmark_limit").status, perf::Status::applied);
+    for (int i = 0; i < 3; ++i) {  // the first call finds, the others reuse
+      auto xc = x.cuda().requires_grad_(), wc = w.cuda().requires_grad_();
+      const auto y = at::conv2d(xc, wc, {}, 1, 1);
+      y.square().sum().backward();
+      EXPECT_TRUE(at::allclose(y.cpu().to(at::kDouble), ref, 1e-4, 1e-3)) << i;
+      EXPECT_TRUE(at::allclose(xc.grad().cpu().to(at::kDouble), ref_dx, 1e-4, 1e-2)) << i;
+      EXPECT_TRUE(at::allclose(wc.grad().cpu().to(at::kDouble), ref_dw, 1e-4, 1e-2)) << i;
+    }
+  }
+  EXPECT_EQ(ctx.benchmarkLimitCuDNN(), before) << "ScopedSettings puts the limit back";
 }
 
 TEST(Environment, DescribesVersionsDevicesAndFlags) {

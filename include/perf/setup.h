@@ -65,6 +65,11 @@ struct Settings {
   /// Unset: on, unless deterministic algorithms are on (requested here or set
   /// earlier by the program), in which case it is left as it is.
   TORCH_ARG(std::optional<bool>, cudnn_benchmark);
+  /// How many of cuDNN's candidate algorithms the autotuner times per
+  /// convolution shape (torch.backends.cudnn.benchmark_limit), >= 0; 0 times
+  /// every one cuDNN offers. Only with cudnn_benchmark on. Unset: untouched
+  /// (LibTorch's default is 10, the first ten of cuDNN's heuristic order).
+  TORCH_ARG(std::optional<int>, cudnn_benchmark_limit);
   /// Deterministic algorithms and deterministic cuDNN (and cudnn_benchmark off
   /// unless set explicitly). Unset: untouched. On CUDA, cuBLAS also needs
   /// CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment before the program

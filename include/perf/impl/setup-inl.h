@@ -362,6 +362,33 @@ PERF_INLINE const std::vector<Entry>& entries() {
        [](const Plan&) { return bool_str(at::globalContext().benchmarkCuDNN()); },
        [](const Plan&) { return save_bool(&at::Context::benchmarkCuDNN, &at::Context::setBenchmarkCuDNN); }},
 
+      {"cudnn_benchmark_limit", true, nullptr, false,
+       [](const Settings& s) {
+         if (s.cudnn_benchmark_limit()) {
+           TORCH_CHECK(*s.cudnn_benchmark_limit() >= 0,
+                       "perf::Settings::cudnn_benchmark_limit: must be >= 0 (0 times every algorithm cuDNN offers), "
+                       "got ",
+                       *s.cudnn_benchmark_limit());
+         }
+       },
+       [](const Plan& p) {
+         // cudnn_benchmark as this call leaves it (its entry runs first).
+         const bool benchmark = p.s.cudnn_benchmark().value_or(
+             p.s.deterministic().value_or(false) ? false
+                                                 : (p.determinism() ? at::globalContext().benchmarkCuDNN() : true));
+         return Request{opt_text(p.s.cudnn_benchmark_limit()), "",
+                        benchmark ? "" : "no effect while cudnn_benchmark is off"};
+       },
+       [](const Plan& p) {
+         at::globalContext().setBenchmarkLimitCuDNN(*p.s.cudnn_benchmark_limit());
+         return std::string();
+       },
+       [](const Plan&) { return std::to_string(at::globalContext().benchmarkLimitCuDNN()); },
+       [](const Plan&) -> Restore {
+         const int n = at::globalContext().benchmarkLimitCuDNN();
+         return [n] { at::globalContext().setBenchmarkLimitCuDNN(n); };
+       }},
+
       {"deterministic", false, nullptr, false, nullptr,
        [](const Plan& p) {
          return Request{opt_text(p.s.deterministic()), "", ""};
