@@ -12,8 +12,10 @@ first limit's, with the first step's time (where the search happens):
 On the CPU it runs the same way at the job's CPU size (cuDNN is not used: the ratio is noise), which is how its
 test checks the plumbing."""
 import argparse
+import ctypes
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -89,6 +91,15 @@ def arm(a):
                       "amp": "bf16" if amp else "off", "first_step_s": first_s, "step_ms": step_ms}))
 
 
+def die_with_parent():
+    """In an arm, before it starts: killed when the process that started it dies (a timeout's kill of that one
+    leaves no arm running on; Linux's PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
+
+
 def summarize(results, limits):
     """Per limit: the median of its processes' median steps, and the ratio of the first limit's to it (> 1: faster
     than the first limit)."""
@@ -112,7 +123,7 @@ def main():
     p.add_argument("--batch", type=int, default=0, help="overrides the job's size (0: models.JOBS)")
     p.add_argument("--image", type=int, default=0)
     p.add_argument("--width", type=int, default=0)
-    p.add_argument("--out", help="JSON lines: one per process, then the summary")
+    p.add_argument("--out", help="JSON lines, appended: one per process as it ends, then the summary")
     p.add_argument("--limit", type=int, help=argparse.SUPPRESS)  # set in the processes this one starts
     a = p.parse_args()
     for name in ("rounds", "steps", "windows"):
@@ -127,12 +138,15 @@ def main():
         order = a.limits if r % 2 == 0 else list(reversed(a.limits))
         for limit in order:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--limit", str(limit)],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, preexec_fn=die_with_parent)
             if done.returncode != 0:
                 raise SystemExit(f"cudnn_limit.py: the process for limit {limit} failed ({done.returncode}):\n"
                                  f"{done.stderr[-3000:]}")
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             got = results[-1]
+            if a.out:  # each process's line as it ends: a run stopped by a timeout keeps what it measured
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(got) + "\n")
             print(f"limit {limit:>3}: median step {statistics.median(got['step_ms']):.3f} ms, first step "
                   f"{got['first_step_s']:.2f} s (round {r + 1})", flush=True)
     summary = summarize(results, a.limits)
@@ -145,8 +159,7 @@ def main():
               f"{results[0]['cudnn']}")
     if a.out:
         with open(a.out, "a") as f:
-            for line in results + [summary]:
-                f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":
