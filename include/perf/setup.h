@@ -251,6 +251,7 @@ PERF_INLINE std::optional<std::string> opt_text(const std::optional<int>& i);
 PERF_INLINE std::string resolved_matmul_precision(const Settings& s);
 
 PERF_INLINE std::string tf32_note(const Plan& p);
+PERF_INLINE bool cudnn_benchmark_after(const Plan& p);
 
 PERF_INLINE bool valid_cublas_workspace(const char* v);
 

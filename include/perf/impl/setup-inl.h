@@ -214,6 +214,14 @@ PERF_INLINE std::string resolved_matmul_precision(const Settings& s) {
   return s.matmul_precision().value_or(s.tf32() ? "high" : "highest");
 }
 
+// cudnn_benchmark as setup() leaves it: as set; off for deterministic(true); as the program left it where the
+// default yields to determinism it turned on earlier; on otherwise.
+PERF_INLINE bool cudnn_benchmark_after(const Plan& p) {
+  if (p.s.cudnn_benchmark()) return *p.s.cudnn_benchmark();
+  if (p.s.deterministic().value_or(false)) return false;
+  return p.determinism() ? at::globalContext().benchmarkCuDNN() : true;
+}
+
 PERF_INLINE std::string tf32_note(const Plan& p) {
   return p.cc > 0 && p.cc < 80 ? "no effect on sm_" + std::to_string(p.cc) + " (TF32 needs sm_80+)" : "";
 }
@@ -356,7 +364,7 @@ PERF_INLINE const std::vector<Entry>& entries() {
          return Request{"true", "", ""};
        },
        [](const Plan& p) {
-         at::globalContext().setBenchmarkCuDNN(p.s.cudnn_benchmark().value_or(!p.s.deterministic().value_or(false)));
+         at::globalContext().setBenchmarkCuDNN(cudnn_benchmark_after(p));
          return std::string();
        },
        [](const Plan&) { return bool_str(at::globalContext().benchmarkCuDNN()); },
@@ -372,12 +380,8 @@ PERF_INLINE const std::vector<Entry>& entries() {
          }
        },
        [](const Plan& p) {
-         // cudnn_benchmark as this call leaves it (its entry runs first).
-         const bool benchmark = p.s.cudnn_benchmark().value_or(
-             p.s.deterministic().value_or(false) ? false
-                                                 : (p.determinism() ? at::globalContext().benchmarkCuDNN() : true));
          return Request{opt_text(p.s.cudnn_benchmark_limit()), "",
-                        benchmark ? "" : "no effect while cudnn_benchmark is off"};
+                        cudnn_benchmark_after(p) ? "" : "no effect while cudnn_benchmark is off"};
        },
        [](const Plan& p) {
          at::globalContext().setBenchmarkLimitCuDNN(*p.s.cudnn_benchmark_limit());
