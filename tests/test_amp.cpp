@@ -581,6 +581,123 @@ TEST(ChannelsLast, TensorAndModuleConversion) {
   EXPECT_EQ(perf::to_channels_last(*net), 0) << "idempotent";
 }
 
+namespace {
+
+// A ResNet-style downsampling block: 3x3 stride-2 main path, 1x1 stride-2 shortcut of `in` input channels.
+struct DownImpl : torch::nn::Module {
+  DownImpl(int64_t in, torch::nn::Conv2dOptions shortcut_options) {
+    main = register_module("main", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, 32, 3).stride(2).padding(1)));
+    shortcut = register_module("shortcut", torch::nn::Conv2d(shortcut_options));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return main(x) + shortcut(x); }
+  torch::nn::Conv2d main{nullptr}, shortcut{nullptr};
+};
+TORCH_MODULE(Down);
+
+Down down(int64_t in) { return Down(in, torch::nn::Conv2dOptions(in, 32, 1).stride(2).bias(false)); }
+
+std::vector<std::string> hazards(torch::nn::Module& m, int64_t block) {
+  return perf::detail::onednn_1x1_hazards(m, block);
+}
+
+}  // namespace
+
+// uxlfoundation/oneDNN#6035 (LibTorch 2.11): on this AVX2 VM a 4-channel stride-2 1x1 convolution's weight gradient
+// with a channels-last input aborted ("double free or corruption"), hung, or came out 33% wrong. Which convolutions
+// meet it: exactly the trainable, unpadded, ungrouped, strided 1x1 ones on the CPU narrower than oneDNN's block.
+TEST(ChannelsLast, FindsTheConvolutionsOneDnnMiscomputesAndOnlyThose) {
+  torch::nn::Sequential net(down(4), down(12));
+  EXPECT_EQ(hazards(*net, 8), (std::vector<std::string>{"0.shortcut (4 input channels, stride [2, 2])"}));
+  EXPECT_EQ(hazards(*net, 16), (std::vector<std::string>{"0.shortcut (4 input channels, stride [2, 2])",
+                                                         "1.shortcut (12 input channels, stride [2, 2])"}))
+      << "AVX-512's block is 16";
+  EXPECT_TRUE(hazards(*net, 0).empty()) << "no block: a CPU where the bug is not known";
+  EXPECT_TRUE(hazards(*down(8), 8).empty()) << "as wide as the block";
+
+  const auto shortcut = [](torch::nn::Conv2dOptions o) {
+    Down d(4, o);
+    return hazards(*d, 8);
+  };
+  EXPECT_EQ(shortcut(torch::nn::Conv2dOptions(4, 8, 1).stride({2, 1})),
+            (std::vector<std::string>{"shortcut (4 input channels, stride [2, 1])"}))
+      << "a stride above 1 in one dimension (it crashed here too)";
+  EXPECT_TRUE(shortcut(torch::nn::Conv2dOptions(4, 8, 1)).empty()) << "stride 1: oneDNN's path without the bug";
+  EXPECT_TRUE(shortcut(torch::nn::Conv2dOptions(4, 8, 1).stride(2).padding(1)).empty()) << "padded: another kernel";
+  EXPECT_TRUE(shortcut(torch::nn::Conv2dOptions(4, 8, 1).stride(2).padding(torch::kValid)).size() == 1)
+      << "padding kValid is no padding";
+  EXPECT_TRUE(shortcut(torch::nn::Conv2dOptions(4, 8, 1).stride(2).groups(2)).empty())
+      << "grouped: ran right here (4 channels a group)";
+  EXPECT_TRUE(shortcut(torch::nn::Conv2dOptions(4, 8, 3).stride(2)).empty()) << "not 1x1";
+
+  Down frozen = down(4);
+  frozen->shortcut->weight.requires_grad_(false);
+  EXPECT_TRUE(hazards(*frozen, 8).empty()) << "no weight gradient, no bug (inference and a frozen layer ran right)";
+
+  DownImpl on_stack(4, torch::nn::Conv2dOptions(4, 8, 1).stride(2));
+  EXPECT_EQ(hazards(on_stack, 8), (std::vector<std::string>{"shortcut (4 input channels, stride [2, 2])"}))
+      << "a module on the stack, not in a shared_ptr (named_modules(include_self=true) would throw)";
+  {
+    test_util::CollectWarnings collect;
+    EXPECT_NO_THROW(perf::to_channels_last(on_stack));
+    EXPECT_EQ(collect.messages.size(), perf::detail::onednn_ic_block() > 4 ? 1u : 0u);
+  }
+
+  auto alone = torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 1).stride(2));
+  EXPECT_EQ(hazards(*alone, 8), (std::vector<std::string>{"the module itself (4 input channels, stride [2, 2])"}));
+}
+
+// to_channels_last warns once a call, naming the convolutions, this CPU's block and the fix; a model without them,
+// or with oneDNN off, converts silently. perf::optimize converts back and forth while it measures, and says it once.
+TEST(ChannelsLast, ToChannelsLastWarnsWhereTrainingOnThisCpuMeetsTheOneDnnBug) {
+  const int64_t block = perf::detail::onednn_ic_block();
+  if (block == 0) GTEST_SKIP() << "skipped: this CPU has neither AVX2 nor AVX-512, where oneDNN#6035 is known";
+  const auto warnings = [](torch::nn::Module& m) {
+    test_util::CollectWarnings collect;
+    perf::to_channels_last(m);
+    return collect.messages;
+  };
+  torch::nn::Sequential net(down(block / 2), down(block));
+  const auto said = warnings(*net);
+  ASSERT_EQ(said.size(), 1u);
+  for (const std::string& part : std::vector<std::string>{
+           "perf::to_channels_last: training this model channels-last on this CPU can hang, crash or "
+           "compute wrong weight gradients",
+           "(" + std::to_string(block) + " on this CPU): uxlfoundation/oneDNN#6035",
+           "Here: 0.shortcut (" + std::to_string(block / 2) + " input channels, stride [2, 2]). Inference",
+           "keep the model contiguous there", "at least " + std::to_string(block) + " input channels"})
+    EXPECT_NE(said[0].find(part), std::string::npos) << part << "\nin: " << said[0];
+  EXPECT_TRUE(net[0]->as<Down>()->main->weight.is_contiguous(torch::MemoryFormat::ChannelsLast))
+      << "converted all the same";
+
+  EXPECT_TRUE(warnings(*down(block)).empty());
+  {
+    const bool was = at::globalContext().userEnabledMkldnn();
+    at::globalContext().setUserEnabledMkldnn(false);
+    const auto off = warnings(*down(1));
+    at::globalContext().setUserEnabledMkldnn(was);
+    EXPECT_TRUE(off.empty()) << "oneDNN off: ATen's own convolution runs";
+  }
+
+  torch::nn::Sequential many;
+  for (int i = 0; i < 6; ++i) many->push_back(down(1));
+  const auto six = warnings(*many);
+  ASSERT_EQ(six.size(), 1u);
+  EXPECT_NE(six[0].find("Here: 0.shortcut (1 input channel, stride [2, 2]), 1.shortcut"), std::string::npos);
+  EXPECT_NE(six[0].find(", 3.shortcut (1 input channel, stride [2, 2]) and 2 more."), std::string::npos) << six[0];
+  EXPECT_EQ(six[0].find("4.shortcut"), std::string::npos) << six[0];
+
+  {
+    test_util::CollectWarnings collect;
+    auto model = perf::optimize(down(block / 2), perf::ModelOptions().autocast(false));
+    EXPECT_EQ(collect.messages.size(), 1u) << "the flags' recipe: channels-last";
+  }
+  test_util::CollectWarnings collect;
+  auto model =
+      perf::optimize(down(block / 2), perf::ModelOptions().autocast(false).example(torch::randn({2, block / 2, 8, 8})));
+  EXPECT_EQ(collect.messages.size(), model.choice().recipe.channels_last() ? 1u : 0u)
+      << "once, for the layout kept, whichever it is: " << model.choice();
+}
+
 // --------------------------------------------------------------------------- model wrapper
 
 namespace {

@@ -9,6 +9,13 @@
 // parameters keeps them, and existing gradients are converted alike. An
 // optimizer that already has state (moments, momentum buffers) must be passed
 // too: fused CUDA kernels require state strides to match the parameter's.
+//
+// On the CPU, LibTorch 2.11's oneDNN computes the weight gradient of a stride-2
+// 1x1 convolution wrongly when its input is channels-last and it has fewer input
+// channels than oneDNN's block (uxlfoundation/oneDNN#6035): it hangs, crashes or
+// returns wrong numbers. to_channels_last warns when a module it converts has
+// such a convolution on the CPU; it cannot fix it, since the layout of the
+// activations, not of the weight, is what reaches the bug.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +30,7 @@
 #include <torch/optim/sgd.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace perf {
@@ -36,9 +44,28 @@ PERF_INLINE at::Tensor channels_last(const at::Tensor& t);
 
 /// Converts every 4-D / 5-D parameter and buffer of `module` (recursively) in
 /// place; other tensors are left alone. Returns how many tensors changed layout.
+/// Warns (TORCH_WARN) when training the result on this CPU would meet
+/// uxlfoundation/oneDNN#6035 (see the top of this header).
 PERF_INLINE int64_t to_channels_last(torch::nn::Module& module);
 
 namespace detail {
+// to_channels_last(module) without the warning: perf::optimize converts back
+// and forth while it measures, and warns once for the layout it keeps.
+PERF_INLINE int64_t convert_to_channels_last(torch::nn::Module& module);
+
+// oneDNN's input-channel block for its 1x1 convolution kernels on this CPU:
+// 16 with AVX-512 (avx512_core), 8 with AVX2, 0 where the bug is not known.
+PERF_INLINE int64_t onednn_ic_block();
+
+// The Conv2d modules of `module` whose weight gradient on the CPU meets
+// oneDNN#6035 with channels-last inputs: a trainable CPU weight, a 1x1 kernel,
+// a stride above 1, no padding, one group, fewer than `block` input channels.
+// Each as "name (N input channels, stride [a, b])".
+PERF_INLINE std::vector<std::string> onednn_1x1_hazards(torch::nn::Module& module, int64_t block);
+
+// TORCH_WARN naming those convolutions, when oneDNN is on and there are any.
+PERF_INLINE void warn_onednn_1x1_hazards(torch::nn::Module& module);
+
 // The per-parameter state tensors of the optimizers perf knows; nullopt for an
 // unknown state type (the caller refuses rather than guess).
 PERF_INLINE std::optional<std::vector<at::Tensor*>> state_tensors(torch::optim::OptimizerParamState& s);

@@ -3,7 +3,13 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <perf/detail/cpu.h>
 #include <perf/memory_format.h>
+#include <torch/nn/modules/conv.h>
+
+#include <algorithm>
+#include <sstream>
+#include <variant>
 
 namespace perf {
 
@@ -15,6 +21,14 @@ PERF_INLINE c10::MemoryFormat channels_last_format(int64_t dim) {
 PERF_INLINE at::Tensor channels_last(const at::Tensor& t) { return t.contiguous(channels_last_format(t.dim())); }
 
 PERF_INLINE int64_t to_channels_last(torch::nn::Module& module) {
+  const int64_t changed = detail::convert_to_channels_last(module);
+  detail::warn_onednn_1x1_hazards(module);
+  return changed;
+}
+
+namespace detail {
+
+PERF_INLINE int64_t convert_to_channels_last(torch::nn::Module& module) {
   int64_t changed = 0;
   auto convert = [&](at::Tensor& t) {
     if (!t.defined() || (t.dim() != 4 && t.dim() != 5)) return;
@@ -30,7 +44,58 @@ PERF_INLINE int64_t to_channels_last(torch::nn::Module& module) {
   return changed;
 }
 
-namespace detail {
+PERF_INLINE int64_t onednn_ic_block() {
+  static const int64_t block = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    auto has = [&](const char* name) { return cpu_flag(caps, name); };
+    if (has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq")) return int64_t{16};
+    return has("avx2") ? int64_t{8} : int64_t{0};
+  }();
+  return block;
+}
+
+PERF_INLINE std::vector<std::string> onednn_1x1_hazards(torch::nn::Module& module, int64_t block) {
+  std::vector<std::string> found;
+  auto check = [&](const torch::nn::Module& m, const std::string& name) {
+    const auto* conv = dynamic_cast<const torch::nn::Conv2dImpl*>(&m);
+    if (conv == nullptr || !conv->weight.defined() || !conv->weight.requires_grad() || !conv->weight.is_cpu()) return;
+    const auto& o = conv->options;
+    const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+    const bool unpadded = padding == nullptr ? std::holds_alternative<torch::enumtype::kValid>(o.padding())
+                                             : (*padding)->at(0) == 0 && (*padding)->at(1) == 0;
+    const bool one_by_one = o.kernel_size()->at(0) == 1 && o.kernel_size()->at(1) == 1;
+    const bool strided = o.stride()->at(0) > 1 || o.stride()->at(1) > 1;
+    if (!one_by_one || !strided || !unpadded || o.groups() != 1 || o.in_channels() >= block) return;
+    std::ostringstream what;
+    what << name << " (" << o.in_channels() << (o.in_channels() == 1 ? " input channel" : " input channels")
+         << ", stride " << o.stride() << ")";
+    found.push_back(what.str());
+  };
+  // Not named_modules(include_self=true): it needs the module in a shared_ptr, and a user's may be on the stack.
+  check(module, "the module itself");
+  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    check(*item.value(), item.key());
+  return found;
+}
+
+PERF_INLINE void warn_onednn_1x1_hazards(torch::nn::Module& module) {
+  const int64_t block = onednn_ic_block();
+  if (block == 0 || !at::hasMKLDNN() || !at::globalContext().userEnabledMkldnn()) return;
+  const auto found = onednn_1x1_hazards(module, block);
+  if (found.empty()) return;
+  std::ostringstream names;
+  const size_t shown = std::min<size_t>(found.size(), 4);
+  for (size_t i = 0; i < shown; ++i) names << (i ? ", " : "") << found[i];
+  if (found.size() > shown) names << " and " << found.size() - shown << " more";
+  TORCH_WARN(
+      "perf::to_channels_last: training this model channels-last on this CPU can hang, crash or compute "
+      "wrong weight gradients. oneDNN, in LibTorch 2.11, miscomputes the weight gradient of a stride-2 1x1 "
+      "convolution whose input is channels-last and which has fewer input channels than its block (",
+      block, " on this CPU): uxlfoundation/oneDNN#6035. Here: ", names.str(),
+      ". Inference is not affected. To train on the CPU, keep the model contiguous there (do not convert it), "
+      "or give these convolutions at least ",
+      block, " input channels.");
+}
 
 PERF_INLINE std::optional<std::vector<at::Tensor*>> state_tensors(torch::optim::OptimizerParamState& s) {
   using V = std::vector<at::Tensor*>;

@@ -11,7 +11,7 @@ namespace detail {
 
 PERF_INLINE void relayout(torch::nn::Module& module, bool channels_last) {
   if (channels_last) {
-    to_channels_last(module);
+    convert_to_channels_last(module);
     return;
   }
   at::NoGradGuard no_grad;
