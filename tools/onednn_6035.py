@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks the LibTorch at hand for uxlfoundation/oneDNN#6035, the bug perf::to_channels_last warns about.
 
-oneDNN (3.10.2 in LibTorch 2.11) computes the weight gradient of a stride-2 1x1 convolution wrongly on an x86 CPU
+oneDNN (3.10.2 in LibTorch 2.11) computes the weight gradient of a strided 1x1 convolution wrongly on an x86 CPU
 when the convolution's input is channels-last and it has fewer input channels than oneDNN's block (8 with AVX2, 16
 with AVX-512): it hangs, crashes or returns wrong numbers. perf warns where its conditions hold
 (perf::detail::onednn_1x1_hazards). Run this after a LibTorch upgrade: where every "hazard" case comes out right at

@@ -10,7 +10,7 @@
 // optimizer that already has state (moments, momentum buffers) must be passed
 // too: fused CUDA kernels require state strides to match the parameter's.
 //
-// On the CPU, LibTorch 2.11's oneDNN computes the weight gradient of a stride-2
+// On the CPU, LibTorch 2.11's oneDNN computes the weight gradient of a strided
 // 1x1 convolution wrongly when its input is channels-last and it has fewer input
 // channels than oneDNN's block (uxlfoundation/oneDNN#6035): it hangs, crashes or
 // returns wrong numbers. to_channels_last warns when a module it converts has

@@ -89,8 +89,8 @@ PERF_INLINE void warn_onednn_1x1_hazards(torch::nn::Module& module) {
   if (found.size() > shown) names << " and " << found.size() - shown << " more";
   TORCH_WARN(
       "perf::to_channels_last: training this model channels-last on this CPU can hang, crash or compute "
-      "wrong weight gradients. oneDNN, in LibTorch 2.11, miscomputes the weight gradient of a stride-2 1x1 "
-      "convolution whose input is channels-last and which has fewer input channels than its block (",
+      "wrong weight gradients. oneDNN, in LibTorch 2.11, miscomputes the weight gradient of a strided, unpadded "
+      "1x1 convolution whose input is channels-last and which has fewer input channels than its block (",
       block, " on this CPU): uxlfoundation/oneDNN#6035. Here: ", names.str(),
       ". Inference is not affected. To train on the CPU, keep the model contiguous there (do not convert it), "
       "or give these convolutions at least ",
