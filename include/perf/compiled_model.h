@@ -173,10 +173,6 @@ PERF_INLINE CompiledInput parse_input(const std::string& text, size_t index);
 // Leaves of a serialized pytree spec (the call spec's input half): the number of tensors.
 PERF_INLINE size_t spec_leaves(const std::string& spec);
 
-// The vector ISA a CPU package was compiled for (AOTI_CPU_ISA: "AVX512 AVX512_VNNI
-// AMX_TILE", "AVX2"), against this CPU: running AVX-512 code without it dies of SIGILL.
-PERF_INLINE std::string missing_cpu_isa(const std::string& isa);
-
 // Why a CPU package will run slowly on `cpu`, or "": it computes in bfloat16 (a bfloat16
 // input, bf16 autocast inside a training step, or bfloat16 state) and `cpu` has no bfloat16
 // instructions, so ATen and the generated kernels emulate them. perf's own CPU recipe stays

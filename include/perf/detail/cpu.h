@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,25 @@ inline CpuBf16& cpu_bf16() {
     return c;
   }();
   return caps;
+}
+
+// The words of an ISA list (AOTI_CPU_ISA's "AVX512 AVX512_VNNI AMX_TILE", "AVX2")
+// this CPU lacks, space-separated; "" when it has them all. A CPU package's
+// AVX-512 code dies of SIGILL without them; oneDNN picks its kernels by them.
+inline std::string missing_cpu_isa(const std::string& isa) {
+  const auto caps = at::cpu::get_cpu_capabilities();
+  auto has = [&](const char* name) { return cpu_flag(caps, name); };
+  std::istringstream in(isa);
+  std::string word, missing;
+  while (in >> word) {
+    bool ok = true;
+    if (word == "AVX2") ok = has("avx2") && has("fma3");
+    if (word == "AVX512") ok = has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
+    if (word == "AVX512_VNNI") ok = has("avx512_vnni");
+    if (word == "AMX_TILE") ok = has("amx_tile");
+    if (!ok) missing += (missing.empty() ? "" : " ") + word;
+  }
+  return missing;
 }
 
 // The machine's physical cores as ATen's cpuinfo counts them (0: unknown).

@@ -82,22 +82,6 @@ PERF_INLINE size_t spec_leaves(const std::string& spec) {
   return n;
 }
 
-PERF_INLINE std::string missing_cpu_isa(const std::string& isa) {
-  const auto caps = at::cpu::get_cpu_capabilities();
-  auto has = [&](const char* name) { return cpu_flag(caps, name); };
-  std::istringstream in(isa);
-  std::string word, missing;
-  while (in >> word) {
-    bool ok = true;
-    if (word == "AVX2") ok = has("avx2") && has("fma3");
-    if (word == "AVX512") ok = has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq");
-    if (word == "AVX512_VNNI") ok = has("avx512_vnni");
-    if (word == "AMX_TILE") ok = has("amx_tile");
-    if (!ok) missing += (missing.empty() ? "" : " ") + word;
-  }
-  return missing;
-}
-
 PERF_INLINE std::string emulated_bf16_reason(const std::unordered_map<std::string, std::string>& metadata,
                                              const std::vector<CompiledInput>& inputs, const CpuBf16& cpu) {
   if (cpu.native()) return "";

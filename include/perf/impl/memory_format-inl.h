@@ -45,12 +45,8 @@ PERF_INLINE int64_t convert_to_channels_last(torch::nn::Module& module) {
 }
 
 PERF_INLINE int64_t onednn_ic_block() {
-  static const int64_t block = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    auto has = [&](const char* name) { return cpu_flag(caps, name); };
-    if (has("avx512_f") && has("avx512_bw") && has("avx512_vl") && has("avx512_dq")) return int64_t{16};
-    return has("avx2") ? int64_t{8} : int64_t{0};
-  }();
+  static const int64_t block =
+      missing_cpu_isa("AVX512").empty() ? int64_t{16} : (missing_cpu_isa("AVX2").empty() ? int64_t{8} : int64_t{0});
   return block;
 }
 
