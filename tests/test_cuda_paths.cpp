@@ -493,6 +493,166 @@ TEST(CudaPaths, OnGpuAFailedCaptureLeavesTheProcessHealthy) {
   EXPECT_FALSE(torch::equal(m1, drop(torch::ones({1024}, torch::kCUDA))));
 }
 
+#if PERF_WITH_CUDA
+namespace {
+
+// Whether the calling thread's current stream is capturing a CUDA graph (autograd's device threads run a
+// captured backward on the capturing stream too).
+bool capturing() {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream().stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Twice the device's memory: an allocation of that many bytes fails in cudaMalloc, a real out-of-memory error of
+// the caching allocator (which frees none of its cached blocks while a capture is under way).
+int64_t twice_the_device_memory() {
+  size_t free_bytes = 0, total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return 2 * static_cast<int64_t>(total_bytes);
+}
+
+void allocate_bytes(int64_t n) { (void)torch::empty({n}, torch::dtype(torch::kUInt8).device(torch::kCUDA)); }
+
+// A model in two parts, so a loss can hook the activation between them.
+struct TwoPart : torch::nn::Module {
+  torch::nn::Sequential first{torch::nn::Linear(16, 64)};
+  torch::nn::Sequential rest{torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(), torch::nn::Linear(64, 4)};
+  TwoPart() {
+    register_module("first", first);
+    register_module("rest", rest);
+  }
+};
+
+}  // namespace
+#endif
+
+// Out of memory inside the capture, the warm-up having passed: what a step whose working set fits once but not
+// twice meets (the capture's private pool cannot reuse the blocks the warm-up cached). The error is the
+// allocator's own c10::OutOfMemoryError with perf's context, so perf::find_max_batch_size sees it; the process
+// stays healthy; eager_fallback runs the function eagerly.
+TEST(CudaPaths, OnGpuOutOfMemoryInACaptureStaysAnOutOfMemoryErrorAndLeavesTheProcessHealthy) {
+#if PERF_WITH_CUDA
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const int64_t huge = twice_the_device_memory();
+  int calls = 0;
+  auto greedy = [&](const torch::Tensor& t) {
+    ++calls;
+    auto out = t * 2;  // allocated in the graph's pool before the failure
+    if (capturing()) allocate_bytes(huge);
+    return out + 1;
+  };
+  const auto x = torch::ones({1024}, torch::kCUDA);
+  torch::cuda::synchronize();
+  const int64_t base = cuda_allocated();
+  try {
+    perf::graph(greedy, x);
+    ADD_FAILURE() << "expected an OutOfMemoryError from the capture";
+  } catch (const c10::OutOfMemoryError& e) {
+    const std::string what = e.what_without_backtrace();
+    EXPECT_NE(what.find("perf::graph: CUDA graph capture failed"), std::string::npos) << what;
+    EXPECT_NE(what.find("out of memory"), std::string::npos) << what;
+  }
+  EXPECT_GE(calls, 2) << "the warm-up calls ran before the capture";
+  EXPECT_FALSE(capturing());
+  torch::cuda::synchronize();
+  EXPECT_LE(cuda_allocated(), base + (1 << 20)) << "the failed capture's allocations were not given back";
+  // find_max_batch_size bisects over real out-of-memory errors raised inside captures.
+  const int64_t ok_up_to = 6;
+  const int64_t best = perf::find_max_batch_size(
+      [&](int64_t b) {
+        perf::graph(
+            [&](const torch::Tensor& t) {
+              if (b > ok_up_to && capturing()) allocate_bytes(huge);
+              return t + 1;
+            },
+            torch::ones({b}, torch::kCUDA));
+      },
+      1, 64, perf::FindBatchOptions().log(nullptr));
+  EXPECT_EQ(best, ok_up_to);
+  // eager_fallback(true): a warning, then eager calls with the right values.
+  auto fallback = perf::graph(greedy, x, perf::GraphOptions().eager_fallback(true));
+  EXPECT_FALSE(fallback.graphed());
+  EXPECT_TRUE(torch::equal(fallback(x), x * 2 + 1));
+  // Healthy: random numbers, and a capture replaying dropout with fresh masks.
+  EXPECT_NO_THROW(torch::randn({16}, torch::kCUDA));
+  auto drop = perf::graph([](const torch::Tensor& t) { return torch::dropout(t, 0.5, true); },
+                          torch::ones({1024}, torch::kCUDA));
+  EXPECT_TRUE(drop.graphed());
+  const auto m1 = drop(torch::ones({1024}, torch::kCUDA)).clone();
+  EXPECT_FALSE(torch::equal(m1, drop(torch::ones({1024}, torch::kCUDA))));
+  EXPECT_TRUE(torch::equal(fallback(x), x * 2 + 1));
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
+// Out of memory in the captured backward of a TrainStep, after the last layers' gradients were allocated in the
+// graph's pool (backward runs from the output): kernels that never ran. The constructor throws the allocator's
+// error, and leaves no parameter holding such a gradient (none without flat, zeros in flat mode), nor any other
+// trace: a TrainStep built afterwards trains exactly as one on a twin model that never failed.
+TEST(CudaPaths, OnGpuOutOfMemoryInATrainStepCaptureLeavesNoUncomputedGradients) {
+#if PERF_WITH_CUDA
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const int64_t huge = twice_the_device_memory();
+  const auto data = make_data(6, 32, torch::kCUDA);
+  for (const bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat" : "not flat");
+    auto make = [] {
+      torch::manual_seed(0);
+      auto m = std::make_shared<TwoPart>();
+      m->to(torch::kCUDA);
+      return m;
+    };
+    auto model = make(), twin = make();
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    perf::optim::AdamW twin_opt(twin->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    bool fail = true;
+    auto loss_of = [&fail, huge](TwoPart& m) {
+      return [&m, &fail, huge](const torch::Tensor& x, const torch::Tensor& t) {
+        auto h = m.first->forward(x);
+        if (fail) {
+          h.register_hook([huge](const torch::Tensor& g) {
+            if (capturing()) allocate_bytes(huge);
+            return g;
+          });
+        }
+        return torch::nn::functional::cross_entropy(m.rest->forward(h), t);
+      };
+    };
+    try {
+      perf::TrainStep failed(model, loss_of(*model), opt, data.xs[0], data.ts[0]);
+      ADD_FAILURE() << "expected an OutOfMemoryError from the capture";
+    } catch (const c10::OutOfMemoryError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("perf::TrainStep: CUDA graph capture failed"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+    EXPECT_FALSE(capturing());
+    for (const auto& p : model->named_parameters()) {
+      if (flat) {
+        ASSERT_TRUE(p.value().grad().defined()) << p.key() << ": a flat gradient stays a view of the buffer";
+        EXPECT_EQ(p.value().grad().abs().max().item<float>(), 0.f) << p.key();
+      } else {
+        EXPECT_FALSE(p.value().grad().defined()) << p.key() << " kept a gradient the failed capture allocated";
+      }
+    }
+    fail = false;
+    perf::TrainStep step(model, loss_of(*model), opt, data.xs[0], data.ts[0]);
+    perf::TrainStep twin_step(twin, loss_of(*twin), twin_opt, data.xs[0], data.ts[0]);
+    ASSERT_TRUE(step.graphed());
+    for (size_t i = 0; i < data.xs.size(); ++i) {
+      const float a = step.step(data.xs[i], data.ts[i]).item<float>();
+      const float b = twin_step.step(data.xs[i], data.ts[i]).item<float>();
+      EXPECT_NEAR(a, b, 1e-6) << "step " << i;
+    }
+    EXPECT_LE((cat_params(*model) - cat_params(*twin)).abs().max().item<float>(), 1e-6f);
+  }
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
 TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   torch::manual_seed(0);

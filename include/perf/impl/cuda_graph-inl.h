@@ -405,6 +405,22 @@ PERF_INLINE void TrainStep::capture_graph() {
     snapshot.restore();
     if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
   };
+  // A capture that fails after its backward began leaves gradients allocated in the abandoned graph pool, whose
+  // kernels never ran: uninitialized memory. Cleared as the step's zero_grad() clears them (a flat optimizer's
+  // views zeroed in place), and those of parameters the optimizer does not hold set to none, so that a program
+  // that catches the error and then trains eagerly adds nothing to garbage.
+  auto clear_grads = [&]() noexcept {
+    try {
+      at::NoGradGuard no_grad;
+      fused_->zero_grad();
+      std::unordered_set<const c10::TensorImpl*> held;
+      for (auto& g : opt_.param_groups())
+        for (auto& p : g.params()) held.insert(p.unsafeGetTensorImpl());
+      for (auto& p : (*module_).parameters(/*recurse=*/true))
+        if (p.grad().defined() && held.count(p.unsafeGetTensorImpl()) == 0) p.mutable_grad().reset();
+    } catch (const std::exception&) {  // CUDA left broken: the capture's own error says so
+    }
+  };
   auto graph = std::make_unique<detail::SafeCUDAGraph>();
   detail::CaptureResult result{};
   try {
@@ -419,6 +435,7 @@ PERF_INLINE void TrainStep::capture_graph() {
         restore);
   } catch (const std::exception&) {
     restore();
+    clear_grads();
     throw;
   }
   if (result == detail::CaptureResult::captured) {
@@ -428,6 +445,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
+    clear_grads();
   }
 #endif
 }
