@@ -27,7 +27,12 @@
 //    CUDAGraph::capture_end throws before doing so), so RNG ops and memory
 //    reuse keep working, and eager_fallback continues in a healthy process;
 //  - errors keep their type (c10::OutOfMemoryError stays one) with perf's
-//    context added.
+//    context added; a TrainStep whose capture fails leaves no gradient that the
+//    abandoned capture allocated.
+//
+// A graph's calls from several threads take turns (its static buffers serve one
+// call at a time), and a call from another CUDA stream than the last call's
+// waits for that call on the device.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,6 +66,7 @@
 #include <array>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -129,6 +135,9 @@ class Graphed {
   Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options, ModuleRef module)
       : Graphed(std::move(fn), std::move(examples), options, std::optional<ModuleRef>(std::move(module))) {}
 
+  /// Copies the inputs into the static ones, replays, returns the outputs. Safe to call from several threads:
+  /// the calls take turns (the static buffers and the graphs' pool serve one at a time), and a call from another
+  /// CUDA stream than the last call's waits on the device for that call's replay and output copies.
   Out operator()(const std::vector<at::Tensor>& inputs);
   Out operator()(const at::Tensor& input) { return (*this)(std::vector<at::Tensor>{input}); }
   /// True when calls replay CUDA graphs (false: eager, e.g. on the CPU).
@@ -157,6 +166,11 @@ class Graphed {
   int64_t eager_calls_ = 0, captures_ = 0;
   std::optional<ModuleRef> module_;
   std::unique_ptr<detail::CapturedState> captured_;
+  std::unique_ptr<std::mutex> calls_ = std::make_unique<std::mutex>();  // held by the call running (movable)
+#if PERF_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> last_stream_;    // the last call's, for the next call from another stream
+  std::unique_ptr<at::cuda::CUDAEvent> stream_switch_;  // recorded there when the stream changes (reused)
+#endif
 };
 
 /// Graphs `fn(inputs)` for the example inputs (any callable taking a
@@ -761,6 +775,23 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
                   "; use GraphOptions().batch_sizes(...) for varying batch sizes");
     }
   }
+  TORCH_CHECK(calls_ != nullptr, "perf::graph: called after it was moved from");
+  // One call at a time: two would copy into the same static inputs and read the same static outputs (and
+  // replay graphs that share one pool), each getting the other's result.
+  std::lock_guard<std::mutex> one_call(*calls_);
+#if PERF_WITH_CUDA
+  if (examples_[0].is_cuda()) {
+    // The last call's replay and output copies may still run on its stream: this call's copies into the same
+    // static inputs wait for them there, without a host sync. Calls from one stream are in order already.
+    const auto stream = c10::cuda::getCurrentCUDAStream(examples_[0].device().index());
+    if (last_stream_ && *last_stream_ != stream) {
+      if (!stream_switch_) stream_switch_ = std::make_unique<at::cuda::CUDAEvent>();
+      stream_switch_->record(*last_stream_);
+      stream_switch_->block(stream);
+    }
+    last_stream_ = stream;
+  }
+#endif
   // Eager calls pad too (graphed: a mode change captures again, which checks).
   if (bucketed_ && module_ && !graphed_) detail::check_padding_allowed(**module_);
 #if PERF_WITH_CUDA

@@ -38,6 +38,7 @@
 #include <memory>
 #include <optional>
 #include <ostream>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -124,10 +125,20 @@ constexpr bool is_shared_ptr_v = is_shared_ptr<T>::value;
 }  // namespace detail
 
 namespace detail {
-// eval() for a scope, the training mode restored after.
+// Whether `module` or a module under it is in train() mode. Reads only.
+inline bool any_training(const torch::nn::Module& module) {
+  bool training = false;
+  module.apply([&](const torch::nn::Module& m) { training = training || m.is_training(); });
+  return training;
+}
+
+// eval() for a scope, the training mode restored after. A model already in
+// eval() is not written to, so scopes in several threads may share it.
 class EvalScope {
  public:
   explicit EvalScope(ModuleRef module) : module_(std::move(module)), was_training_(module_->is_training()) {
+    if (!any_training(*module_)) return;
+    switched_ = true;
     for (auto& m : module_->modules(/*include_self=*/false)) children_.emplace_back(m, m->is_training());
     module_->eval();
   }
@@ -135,6 +146,7 @@ class EvalScope {
   // a BatchNorm frozen in eval() keeps it frozen. train() is recursive, and
   // modules() lists parents before their children.
   ~EvalScope() {
+    if (!switched_) return;
     module_->train(was_training_);
     for (auto& [m, training] : children_) m->train(training);
   }
@@ -143,7 +155,7 @@ class EvalScope {
 
  private:
   ModuleRef module_;
-  bool was_training_;
+  bool was_training_, switched_ = false;
   std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> children_;
 };
 }  // namespace detail
@@ -174,9 +186,18 @@ class Optimized {
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
   }
-  /// forward in eval mode under c10::InferenceMode.
+  /// forward in eval mode under c10::InferenceMode. From several threads: on a model in eval() mode the calls
+  /// run side by side; on one that each call must switch to eval() and back, one at a time, so that no call
+  /// runs while another switches the modes back (call `model->eval()` once to serve from several threads).
   template <typename... Args>
   auto infer(Args&&... args) {
+    std::shared_lock<std::shared_mutex> side_by_side(*modes_);
+    if (!detail::any_training(*module_)) {
+      c10::InferenceMode inference;
+      return forward(std::forward<Args>(args)...);
+    }
+    side_by_side.unlock();
+    std::unique_lock<std::shared_mutex> alone(*modes_);
     InferenceScope scope(*module_);
     return forward(std::forward<Args>(args)...);
   }
@@ -210,6 +231,7 @@ class Optimized {
   RecipeChoice choice_;
   std::shared_ptr<Graphed<at::Tensor>> graph_;  // recipe().graph(): replays for the example's shape
   std::vector<int64_t> graph_sizes_;
+  std::shared_ptr<std::shared_mutex> modes_ = std::make_shared<std::shared_mutex>();  // infer(); copies share it
 };
 
 /// Moves `module` to the device, converts it to channels-last, and wraps its
