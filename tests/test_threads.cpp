@@ -29,6 +29,7 @@ void on_threads(int n, const std::function<void(int)>& fn) {
   std::atomic<int> ready{0};
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(n));
   for (int t = 0; t < n; ++t) {
     threads.emplace_back([&, t] {
       ++ready;
@@ -113,7 +114,7 @@ TEST(Threads, InferOnATrainingModelFromSeveralThreadsRunsEveryCallInEvalMode) {
   std::vector<int> wrong(kThreads, 0);
   on_threads(kThreads, [&](int t) {
     for (int i = 0; i < kCalls; ++i) {
-      const size_t k = static_cast<size_t>(t * kCalls + i);
+      const size_t k = static_cast<size_t>(t) * kCalls + static_cast<size_t>(i);
       if (!torch::allclose(optimized.infer(xs[k]), want[k])) ++wrong[static_cast<size_t>(t)];
     }
   });
