@@ -30,6 +30,28 @@ torch::nn::Sequential deep_mlp(int64_t width = 32) {
 
 }  // namespace
 
+// An input that requires grad (an evaluation inside a training loop, on a tensor that is not detached): its copy
+// into the static input records no autograd history, which would keep the caller's graph (and its saved
+// tensors) alive in the graph's buffers until the next call. Exact shapes and a padded bucket.
+TEST(Graph, AnInputThatRequiresGradLeavesNoHistoryInTheGraph) {
+  for (const bool bucketed : {false, true}) {
+    SCOPED_TRACE(bucketed ? "bucketed" : "exact shapes");
+    auto g = perf::graph([](const torch::Tensor& t) { return t * 2; }, torch::zeros({4, 3}),
+                         bucketed ? perf::GraphOptions().batch_sizes({8}) : perf::GraphOptions());
+    const auto w = torch::ones({4, 3}, torch::requires_grad());
+    std::weak_ptr<torch::autograd::Node> history;
+    {
+      const auto x = w * 3;
+      history = x.grad_fn();
+      ASSERT_FALSE(history.expired());
+      const auto y = g(x);
+      EXPECT_TRUE(torch::equal(y, torch::full({4, 3}, 6.0)));
+      EXPECT_FALSE(y.requires_grad());
+    }
+    EXPECT_TRUE(history.expired()) << "the graph's static input keeps the caller's autograd graph alive";
+  }
+}
+
 // Outputs are the caller's by default: one kept from an earlier call keeps its
 // values (the trap of views into the graph's static output, which the next
 // call overwrites, is opt-in with clone_outputs(false)).

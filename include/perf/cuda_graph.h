@@ -819,6 +819,9 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
     bucket = it->get();
   }
   const int64_t full = bucket->batch;
+  // Without autograd: an input that requires grad (an evaluation inside a training loop) would otherwise leave
+  // its history in the static input, keeping the caller's graph alive until the next call.
+  at::NoGradGuard no_grad;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (full < 0 || batch == full) {
       bucket->in[i].copy_(inputs[i], /*non_blocking=*/true);
@@ -831,7 +834,6 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
   if (graphed_) bucket->graph->replay();
 #endif
   if (!graphed_) {  // eager on the same static buffers, into the same static outputs
-    at::NoGradGuard no_grad;
     auto fresh = detail::to_vec<Out>(fn_(bucket->in));
     for (size_t k = 0; k < fresh.size(); ++k) bucket->out[k].copy_(fresh[k]);
   }
