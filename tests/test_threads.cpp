@@ -158,7 +158,7 @@ TEST(Threads, OnGpuGraphCallsFromThreadsOnTheirOwnStreamsEachGetTheirOwnOutputs)
 #if PERF_WITH_CUDA
   if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   auto slow_affine = [](const torch::Tensor& t) {
-    at::cuda::sleep(200000);
+    at::cuda::sleep(1000000);  // about 0.5 ms
     return t * 2 + 1;
   };
   auto g = perf::graph(slow_affine, torch::zeros({1 << 16}, torch::kCUDA));
