@@ -168,8 +168,7 @@ class Graphed {
   std::unique_ptr<detail::CapturedState> captured_;
   std::unique_ptr<std::mutex> calls_ = std::make_unique<std::mutex>();  // held by the call running (movable)
 #if PERF_WITH_CUDA
-  std::optional<c10::cuda::CUDAStream> last_stream_;    // the last call's, for the next call from another stream
-  std::unique_ptr<at::cuda::CUDAEvent> stream_switch_;  // recorded there when the stream changes (reused)
+  std::optional<c10::cuda::CUDAStream> last_stream_;  // the last call's, for the next call from another stream
 #endif
 };
 
@@ -784,11 +783,7 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
     // The last call's replay and output copies may still run on its stream: this call's copies into the same
     // static inputs wait for them there, without a host sync. Calls from one stream are in order already.
     const auto stream = c10::cuda::getCurrentCUDAStream(examples_[0].device().index());
-    if (last_stream_ && *last_stream_ != stream) {
-      if (!stream_switch_) stream_switch_ = std::make_unique<at::cuda::CUDAEvent>();
-      stream_switch_->record(*last_stream_);
-      stream_switch_->block(stream);
-    }
+    if (last_stream_ && *last_stream_ != stream) detail::stream_wait(stream, *last_stream_);
     last_stream_ = stream;
   }
 #endif

@@ -192,12 +192,11 @@ class Optimized {
   template <typename... Args>
   auto infer(Args&&... args) {
     std::shared_lock<std::shared_mutex> side_by_side(*modes_);
-    if (!detail::any_training(*module_)) {
-      c10::InferenceMode inference;
-      return forward(std::forward<Args>(args)...);
+    std::unique_lock<std::shared_mutex> alone;
+    if (detail::any_training(*module_)) {  // the scope below switches modes: no other call may run meanwhile
+      side_by_side.unlock();
+      alone = std::unique_lock<std::shared_mutex>(*modes_);
     }
-    side_by_side.unlock();
-    std::unique_lock<std::shared_mutex> alone(*modes_);
     InferenceScope scope(*module_);
     return forward(std::forward<Args>(args)...);
   }
