@@ -653,6 +653,96 @@ TEST(CudaPaths, OnGpuOutOfMemoryInATrainStepCaptureLeavesNoUncomputedGradients) 
 #endif
 }
 
+namespace {
+
+// After each step(), every parameter's .grad() is that step's gradients, as after an eager backward, whatever the
+// program did between steps: the optimizer's zero_grad() or the model's out of an eager loop's habit, an epoch's
+// last batch trained eagerly. Compared with a twin trained by an eager TrainStep (graph(false)) on the same batches.
+// Graphed, the replays write the tensors the capture allocated: TrainStep puts them back; before the first step they
+// are as zero_grad() leaves them, not the capture's uncomputed ones.
+void expect_each_steps_gradients(torch::Device device) {
+  const auto data = make_data(6, 32, device);
+  for (const bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat" : "not flat");
+    auto make = [device] {
+      torch::manual_seed(0);
+      auto m = mlp();
+      m->to(device);
+      return m;
+    };
+    auto model = make(), twin = make();
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    perf::optim::AdamW twin_opt(twin->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    auto loss_of = [](torch::nn::Sequential m) {
+      return [m](const torch::Tensor& x, const torch::Tensor& t) mutable {
+        return torch::nn::functional::cross_entropy(m->forward(x), t);
+      };
+    };
+    perf::TrainStep step(model, loss_of(model), opt, data.xs[0], data.ts[0]);
+    perf::TrainStep twin_step(twin, loss_of(twin), twin_opt, data.xs[0], data.ts[0],
+                              perf::TrainStepOptions().graph(false));
+    ASSERT_EQ(step.graphed(), device.is_cuda());
+    ASSERT_FALSE(twin_step.graphed());
+    if (step.graphed()) {
+      for (const auto& p : model->named_parameters()) {
+        if (flat) {
+          ASSERT_TRUE(p.value().grad().defined()) << p.key() << ": a flat gradient stays a view of the buffer";
+          EXPECT_EQ(p.value().grad().abs().max().item<float>(), 0.f) << p.key() << " before the first step";
+        } else {
+          EXPECT_FALSE(p.value().grad().defined()) << p.key() << " before the first step";
+        }
+      }
+    }
+    auto expect_same = [&](const std::string& when) {
+      const auto a = model->named_parameters(), b = twin->named_parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        const auto &ga = a[i].value().grad(), &gb = b[i].value().grad();
+        ASSERT_TRUE(ga.defined()) << when << ": " << a[i].key() << " has no gradient";
+        ASSERT_TRUE(gb.defined()) << when << ": the twin's " << b[i].key() << " has no gradient";
+        EXPECT_LE((ga - gb).abs().max().item<float>(), 1e-5f) << when << ": " << a[i].key();
+      }
+      EXPECT_LE((cat_params(*model) - cat_params(*twin)).abs().max().item<float>(), 1e-5f) << when;
+    };
+    auto both = [&](const torch::Tensor& x, const torch::Tensor& t) {
+      const float a = step.step(x, t).item<float>();
+      const float b = twin_step.step(x, t).item<float>();
+      EXPECT_NEAR(a, b, 1e-5);
+    };
+    both(data.xs[0], data.ts[0]);
+    expect_same("after the first step");
+    opt.zero_grad();
+    twin_opt.zero_grad();
+    both(data.xs[1], data.ts[1]);
+    expect_same("after the optimizer's zero_grad() between steps");
+    model->zero_grad();
+    twin->zero_grad();
+    both(data.xs[2], data.ts[2]);
+    expect_same("after the model's zero_grad() between steps");
+    both(data.xs[3].narrow(0, 0, 20), data.ts[3].narrow(0, 0, 20));
+    EXPECT_EQ(step.eager_steps(), 1);
+    expect_same("after an epoch's last, smaller batch");
+    both(data.xs[4], data.ts[4]);
+    expect_same("after a full batch following the smaller one");
+    const auto held = model->parameters()[0].grad();
+    both(data.xs[5], data.ts[5]);
+    expect_same("after the last step");
+    if (step.graphed()) {
+      EXPECT_TRUE(held.is_same(model->parameters()[0].grad())) << "a replay writes the same gradient tensors";
+    }
+  }
+}
+
+}  // namespace
+
+TEST(CudaPaths, TrainStepLeavesEachStepsGradientsWhateverTheProgramDidBetweenSteps) {
+  expect_each_steps_gradients(torch::kCPU);
+}
+
+TEST(CudaPaths, OnGpuAfterEachGraphedStepTheGradientsAreThatStepsWhateverTheProgramDidBetweenSteps) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  expect_each_steps_gradients(torch::kCUDA);
+}
+
 TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   torch::manual_seed(0);

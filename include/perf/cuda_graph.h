@@ -266,6 +266,12 @@ class TrainStep {
   /// requires_grad changed (freezing, unfreezing), a parameter, buffer or
   /// optimizer state given new storage (torch::load of the model or the
   /// optimizer after construction, model->to), param groups added.
+  /// After step(), each parameter's .grad() holds that step's gradients, as
+  /// after an eager backward; graphed, they are the tensors the replays
+  /// write, put back if a zero_grad() (the optimizer's or the model's) or an
+  /// eager step replaced them. Before the first step() a graphed TrainStep
+  /// leaves them as the optimizer's zero_grad() does (none; zeros in flat
+  /// mode): its warm-up's and capture's gradients are not a step's.
   at::Tensor step(const std::vector<at::Tensor>& batch);
   at::Tensor step(const at::Tensor& input, const at::Tensor& target) {
     return step(std::vector<at::Tensor>{input, target});
@@ -300,6 +306,7 @@ class TrainStep {
   at::Tensor backward_micro(const std::vector<at::Tensor>& micro, double divisor);
   void init(std::vector<at::Tensor> example);
   void capture_graph();
+  void restore_static_grads();
   bool is_partial_batch(const std::vector<at::Tensor>& batch) const;
   at::Tensor body(const std::vector<at::Tensor>& batch);
   void check_batch(const std::vector<at::Tensor>& batch, bool shapes) const;
@@ -319,6 +326,7 @@ class TrainStep {
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 #endif
   std::unique_ptr<detail::CapturedState> captured_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> static_grads_;  // (parameter, the gradient its replays write)
 };
 
 // ---------------------------------------------------------------------------

@@ -443,6 +443,19 @@ PERF_INLINE void TrainStep::capture_graph() {
     graphed_ = true;
     ++captures_;
     captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
+    // Every replay writes the gradients the capture allocated, whatever .grad() holds by then: kept, and put back
+    // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
+    // blocks the graph still writes into its pool). Until the first replay they hold nothing computed: cleared
+    // as zero_grad() clears them.
+    static_grads_.clear();
+    std::unordered_set<const c10::TensorImpl*> seen;
+    auto keep = [&](const at::Tensor& p) {
+      if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second) static_grads_.emplace_back(p, p.grad());
+    };
+    for (auto& g : opt_.param_groups())
+      for (auto& p : g.params()) keep(p);
+    for (auto& p : (*module_).parameters(/*recurse=*/true)) keep(p);
+    clear_grads();
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
     clear_grads();
@@ -507,7 +520,8 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
     if (const auto why = captured_->changed(*module_, &opt_, options_.scaler()); !why.empty()) {
       TORCH_WARN(who_, ": ", why, " since the step was captured, which its replays would ignore: capturing it again");
       c10::cuda::device_synchronize();  // the last replay has finished with the graph and its pool
-      graph_.reset();                   // its memory goes back before the new capture takes some
+      static_grads_.clear();
+      graph_.reset();  // its memory goes back before the new capture takes some
       graphed_ = false;
       static_loss_ = at::Tensor();
       captured_.reset();
@@ -518,6 +532,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   if (!graphed_) return step_eager(batch);
 #if PERF_WITH_CUDA
   for (size_t i = 0; i < batch.size(); ++i) static_batch_[i].copy_(batch[i], /*non_blocking=*/true);
+  restore_static_grads();
   fused_->sync_lr();  // outside the graph: the scheduler's current lr
   graph_->replay();
 #endif
@@ -537,7 +552,13 @@ PERF_INLINE at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batc
     static_loss_ = body(on_device);  // a fresh tensor each step: the caller's already
     return static_loss_;
   }
+  restore_static_grads();  // flat: views again, zeroed in place rather than copied back after the backward
   return body(on_device);
+}
+
+PERF_INLINE void TrainStep::restore_static_grads() {
+  for (auto& [p, g] : static_grads_)
+    if (p.grad().unsafeGetTensorImpl() != g.unsafeGetTensorImpl()) p.mutable_grad() = g;
 }
 
 }  // namespace perf
