@@ -260,7 +260,7 @@ TEST(CompiledTrain, RecipeInsideTheGraphTracksPythonEagerWithTheSameRecipe) {
 TEST(CompiledTrain, ScalerAccumulationClippingAndSchedulerMatchTrainStep) {
   TrainReference ref("mlp_train");
   struct Run {
-    std::vector<double> losses;
+    std::vector<double> losses, norms;
     std::vector<at::Tensor> params;
     double scale = 0;
   };
@@ -290,6 +290,7 @@ TEST(CompiledTrain, ScalerAccumulationClippingAndSchedulerMatchTrainStep) {
         x[1].fill_(std::numeric_limits<float>::infinity());
       }
       r.losses.push_back((compiled ? c->step(x, y) : e->step(x, y)).item<double>());
+      r.norms.push_back((compiled ? c->grad_norm() : e->grad_norm()).item<double>());
       sched.step();
     }
     // An epoch's last batch of 7 rows: micro-batches of 4 and 3, each loss weighted by its rows.
@@ -314,6 +315,15 @@ TEST(CompiledTrain, ScalerAccumulationClippingAndSchedulerMatchTrainStep) {
     }
     EXPECT_NEAR(compiled.losses[i], eager.losses[i], 1e-5) << "step " << i;
   }
+  ASSERT_EQ(compiled.norms.size(), eager.norms.size());
+  for (size_t i = 0; i < eager.norms.size(); ++i) {  // unscaled: the same norm whatever the scale
+    if (!std::isfinite(eager.norms[i])) {
+      EXPECT_FALSE(std::isfinite(compiled.norms[i])) << "step " << i;
+      continue;
+    }
+    EXPECT_NEAR(compiled.norms[i], eager.norms[i], 1e-4 * eager.norms[i]) << "step " << i;
+  }
+  EXPECT_FALSE(std::isfinite(eager.norms[7])) << "step 7's inf reaches the gradients";
   for (size_t i = 0; i < eager.params.size(); ++i) EXPECT_LE(max_diff(compiled.params[i], eager.params[i]), 1e-5);
 }
 

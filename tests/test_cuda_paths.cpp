@@ -10,6 +10,7 @@
 #include <perf/optim.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -382,11 +383,19 @@ TEST(CudaPaths, TrainStepWithAccumulationAndClippingEqualsTheEagerLoop) {
       batches.push_back({x, x.narrow(1, 0, 4).argmax(1), torch::rand({n})});
     }
     std::vector<float> losses;
+    std::vector<double> norms;  // before clipping: TrainStep::grad_norm(), LibTorch's clip_grad_norm_'s result
     if (trainstep) {
       perf::TrainStep step(model, loss_fn, opt, batches[0],
                            perf::TrainStepOptions().accumulation_steps(4).max_grad_norm(0.25));
-      for (auto& b : batches) losses.push_back(step.step(b).item<float>());
+      PERF_EXPECT_THROW_MSG(step.grad_norm(), "grad_norm() before the first step()");
+      torch::Tensor first_norm;
+      for (auto& b : batches) {
+        losses.push_back(step.step(b).item<float>());
+        norms.push_back(step.grad_norm().item<double>());
+        if (!first_norm.defined()) first_norm = step.grad_norm();
+      }
       EXPECT_EQ(step.eager_steps(), 2);
+      EXPECT_EQ(first_norm.item<double>(), norms[0]) << "the caller's copy, which later steps leave alone";
     } else {
       for (auto& b : batches) {
         opt.zero_grad();
@@ -394,7 +403,7 @@ TEST(CudaPaths, TrainStepWithAccumulationAndClippingEqualsTheEagerLoop) {
         if (b[0].size(0) % 4 != 0) {  // a partial batch trains as its whole batch's mean loss
           total = loss_fn(b);
           total.backward();
-          torch::nn::utils::clip_grad_norm_(model->parameters(), 0.25);
+          norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), 0.25));
           opt.step();
           losses.push_back(total.item<float>());
           continue;
@@ -406,19 +415,34 @@ TEST(CudaPaths, TrainStepWithAccumulationAndClippingEqualsTheEagerLoop) {
           part.backward();
           total = total.defined() ? total + part.detach() : part.detach();
         }
-        torch::nn::utils::clip_grad_norm_(model->parameters(), 0.25);
+        norms.push_back(torch::nn::utils::clip_grad_norm_(model->parameters(), 0.25));
         opt.step();
         losses.push_back(total.item<float>());
       }
     }
-    return std::make_pair(losses, cat_params(*model));
+    return std::make_tuple(losses, cat_params(*model), norms);
   };
-  const auto eager = run(false), stepped = run(true);
-  ASSERT_EQ(eager.first.size(), stepped.first.size());
-  for (size_t i = 0; i < eager.first.size(); ++i) EXPECT_NEAR(eager.first[i], stepped.first[i], 1e-6) << i;
-  EXPECT_LE((eager.second - stepped.second).abs().max().item<double>(), 1e-6);
+  const auto [eager_losses, eager_params, eager_norms] = run(false);
+  const auto [losses, params, norms] = run(true);
+  ASSERT_EQ(eager_losses.size(), losses.size());
+  ASSERT_EQ(eager_norms.size(), norms.size());
+  for (size_t i = 0; i < losses.size(); ++i) {
+    EXPECT_NEAR(eager_losses[i], losses[i], 1e-6) << i;
+    EXPECT_NEAR(eager_norms[i], norms[i], 1e-5 * eager_norms[i]) << i;
+  }
+  EXPECT_GE(std::count_if(norms.begin(), norms.end(), [](double n) { return n > 0.25; }), 3)
+      << "steps that clipped, whose norms are from before the clipping";
+  EXPECT_LE((eager_params - params).abs().max().item<double>(), 1e-6);
   auto model = mlp();
   perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+  {
+    perf::TrainStep unclipped(
+        model, [&](const std::vector<torch::Tensor>& b) { return model->forward(b[0]).sum(); }, opt,
+        std::vector<torch::Tensor>{torch::randn({8, 16})});
+    PERF_EXPECT_THROW_MSG(unclipped.grad_norm(),
+                          "perf::TrainStep::grad_norm: the step computes the gradient norm only where it clips; set "
+                          "perf::TrainStepOptions().max_grad_norm(x) (infinity measures it without clipping)");
+  }
   PERF_EXPECT_THROW_MSG(
       perf::TrainStep(
           model, [&](const std::vector<torch::Tensor>& b) { return model->forward(b[0]).sum(); }, opt,
@@ -678,9 +702,11 @@ void expect_each_steps_gradients(torch::Device device) {
         return torch::nn::functional::cross_entropy(m->forward(x), t);
       };
     };
-    perf::TrainStep step(model, loss_of(model), opt, data.xs[0], data.ts[0]);
+    // max_grad_norm(infinity): grad_norm() measured without clipping, checked against the gradients read back.
+    const auto measure = perf::TrainStepOptions().max_grad_norm(std::numeric_limits<double>::infinity());
+    perf::TrainStep step(model, loss_of(model), opt, data.xs[0], data.ts[0], measure);
     perf::TrainStep twin_step(twin, loss_of(twin), twin_opt, data.xs[0], data.ts[0],
-                              perf::TrainStepOptions().graph(false));
+                              perf::TrainStepOptions(measure).graph(false));
     ASSERT_EQ(step.graphed(), device.is_cuda());
     ASSERT_FALSE(twin_step.graphed());
     if (step.graphed()) {
@@ -702,6 +728,11 @@ void expect_each_steps_gradients(torch::Device device) {
         EXPECT_LE((ga - gb).abs().max().item<float>(), 1e-5f) << when << ": " << a[i].key();
       }
       EXPECT_LE((cat_params(*model) - cat_params(*twin)).abs().max().item<float>(), 1e-5f) << when;
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : model->parameters()) grads.push_back(p.grad().flatten());
+      const double norm = torch::cat(grads).norm().item<double>();
+      EXPECT_NEAR(step.grad_norm().item<double>(), norm, 1e-5 * norm) << when << ": grad_norm()";
+      EXPECT_NEAR(twin_step.grad_norm().item<double>(), norm, 1e-5 * norm) << when << ": the twin's grad_norm()";
     };
     auto both = [&](const torch::Tensor& x, const torch::Tensor& t) {
       const float a = step.step(x, t).item<float>();

@@ -93,6 +93,9 @@ class CompiledTrainStep {
   at::Tensor step(const Example& batch) { return step(batch.data, batch.target); }
   /// The last step's loss without a copy (graphed: overwritten by the next step).
   const at::Tensor& static_loss() const;
+  /// The last step's total gradient norm before clipping, as TrainStep::grad_norm()
+  /// (set max_grad_norm; infinity measures without clipping).
+  at::Tensor grad_norm() const;
 
   /// True once the first step() captured the step into a CUDA graph.
   bool graphed() const noexcept { return inner_ && inner_->graphed(); }

@@ -286,6 +286,13 @@ class TrainStep {
   /// from here reads as the newest loss. For a loop that reads the loss
   /// before the next step and cannot afford a 4-byte copy kernel.
   const at::Tensor& static_loss() const noexcept { return static_loss_; }
+  /// The last step's total gradient norm before clipping (of the unscaled
+  /// gradients with a scaler; inf or nan on a step the scaler skipped), as
+  /// Python's clip_grad_norm_ returns it: a 0-dim device tensor the caller
+  /// owns (a device copy, no sync), e.g. kept per step for a log. Computed
+  /// only where the step clips: set max_grad_norm (infinity measures the norm
+  /// without clipping).
+  at::Tensor grad_norm() const;
   bool graphed() const noexcept { return graphed_; }
   /// Times the step was captured: 1 once graphed, one more for each re-capture
   /// (a change a replay would ignore: see step()).
@@ -320,6 +327,9 @@ class TrainStep {
   TrainStepOptions options_;
   std::vector<at::Tensor> static_batch_;
   at::Tensor static_loss_;
+  // body()'s last clip_grad_norm_ result, and the one the replays write; replayed_ says which is the last step's.
+  at::Tensor grad_norm_, static_grad_norm_;
+  bool replayed_ = false;
   bool graphed_ = false;
   int64_t eager_steps_ = 0, captures_ = 0;
 #if PERF_WITH_CUDA

@@ -227,6 +227,14 @@ PERF_INLINE const at::Tensor& CompiledTrainStep::static_loss() const {
   return inner_->static_loss();
 }
 
+PERF_INLINE at::Tensor CompiledTrainStep::grad_norm() const {
+  TORCH_CHECK(options_.max_grad_norm(), package_->who(),
+              "::grad_norm: the step computes the gradient norm only where it clips; set "
+              "perf::CompiledTrainOptions().max_grad_norm(x) (infinity measures it without clipping)");
+  TORCH_CHECK(inner_, package_->who(), ": grad_norm() before the first step()");
+  return inner_->grad_norm();
+}
+
 PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledTrainStep& step) {
   out << "perf::CompiledTrainStep '" << step.path() << "' on " << step.device() << ", autocast " << step.amp()
       << (step.channels_last() ? ", channels-last" : "") << ", "

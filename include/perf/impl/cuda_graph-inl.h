@@ -436,6 +436,7 @@ PERF_INLINE void TrainStep::capture_graph() {
   } catch (const std::exception&) {
     restore();
     clear_grads();
+    grad_norm_ = at::Tensor();
     throw;
   }
   if (result == detail::CaptureResult::captured) {
@@ -447,6 +448,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
     // blocks the graph still writes into its pool). Until the first replay they hold nothing computed: cleared
     // as zero_grad() clears them.
+    static_grad_norm_ = grad_norm_;
     static_grads_.clear();
     std::unordered_set<const c10::TensorImpl*> seen;
     auto keep = [&](const at::Tensor& p) {
@@ -460,6 +462,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
     clear_grads();
   }
+  grad_norm_ = at::Tensor();  // the warm-up's or the capture's: not a step's
 #endif
 }
 
@@ -495,7 +498,7 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
     for (auto& g : opt_.param_groups())
       for (auto& p : g.params()) params.push_back(p);
     if (scaler) scaler->unscale_(opt_);
-    clip_grad_norm_(params, *options_.max_grad_norm());
+    grad_norm_ = clip_grad_norm_(params, *options_.max_grad_norm());
   }
   if (scaler) {
     scaler->step(opt_);
@@ -523,7 +526,8 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
       static_grads_.clear();
       graph_.reset();  // its memory goes back before the new capture takes some
       graphed_ = false;
-      static_loss_ = at::Tensor();
+      replayed_ = false;
+      static_loss_ = static_grad_norm_ = at::Tensor();
       captured_.reset();
       capture_graph();
     }
@@ -535,6 +539,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   restore_static_grads();
   fused_->sync_lr();  // outside the graph: the scheduler's current lr
   graph_->replay();
+  replayed_ = true;
 #endif
   return static_loss_.clone();  // the caller's: the next replay overwrites static_loss_
 }
@@ -548,12 +553,22 @@ PERF_INLINE at::Tensor TrainStep::step_eager(const std::vector<at::Tensor>& batc
                 ") splits dim 0; batch tensor ", i, " has shape ", detail::shape_str(batch[i]));
     on_device.push_back(batch[i].to(static_batch_[i].device(), /*non_blocking=*/true));
   }
+  replayed_ = false;
   if (!graphed_) {
     static_loss_ = body(on_device);  // a fresh tensor each step: the caller's already
     return static_loss_;
   }
   restore_static_grads();  // flat: views again, zeroed in place rather than copied back after the backward
   return body(on_device);
+}
+
+PERF_INLINE at::Tensor TrainStep::grad_norm() const {
+  TORCH_CHECK(options_.max_grad_norm(), who_,
+              "::grad_norm: the step computes the gradient norm only where it clips; set ", options_name_,
+              "().max_grad_norm(x) (infinity measures it without clipping)");
+  const at::Tensor& norm = replayed_ ? static_grad_norm_ : grad_norm_;
+  TORCH_CHECK(norm.defined(), who_, ": grad_norm() before the first step()");
+  return norm.clone();  // the caller's: the next replay overwrites the graph's
 }
 
 PERF_INLINE void TrainStep::restore_static_grads() {
