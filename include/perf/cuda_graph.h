@@ -267,7 +267,8 @@ class TrainStep {
   /// optimizer state given new storage (torch::load of the model or the
   /// optimizer after construction, model->to), param groups added.
   /// After step(), each parameter's .grad() holds that step's gradients, as
-  /// after an eager backward; graphed, they are the tensors the replays
+  /// after an eager backward (one the optimizer does not hold accumulates
+  /// them over steps, as autograd does); graphed, they are the tensors the replays
   /// write, put back if a zero_grad() (the optimizer's or the model's) or an
   /// eager step replaced them. Before the first step() a graphed TrainStep
   /// leaves them as the optimizer's zero_grad() does (none; zeros in flat
@@ -336,7 +337,11 @@ class TrainStep {
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
 #endif
   std::unique_ptr<detail::CapturedState> captured_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> static_grads_;  // (parameter, the gradient its replays write)
+  struct StaticGrad {
+    at::Tensor param, grad;  // the gradient the replays write
+    bool accumulates;        // not the optimizer's: the replays add to it
+  };
+  std::vector<StaticGrad> static_grads_;
 };
 
 // ---------------------------------------------------------------------------

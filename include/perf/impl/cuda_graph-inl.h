@@ -446,17 +446,27 @@ PERF_INLINE void TrainStep::capture_graph() {
     captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
     // Every replay writes the gradients the capture allocated, whatever .grad() holds by then: kept, and put back
     // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
-    // blocks the graph still writes into its pool). Until the first replay they hold nothing computed: cleared
-    // as zero_grad() clears them.
+    // blocks the graph still writes into its pool). Those of the optimizer's parameters the step zeroes itself;
+    // those of other parameters that require grad it accumulates into, as eagerly: zeroed here (the warm-up's
+    // went in), and given what .grad() holds when it is put back. Until the first replay they hold nothing
+    // computed: cleared as zero_grad() clears them.
     static_grad_norm_ = grad_norm_;
     static_grads_.clear();
     std::unordered_set<const c10::TensorImpl*> seen;
-    auto keep = [&](const at::Tensor& p) {
-      if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second) static_grads_.emplace_back(p, p.grad());
+    auto keep = [&](const at::Tensor& p, bool accumulates) {
+      if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
+        static_grads_.push_back({p, p.grad(), accumulates});
     };
     for (auto& g : opt_.param_groups())
-      for (auto& p : g.params()) keep(p);
-    for (auto& p : (*module_).parameters(/*recurse=*/true)) keep(p);
+      for (auto& p : g.params()) keep(p, false);
+    for (auto& p : (*module_).parameters(/*recurse=*/true)) keep(p, true);
+    std::vector<at::Tensor> accumulating;
+    for (const auto& e : static_grads_)
+      if (e.accumulates) accumulating.push_back(e.grad);
+    if (!accumulating.empty()) {
+      at::NoGradGuard no_grad;
+      at::_foreach_zero_(accumulating);
+    }
     clear_grads();
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
@@ -572,8 +582,19 @@ PERF_INLINE at::Tensor TrainStep::grad_norm() const {
 }
 
 PERF_INLINE void TrainStep::restore_static_grads() {
-  for (auto& [p, g] : static_grads_)
-    if (p.grad().unsafeGetTensorImpl() != g.unsafeGetTensorImpl()) p.mutable_grad() = g;
+  for (auto& e : static_grads_) {
+    const at::Tensor& now = e.param.grad();
+    if (now.unsafeGetTensorImpl() == e.grad.unsafeGetTensorImpl()) continue;
+    if (e.accumulates) {  // the replay adds to it: what an eager backward would add to
+      at::NoGradGuard no_grad;
+      if (now.defined()) {
+        e.grad.copy_(now);
+      } else {
+        e.grad.zero_();
+      }
+    }
+    e.param.mutable_grad() = e.grad;
+  }
 }
 
 }  // namespace perf
