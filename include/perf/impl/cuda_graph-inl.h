@@ -405,19 +405,27 @@ PERF_INLINE void TrainStep::capture_graph() {
     snapshot.restore();
     if (auto* s = options_.scaler(); s && scaler_before) s->restore_(scaler_before->first, scaler_before->second);
   };
+  // The optimizer's parameters: the step sets their gradients to none (zeroes a flat buffer) first. The other
+  // parameters the step accumulates into, as an eager backward does, and so does the warm-up: what they hold now
+  // (a copy) comes back after the capture, whether it failed or not.
+  std::unordered_set<const c10::TensorImpl*> seen;  // the optimizer's, then each other once
+  for (auto& g : opt_.param_groups())
+    for (auto& p : g.params()) seen.insert(p.unsafeGetTensorImpl());
+  std::vector<std::pair<at::Tensor, at::Tensor>> others;  // (parameter, a copy of its gradient, or none)
+  for (auto& p : (*module_).parameters(/*recurse=*/true)) {
+    if ((p.requires_grad() || p.grad().defined()) && seen.insert(p.unsafeGetTensorImpl()).second)
+      others.emplace_back(p, p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+  }
   // A capture that fails after its backward began leaves gradients allocated in the abandoned graph pool, whose
   // kernels never ran: uninitialized memory. Cleared as the step's zero_grad() clears them (a flat optimizer's
-  // views zeroed in place), and those of parameters the optimizer does not hold set to none, so that a program
-  // that catches the error and then trains eagerly adds nothing to garbage.
+  // views zeroed in place), and the others given back what they held, so that a program that catches the error
+  // and then trains eagerly adds nothing to garbage. After a capture that succeeded, the same: the gradients are
+  // no step's until the first replay.
   auto clear_grads = [&]() noexcept {
     try {
       at::NoGradGuard no_grad;
       fused_->zero_grad();
-      std::unordered_set<const c10::TensorImpl*> held;
-      for (auto& g : opt_.param_groups())
-        for (auto& p : g.params()) held.insert(p.unsafeGetTensorImpl());
-      for (auto& p : (*module_).parameters(/*recurse=*/true))
-        if (p.grad().defined() && held.count(p.unsafeGetTensorImpl()) == 0) p.mutable_grad().reset();
+      for (auto& [p, before] : others) p.mutable_grad() = before;
     } catch (const std::exception&) {  // CUDA left broken: the capture's own error says so
     }
   };
@@ -446,27 +454,15 @@ PERF_INLINE void TrainStep::capture_graph() {
     captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
     // Every replay writes the gradients the capture allocated, whatever .grad() holds by then: kept, and put back
     // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
-    // blocks the graph still writes into its pool). Those of the optimizer's parameters the step zeroes itself;
-    // those of other parameters that require grad it accumulates into, as eagerly: zeroed here (the warm-up's
-    // went in), and given what .grad() holds when it is put back. Until the first replay they hold nothing
-    // computed: cleared as zero_grad() clears them.
+    // blocks the graph still writes into its pool); one the replays accumulate into is given what .grad() holds
+    // then (restore_static_grads).
     static_grad_norm_ = grad_norm_;
     static_grads_.clear();
-    std::unordered_set<const c10::TensorImpl*> seen;
-    auto keep = [&](const at::Tensor& p, bool accumulates) {
-      if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
-        static_grads_.push_back({p, p.grad(), accumulates});
-    };
     for (auto& g : opt_.param_groups())
-      for (auto& p : g.params()) keep(p, false);
-    for (auto& p : (*module_).parameters(/*recurse=*/true)) keep(p, true);
-    std::vector<at::Tensor> accumulating;
-    for (const auto& e : static_grads_)
-      if (e.accumulates) accumulating.push_back(e.grad);
-    if (!accumulating.empty()) {
-      at::NoGradGuard no_grad;
-      at::_foreach_zero_(accumulating);
-    }
+      for (auto& p : g.params())
+        if (p.grad().defined()) static_grads_.push_back({p, p.grad(), /*accumulates=*/false});
+    for (auto& [p, before] : others)
+      if (p.grad().defined()) static_grads_.push_back({p, p.grad(), /*accumulates=*/true});
     clear_grads();
   } else {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
