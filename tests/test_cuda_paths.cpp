@@ -283,7 +283,7 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
   for (size_t k = 0; k < 4; ++k) {
     torch::manual_seed(0);
     std::vector<torch::Tensor> ps;
-    for (auto s : std::vector<std::vector<int64_t>>{{5, 3}, {7}, {2, 2, 2}})
+    for (const auto& s : std::vector<std::vector<int64_t>>{{5, 3}, {7}, {2, 2, 2}})
       ps.push_back(torch::randn(s).requires_grad_());
     for (auto& p : ps) p.mutable_grad() = torch::randn(p.sizes()) * 3;
     const auto norm = perf::clip_grad_norm_(ps, 1.5, types[k]);
@@ -291,6 +291,7 @@ TEST(CudaPaths, ClipGradNormMatchesPythonWithoutASync) {
     const auto v = test_util::parse_numbers(lines[k]);
     EXPECT_NEAR(norm.item<double>(), v[0], 1e-5) << "norm_type " << types[k];
     std::vector<torch::Tensor> g;
+    g.reserve(ps.size());
     for (auto& p : ps) g.push_back(p.grad().flatten());
     const auto want = torch::tensor(std::vector<float>(v.begin() + 1, v.end()));
     EXPECT_LE((torch::cat(g) - want).abs().max().item<double>(), 1e-6) << "norm_type " << types[k];
@@ -410,6 +411,7 @@ TEST(CudaPaths, TrainStepWithAccumulationAndClippingEqualsTheEagerLoop) {
         }
         for (int k = 0; k < 4; ++k) {
           std::vector<torch::Tensor> micro;
+          micro.reserve(b.size());
           for (auto& t : b) micro.push_back(t.chunk(4, 0)[static_cast<size_t>(k)]);
           auto part = loss_fn(micro) / 4.0;
           part.backward();
@@ -494,7 +496,7 @@ TEST(CudaPaths, OnGpuAFailedCaptureLeavesTheProcessHealthy) {
   EXPECT_NO_THROW(torch::randn({16}, torch::kCUDA));
   // Cross-stream frees are reclaimed again: 50 prefetched batches, memory back to its level.
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      TensorDataset(50 * 64).map(torch::data::transforms::Stack<>()), perf::loader_options(64));
+      TensorDataset(int64_t{50} * 64).map(torch::data::transforms::Stack<>()), perf::loader_options(64));
   torch::cuda::synchronize();
   const int64_t base = cuda_allocated();
   int64_t n = 0;
@@ -792,7 +794,7 @@ TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns)
     return torch::nn::functional::cross_entropy(model->forward(x), t);
   };
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
-      TensorDataset(40 * 64).map(torch::data::transforms::Stack<>()),
+      TensorDataset(int64_t{40} * 64).map(torch::data::transforms::Stack<>()),
       perf::loader_options(64, perf::LoaderTuning().drop_last(true)));
   std::optional<perf::TrainStep> step;
   int64_t steps = 0;
