@@ -784,6 +784,101 @@ TEST(CudaPaths, OnGpuAfterEachGraphedStepTheGradientsAreThatStepsWhateverTheProg
   expect_each_steps_gradients(torch::kCUDA);
 }
 
+namespace {
+
+// A loss function returning {loss, outputs...}: after each step, outputs() are that step's (the logits and each
+// sample's correctness, from the step's own forward), equal to a forward of the same weights before the step;
+// with accumulation_steps(4) the micro-batches' concatenated, an epoch's smaller last batches (7 and 3 rows)
+// included. Graphed, the caller's copies of the graph's, which later replays leave alone.
+void expect_each_steps_outputs(torch::Device device) {
+  torch::manual_seed(0);
+  auto model = mlp();
+  model->to(device);
+  perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1).momentum(0.9));
+  torch::manual_seed(1);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (int64_t n : {16, 16, 16, 7, 16, 3, 16}) {
+    auto x = torch::randn({n, 16}).to(device);
+    batches.emplace_back(x, x.narrow(1, 0, 4).argmax(1));
+  }
+  perf::TrainStep step(
+      model,
+      [&](const std::vector<torch::Tensor>& b) -> std::vector<torch::Tensor> {
+        auto logits = model->forward(b[0]);
+        return {torch::nn::functional::cross_entropy(logits, b[1]), logits, logits.argmax(1) == b[1]};
+      },
+      opt, std::vector<torch::Tensor>{batches[0].first, batches[0].second},
+      perf::TrainStepOptions().accumulation_steps(4));
+  ASSERT_EQ(step.graphed(), device.is_cuda());
+  PERF_EXPECT_THROW_MSG(step.outputs(), "perf::TrainStep: outputs() before the first step()");
+  std::vector<torch::Tensor> first;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const auto& [x, t] = batches[i];
+    torch::Tensor want;
+    {
+      // The weights the step trains from, on its micro-batches' shapes: the same kernels (with TF32 too, where
+      // perf::setup() ran earlier in the process).
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> parts;
+      for (const auto& piece : x.tensor_split(std::min<int64_t>(4, x.size(0)), 0))
+        parts.push_back(model->forward(piece));
+      want = torch::cat(parts);
+    }
+    step.step(x, t);
+    const auto outs = step.outputs();
+    ASSERT_EQ(outs.size(), 2u) << "step " << i;
+    EXPECT_FALSE(outs[0].requires_grad()) << "step " << i << ": detached";
+    ASSERT_EQ(outs[0].sizes(), want.sizes()) << "step " << i << ": the micro-batches' logits, concatenated";
+    EXPECT_LE((outs[0] - want).abs().max().item<float>(), 1e-5f) << "step " << i;
+    EXPECT_TRUE(torch::equal(outs[1], want.argmax(1) == t)) << "step " << i;
+    if (i == 0) first = outs;
+  }
+  EXPECT_EQ(step.eager_steps(), 2);
+  EXPECT_FALSE(torch::equal(first[0], step.outputs()[0])) << "the weights moved";
+  torch::NoGradGuard no_grad;
+  EXPECT_GT((first[0] - model->forward(batches[0].first)).abs().max().item<float>(), 1e-3f)
+      << "the first step's outputs, kept, are still the first step's";
+}
+
+}  // namespace
+
+TEST(CudaPaths, TrainStepGivesEachStepsOutputsWithoutASecondForward) {
+  expect_each_steps_outputs(torch::kCPU);
+  // Only the loss: no outputs. Outputs that cannot be concatenated over micro-batches: refused at construction.
+  auto model = mlp();
+  perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+  const std::vector<torch::Tensor> batch{torch::randn({8, 16}), torch::randint(0, 4, {8})};
+  perf::TrainStep plain(
+      model,
+      [&](const std::vector<torch::Tensor>& b) {
+        return torch::nn::functional::cross_entropy(model->forward(b[0]), b[1]);
+      },
+      opt, batch);
+  plain.step(batch);
+  EXPECT_TRUE(plain.outputs().empty());
+  auto with = [&](int64_t k, bool sum) {
+    return perf::TrainStep(
+        model,
+        [&, sum](const std::vector<torch::Tensor>& b) -> std::vector<torch::Tensor> {
+          auto logits = model->forward(b[0]);
+          auto correct = logits.argmax(1) == b[1];
+          return {torch::nn::functional::cross_entropy(logits, b[1]), sum ? correct.sum() : correct};
+        },
+        opt, batch, perf::TrainStepOptions().accumulation_steps(k));
+  };
+  PERF_EXPECT_THROW_MSG(with(2, true),
+                        "output 1 of the loss function (after the loss) is 0-dim, but with accumulation_steps(2) the "
+                        "micro-batches' outputs are concatenated along dim 0");
+  auto summed = with(1, true);
+  summed.step(batch);
+  EXPECT_EQ(summed.outputs().at(0).dim(), 0) << "without accumulation any output is kept as returned";
+}
+
+TEST(CudaPaths, OnGpuAGraphedStepGivesEachStepsOutputs) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  expect_each_steps_outputs(torch::kCUDA);
+}
+
 TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   torch::manual_seed(0);

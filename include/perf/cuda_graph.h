@@ -246,6 +246,11 @@ class TrainStep {
  public:
   using LossFn = std::function<at::Tensor(const at::Tensor& input, const at::Tensor& target)>;
   using BatchLossFn = std::function<at::Tensor(const std::vector<at::Tensor>& batch)>;
+  /// A loss function that returns more than the loss: {loss, outputs...}, e.g.
+  /// the logits or each sample's correctness for a training-accuracy log, which
+  /// outputs() gives after each step without a second forward (Python's
+  /// whole-network capture keeps its static_y_pred for the same).
+  using LossAndOutputsFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& batch)>;
   using Example = torch::data::Example<at::Tensor, at::Tensor>;
 
   TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const at::Tensor& example_input,
@@ -254,6 +259,8 @@ class TrainStep {
   TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const Example& first_batch,
             const TrainStepOptions& options = TrainStepOptions());
   TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
+            std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
+  TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, torch::optim::Optimizer& optimizer,
             std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
 
   /// Runs one step; returns its loss, which the caller owns (0-dim, on the
@@ -294,6 +301,13 @@ class TrainStep {
   /// only where the step clips: set max_grad_norm (infinity measures the norm
   /// without clipping).
   at::Tensor grad_norm() const;
+  /// The last step's outputs after the loss, for a loss function that returns
+  /// {loss, outputs...}: detached, and the caller's (graphed: device copies of
+  /// the ones the replays write, no sync). With accumulation_steps(k) each is
+  /// the k micro-batches' outputs concatenated along dim 0, so each must have
+  /// one: per-sample values such as (logits.argmax(1) == target), not their
+  /// sum. Empty for a loss function that returns only the loss.
+  std::vector<at::Tensor> outputs() const;
   bool graphed() const noexcept { return graphed_; }
   /// Times the step was captured: 1 once graphed, one more for each re-capture
   /// (a change a replay would ignore: see step()).
@@ -311,7 +325,7 @@ class TrainStep {
   using MicroStep = std::function<at::Tensor(const std::vector<at::Tensor>& micro, double divisor)>;
   TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
             torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
-  at::Tensor backward_micro(const std::vector<at::Tensor>& micro, double divisor);
+  at::Tensor backward_micro(const std::vector<at::Tensor>& micro, double divisor, std::vector<at::Tensor>& outputs);
   void init(std::vector<at::Tensor> example);
   void capture_graph();
   void restore_static_grads();
@@ -321,7 +335,7 @@ class TrainStep {
 
   std::string who_ = "perf::TrainStep", options_name_ = "perf::TrainStepOptions";
   ModuleRef module_;
-  BatchLossFn loss_fn_;
+  LossAndOutputsFn loss_fn_;
   MicroStep micro_;
   torch::optim::Optimizer& opt_;
   optim::FusedOptimizer* fused_ = nullptr;
@@ -330,6 +344,8 @@ class TrainStep {
   at::Tensor static_loss_;
   // body()'s last clip_grad_norm_ result, and the one the replays write; replayed_ says which is the last step's.
   at::Tensor grad_norm_, static_grad_norm_;
+  // The same for the loss function's outputs after the loss (none before a step).
+  std::optional<std::vector<at::Tensor>> outputs_, static_outputs_;
   bool replayed_ = false;
   bool graphed_ = false;
   int64_t eager_steps_ = 0, captures_ = 0;
@@ -516,6 +532,11 @@ PERF_INLINE void check_padding_allowed(torch::nn::Module& module);
 // rows. k == 1: the batch itself. Shared by TrainStep and CompiledTrainStep,
 // which checks the package takes them.
 PERF_INLINE std::vector<std::vector<at::Tensor>> micro_batches(const std::vector<at::Tensor>& batch, int64_t k);
+// A TrainStep loss function's {loss, outputs...}: every output defined, and with
+// k > 1 micro-batches one with a dim 0 to concatenate them along.
+PERF_INLINE void check_step_outputs(const std::vector<at::Tensor>& result, int64_t k);
+// The micro-batches' outputs, each concatenated along dim 0.
+PERF_INLINE std::vector<at::Tensor> cat_step_outputs(const std::vector<std::vector<at::Tensor>>& per_micro);
 
 // What a capture of a module's forward (perf::graph, perf::TrainStep) baked
 // in, besides its shapes: a CUDA graph replays the kernels, addresses and

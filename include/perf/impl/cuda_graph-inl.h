@@ -64,6 +64,35 @@ PERF_INLINE std::vector<std::vector<at::Tensor>> micro_batches(const std::vector
   return micro;
 }
 
+PERF_INLINE void check_step_outputs(const std::vector<at::Tensor>& result, int64_t k) {
+  for (size_t i = 1; i < result.size(); ++i) {
+    TORCH_CHECK(result[i].defined(), "perf::TrainStep: output ", i,
+                " of the loss function (after the loss) is undefined");
+    TORCH_CHECK(k == 1 || result[i].dim() >= 1, "perf::TrainStep: output ", i,
+                " of the loss function (after the loss) is 0-dim, but with accumulation_steps(", k,
+                ") the micro-batches' outputs are concatenated along dim 0: return per-sample values (e.g. "
+                "(logits.argmax(1) == target) rather than its sum)");
+  }
+}
+
+PERF_INLINE std::vector<at::Tensor> cat_step_outputs(const std::vector<std::vector<at::Tensor>>& per_micro) {
+  std::vector<at::Tensor> out;
+  const size_t n = per_micro.front().size();
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<at::Tensor> parts;
+    parts.reserve(per_micro.size());
+    for (const auto& m : per_micro) {
+      TORCH_CHECK(m.size() == n, "perf::TrainStep: the loss function returned ", m.size(),
+                  " outputs for one "
+                  "micro-batch and ",
+                  n, " for another");
+      parts.push_back(m[i]);
+    }
+    out.push_back(at::cat(parts, 0));
+  }
+  return out;
+}
+
 PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
   const auto& o = s.options();
   return {o.growth_factor(), o.backoff_factor(), static_cast<double>(o.growth_interval())};
@@ -271,7 +300,9 @@ PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim:
     : module_(std::move(module)), opt_(optimizer), options_(options) {
   TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
   TORCH_CHECK(example_input.defined() && example_target.defined(), "perf::TrainStep: undefined example tensors");
-  loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) { return f(b[0], b[1]); };
+  loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) {
+    return std::vector<at::Tensor>{f(b[0], b[1])};
+  };
   init({example_input, example_target});
 }
 
@@ -280,6 +311,14 @@ PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim:
     : TrainStep(std::move(module), std::move(loss_fn), optimizer, first_batch.data, first_batch.target, options) {}
 
 PERF_INLINE TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
+                                 std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
+    : module_(std::move(module)), opt_(optimizer), options_(options) {
+  TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
+  loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) { return std::vector<at::Tensor>{f(b)}; };
+  init(std::move(example_batch));
+}
+
+PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, torch::optim::Optimizer& optimizer,
                                  std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
     : module_(std::move(module)), loss_fn_(std::move(loss_fn)), opt_(optimizer), options_(options) {
   TORCH_CHECK(loss_fn_, "perf::TrainStep: empty loss function");
@@ -368,11 +407,13 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     detail::ForwardSnapshot snapshot(*module_, static_batch_);
     try {
       at::NoGradGuard no_grad;
-      const auto loss = loss_fn_(std::vector<at::Tensor>(static_batch_));
+      const auto result = loss_fn_(std::vector<at::Tensor>(static_batch_));
+      const at::Tensor loss = result.empty() ? at::Tensor() : result[0];
       TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()),
                   "perf::TrainStep: the loss function must return a floating-point scalar, got ",
                   loss.defined() ? std::string(c10::toString(loss.scalar_type())) + " " + detail::shape_str(loss)
                                  : std::string("undefined"));
+      detail::check_step_outputs(result, options_.accumulation_steps());
     } catch (const std::exception&) {
       snapshot.restore();
       detail::rethrow_with_context("perf::TrainStep: the loss function failed on the example batch");
@@ -445,6 +486,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     restore();
     clear_grads();
     grad_norm_ = at::Tensor();
+    outputs_.reset();
     throw;
   }
   if (result == detail::CaptureResult::captured) {
@@ -457,6 +499,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     // blocks the graph still writes into its pool); one the replays accumulate into is given what .grad() holds
     // then (restore_static_grads).
     static_grad_norm_ = grad_norm_;
+    static_outputs_ = outputs_;
     static_grads_.clear();
     for (auto& g : opt_.param_groups())
       for (auto& p : g.params())
@@ -469,15 +512,21 @@ PERF_INLINE void TrainStep::capture_graph() {
     clear_grads();
   }
   grad_norm_ = at::Tensor();  // the warm-up's or the capture's: not a step's
+  outputs_.reset();
 #endif
 }
 
-PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, double divisor) {
-  at::Tensor loss = loss_fn_(micro);
-  TORCH_CHECK(loss.defined() && loss.numel() == 1, "perf::TrainStep: the loss function must return a scalar");
+PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& micro, double divisor,
+                                                 std::vector<at::Tensor>& outputs) {
+  const auto result = loss_fn_(micro);
+  TORCH_CHECK(!result.empty() && result[0].defined() && result[0].numel() == 1,
+              "perf::TrainStep: the loss function must return a scalar");
+  detail::check_step_outputs(result, options_.accumulation_steps());
+  const at::Tensor& loss = result[0];
   at::Tensor part = divisor != 1.0 ? loss / divisor : loss;
   auto* scaler = options_.scaler();
   (scaler ? scaler->scale(part) : part).backward();
+  for (size_t i = 1; i < result.size(); ++i) outputs.push_back(result[i].detach());
   return part.detach();
 }
 
@@ -493,12 +542,15 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   const auto micro = detail::micro_batches(batch, options_.accumulation_steps());
   auto* scaler = options_.scaler();
   at::Tensor total;
-  for (const auto& m : micro) {
+  std::vector<std::vector<at::Tensor>> outputs(micro.size());
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const auto& m = micro[i];
     const double divisor =
         micro.size() == 1 ? 1.0 : static_cast<double>(batch.front().size(0)) / static_cast<double>(m.front().size(0));
-    at::Tensor part = micro_ ? micro_(m, divisor) : backward_micro(m, divisor);
+    at::Tensor part = micro_ ? micro_(m, divisor) : backward_micro(m, divisor, outputs[i]);
     total = total.defined() ? total + part : part;
   }
+  outputs_ = outputs.size() == 1 ? std::move(outputs[0]) : detail::cat_step_outputs(outputs);
   if (options_.max_grad_norm()) {
     std::vector<at::Tensor> params;
     for (auto& g : opt_.param_groups())
@@ -534,6 +586,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
       graphed_ = false;
       replayed_ = false;
       static_loss_ = static_grad_norm_ = at::Tensor();
+      static_outputs_.reset();
       captured_.reset();
       capture_graph();
     }
@@ -575,6 +628,16 @@ PERF_INLINE at::Tensor TrainStep::grad_norm() const {
   const at::Tensor& norm = replayed_ ? static_grad_norm_ : grad_norm_;
   TORCH_CHECK(norm.defined(), who_, ": grad_norm() before the first step()");
   return norm.clone();  // the caller's: the next replay overwrites the graph's
+}
+
+PERF_INLINE std::vector<at::Tensor> TrainStep::outputs() const {
+  const auto& outs = replayed_ ? static_outputs_ : outputs_;
+  TORCH_CHECK(outs.has_value(), who_, ": outputs() before the first step()");
+  if (!replayed_) return *outs;  // an eager step's: fresh tensors, the caller's already
+  std::vector<at::Tensor> copies;
+  copies.reserve(outs->size());
+  for (const auto& t : *outs) copies.push_back(t.clone());  // the next replay overwrites the graph's
+  return copies;
 }
 
 PERF_INLINE void TrainStep::restore_static_grads() {
