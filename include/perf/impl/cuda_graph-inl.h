@@ -83,9 +83,7 @@ PERF_INLINE std::vector<at::Tensor> cat_step_outputs(const std::vector<std::vect
     parts.reserve(per_micro.size());
     for (const auto& m : per_micro) {
       TORCH_CHECK(m.size() == n, "perf::TrainStep: the loss function returned ", m.size(),
-                  " outputs for one "
-                  "micro-batch and ",
-                  n, " for another");
+                  " outputs for one micro-batch and ", n, " for another");
       parts.push_back(m[i]);
     }
     out.push_back(at::cat(parts, 0));
