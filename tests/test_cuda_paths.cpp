@@ -854,7 +854,9 @@ TEST(CudaPaths, TrainStepGivesEachStepsOutputsWithoutASecondForward) {
         return torch::nn::functional::cross_entropy(model->forward(b[0]), b[1]);
       },
       opt, batch);
-  plain.step(batch);
+  plain.step({batch[0], batch[1]});  // a braced batch: the vector overload, not Example's
+  EXPECT_TRUE(plain.outputs().empty());
+  plain.step_eager({batch[0].narrow(0, 0, 5), batch[1].narrow(0, 0, 5)});
   EXPECT_TRUE(plain.outputs().empty());
   auto with = [&](int64_t k, bool sum) {
     return perf::TrainStep(

@@ -40,6 +40,7 @@
 #include <torch/data/example.h>
 #include <torch/optim/optimizer.h>
 
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -91,6 +92,8 @@ class CompiledTrainStep {
     return step(std::vector<at::Tensor>{input, target});
   }
   at::Tensor step(const Example& batch) { return step(batch.data, batch.target); }
+  /// step({x, y}): a braced list is the batch vector (it would otherwise match Example too).
+  at::Tensor step(std::initializer_list<at::Tensor> batch) { return step(std::vector<at::Tensor>(batch)); }
   /// The last step's loss without a copy (graphed: overwritten by the next step).
   const at::Tensor& static_loss() const;
   /// The last step's total gradient norm before clipping, as TrainStep::grad_norm()

@@ -65,6 +65,7 @@
 #include <algorithm>
 #include <array>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -285,10 +286,13 @@ class TrainStep {
     return step(std::vector<at::Tensor>{input, target});
   }
   at::Tensor step(const Example& batch) { return step(batch.data, batch.target); }
+  /// step({x, y, w}): a braced list is the batch vector (it would otherwise match Example too).
+  at::Tensor step(std::initializer_list<at::Tensor> batch) { return step(std::vector<at::Tensor>(batch)); }
   /// The same step run eagerly, for batches of another shape (an epoch's last
   /// partial batch); same optimizer, scaler and options.
   at::Tensor step_eager(const std::vector<at::Tensor>& batch);
   at::Tensor step_eager(const Example& batch) { return step_eager(std::vector<at::Tensor>{batch.data, batch.target}); }
+  at::Tensor step_eager(std::initializer_list<at::Tensor> batch) { return step_eager(std::vector<at::Tensor>(batch)); }
   /// The last step's loss without a copy. Graphed, this is the graph's
   /// static output: the next step() overwrites it in place, so a tensor kept
   /// from here reads as the newest loss. For a loop that reads the loss
