@@ -279,8 +279,9 @@ class TrainStep {
   /// them over steps, as autograd does); graphed, they are the tensors the replays
   /// write, put back if a zero_grad() (the optimizer's or the model's) or an
   /// eager step replaced them. Before the first step() a graphed TrainStep
-  /// leaves them as the optimizer's zero_grad() does (none; zeros in flat
-  /// mode): its warm-up's and capture's gradients are not a step's.
+  /// leaves the optimizer's parameters' gradients as its zero_grad() does
+  /// (none; zeros in flat mode) and any other's as it was before the capture:
+  /// its warm-up's and capture's gradients are not a step's.
   at::Tensor step(const std::vector<at::Tensor>& batch);
   at::Tensor step(const at::Tensor& input, const at::Tensor& target) {
     return step(std::vector<at::Tensor>{input, target});
