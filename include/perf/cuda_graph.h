@@ -347,10 +347,13 @@ class TrainStep {
   TrainStepOptions options_;
   std::vector<at::Tensor> static_batch_;
   at::Tensor static_loss_;
-  // body()'s last clip_grad_norm_ result, and the one the replays write; replayed_ says which is the last step's.
-  at::Tensor grad_norm_, static_grad_norm_;
-  // The same for the loss function's outputs after the loss (none before a step).
-  std::optional<std::vector<at::Tensor>> outputs_, static_outputs_;
+  // What body() leaves besides the loss: the last one's (extras_) and the ones the replays write (static_extras_);
+  // replayed_ says which is the last step's.
+  struct StepExtras {
+    at::Tensor grad_norm;                            // clip_grad_norm_'s result
+    std::optional<std::vector<at::Tensor>> outputs;  // the loss function's after the loss; none before a step
+  };
+  StepExtras extras_, static_extras_;
   bool replayed_ = false;
   bool graphed_ = false;
   int64_t eager_steps_ = 0, captures_ = 0;

@@ -483,8 +483,7 @@ PERF_INLINE void TrainStep::capture_graph() {
   } catch (const std::exception&) {
     restore();
     clear_grads();
-    grad_norm_ = at::Tensor();
-    outputs_.reset();
+    extras_ = {};
     throw;
   }
   if (result == detail::CaptureResult::captured) {
@@ -496,8 +495,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
     // blocks the graph still writes into its pool); one the replays accumulate into is given what .grad() holds
     // then (restore_static_grads).
-    static_grad_norm_ = grad_norm_;
-    static_outputs_ = outputs_;
+    static_extras_ = extras_;
     static_grads_.clear();
     for (auto& g : opt_.param_groups())
       for (auto& p : g.params())
@@ -509,8 +507,7 @@ PERF_INLINE void TrainStep::capture_graph() {
     restore();  // fell back (maybe before warm-up finished): eager from the original state
     clear_grads();
   }
-  grad_norm_ = at::Tensor();  // the warm-up's or the capture's: not a step's
-  outputs_.reset();
+  extras_ = {};  // the warm-up's or the capture's: not a step's
 #endif
 }
 
@@ -548,13 +545,13 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
     at::Tensor part = micro_ ? micro_(m, divisor) : backward_micro(m, divisor, outputs[i]);
     total = total.defined() ? total + part : part;
   }
-  outputs_ = outputs.size() == 1 ? std::move(outputs[0]) : detail::cat_step_outputs(outputs);
+  extras_.outputs = outputs.size() == 1 ? std::move(outputs[0]) : detail::cat_step_outputs(outputs);
   if (options_.max_grad_norm()) {
     std::vector<at::Tensor> params;
     for (auto& g : opt_.param_groups())
       for (auto& p : g.params()) params.push_back(p);
     if (scaler) scaler->unscale_(opt_);
-    grad_norm_ = clip_grad_norm_(params, *options_.max_grad_norm());
+    extras_.grad_norm = clip_grad_norm_(params, *options_.max_grad_norm());
   }
   if (scaler) {
     scaler->step(opt_);
@@ -583,8 +580,8 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
       graph_.reset();  // its memory goes back before the new capture takes some
       graphed_ = false;
       replayed_ = false;
-      static_loss_ = static_grad_norm_ = at::Tensor();
-      static_outputs_.reset();
+      static_loss_ = at::Tensor();
+      static_extras_ = {};
       captured_.reset();
       capture_graph();
     }
@@ -623,13 +620,13 @@ PERF_INLINE at::Tensor TrainStep::grad_norm() const {
   TORCH_CHECK(options_.max_grad_norm(), who_,
               "::grad_norm: the step computes the gradient norm only where it clips; set ", options_name_,
               "().max_grad_norm(x) (infinity measures it without clipping)");
-  const at::Tensor& norm = replayed_ ? static_grad_norm_ : grad_norm_;
+  const at::Tensor& norm = (replayed_ ? static_extras_ : extras_).grad_norm;
   TORCH_CHECK(norm.defined(), who_, ": grad_norm() before the first step()");
   return norm.clone();  // the caller's: the next replay overwrites the graph's
 }
 
 PERF_INLINE std::vector<at::Tensor> TrainStep::outputs() const {
-  const auto& outs = replayed_ ? static_outputs_ : outputs_;
+  const auto& outs = (replayed_ ? static_extras_ : extras_).outputs;
   TORCH_CHECK(outs.has_value(), who_, ": outputs() before the first step()");
   if (!replayed_) return *outs;  // an eager step's: fresh tensors, the caller's already
   std::vector<at::Tensor> copies;
