@@ -335,6 +335,58 @@ finish() {  # part status started
 }
 status=0
 
+# What a call builds. Where it tests, or only builds: everything (the tests, the programs, the test packages, whose
+# CUDA ones export on the GPU). Otherwise only the programs its other parts run, bench_<name> for each --bench and
+# the e2e runner: on an H200, `--part build,bench --bench compiled` compiled all 47 translation units and exported
+# the CUDA test packages on the GPU beside bench_compiled's exports and Python's max-autotune, which time kernels
+# on that GPU and compile Triton's on those cores (ac79462: the build 197 s, max-autotune stopped by the budget).
+# A later part that needs what a call left out (the tests) builds it first, in its own budget.
+whole_build=0; { has tests || [[ $parts == build ]]; } && whole_build=1
+part_targets() {  # part...: the targets those parts run that this build has (none: build everything)
+  local want=() have p t
+  for p in "$@"; do
+    case $p in
+      bench) for t in ${all_benches//,/ }; do wanted "$t" && want+=("bench_$t"); done ;;
+      e2e) want+=(e2e) ;;
+    esac
+  done
+  have=$(cmake --build "$build" --target help 2>/dev/null)  # Ninja's "name: phony", Make's "... name"
+  for t in "${want[@]}"; do
+    grep -qE "^(\.\.\. )?$t(:| |\$)" <<<"$have" && echo "$t"
+  done
+}
+# The targets a part runs, built where this call's build part did not (a build folder CMake did not make, a
+# stand-in, is used as it is). Sets built_line for the part's summary; returns the build's status.
+built_line=""
+build_for_part() {  # part
+  local targets=() rc steps s0
+  built_line=""
+  has build && return 0
+  [ -f "$build/CMakeCache.txt" ] || return 0
+  [[ $1 == tests ]] || mapfile -t targets < <(part_targets "$1")
+  s0=$(date +%s)
+  within_budget 30 cmake --build "$build" -j "$(nproc)" ${targets[@]:+--target "${targets[@]}"} >"$logs/build.log" 2>&1
+  rc=$?
+  steps=$(grep -cE "^\[([0-9]+/[0-9]+| *[0-9]+%)\]" "$logs/build.log")  # Ninja's [k/n] or Make's [ k%] lines
+  if ((rc)); then
+    built_line="build of ${targets[*]:-everything} for this part: FAILED after $(($(date +%s) - s0)) s (build.log)"
+  elif ((steps)); then
+    built_line="built for this part first: ${targets[*]:-everything} ($steps build steps, $(($(date +%s) - s0)) s)"
+  fi
+  return $rc
+}
+# Starts a part other than the build: its logs folder, and what it runs built. Where that build fails, the part
+# ends there, failed, with the build's errors in its summary.
+start_part() {  # part
+  t0=$(date +%s) logs=$build/gpu-logs/$1 st=0
+  rm -rf "$logs"; mkdir -p "$logs"
+  build_for_part "$1" && return 0
+  { echo "$built_line"; grep -E "error|Error|^FAILED: " "$logs/build.log" | head -10; } | tee "$logs/summary.txt"
+  finish "$1" 1 "$t0"
+  status=1
+  return 1
+}
+
 if has build; then
   t0=$(date +%s); logs=$build/gpu-logs/build; rm -rf "$logs"; mkdir -p "$logs"
   if [ -n "${Torch_DIR:-}" ]; then
@@ -388,7 +440,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
   # next --part build, or by --part e2e.
   e2e_export="" cuda_here=0
   "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && cuda_here=1
-  if ((!st && cuda_here)); then
+  if ((!st && cuda_here)) && { ((whole_build)) || has e2e; }; then
     PYTHONUNBUFFERED=1 within_budget 15 "$py" bench/e2e/run.py --export-only --amp bf16 --device cuda \
       --out "$build/gpu-work/e2e" "${jobs_arg[@]}" "${e2e_more[@]}" >"$logs/e2e-export.txt" 2>&1 &
     e2e_export=$!
@@ -400,9 +452,20 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
     start_bench_exports
     echo "bench_compiled's packages: ${#variants[@]} exports started beside the build" >>"$logs/bench-exports.txt"
   fi
+  targets=()
+  if ((!st && !whole_build)); then
+    mapfile -t targets < <(part_targets ${parts//,/ })
+    ((${#targets[@]})) || echo "built everything: none of what this call runs is a target of the build" >"$logs/targets.txt"
+  fi
+  if ((${#targets[@]})); then
+    echo "built ${targets[*]} only, what --part $parts runs (a call with --part tests, or --part build alone," \
+      "builds the rest)" >"$logs/targets.txt"
+  elif ((whole_build)); then
+    echo "built everything" >"$logs/targets.txt"
+  fi
   if ((!st)); then
     # Stopped by the budget, the next `--part build` on the same machine goes on where this one stopped.
-    within_budget 15 cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
+    within_budget 15 cmake --build "$build" -j "$(nproc)" ${targets[@]:+--target "${targets[@]}"} >"$logs/build.log" 2>&1 ||
       { grep -E "error|Error|^FAILED: |^Fatal Python error|^  File \".* in " "$logs/build.log" | head -30; st=1; }
   fi
   if [ -n "$e2e_export" ]; then
@@ -410,6 +473,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
   fi
   {
     echo "== gpu-check build ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(c++ --version | head -1))"
+    cat "$logs/targets.txt" 2>/dev/null
     grep -c "warning:" "$logs/build.log" 2>/dev/null | sed 's/^/compiler warnings: /'
     echo "$pyc_line"
     echo "$isa_line"
@@ -448,7 +512,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
       echo "slowest build steps (s):"
       # The log is appended to by every build: the last entry per output, one line per step (a step with
       # several outputs has one entry for each).
-      awk -F'\t' 'NR > 1 { last[$4] = $1 "\t" $2 } END { for (o in last) { split(last[o], t, "\t");
+      awk -F'\t' 'NR > 1 && $4 != "help" { last[$4] = $1 "\t" $2 } END { for (o in last) { split(last[o], t, "\t");
         if (!seen[last[o]]++) printf "  %6.1f %s\n", (t[2] - t[1]) / 1000, o } }' "$build/.ninja_log" |
         sort -rn | head -n 5
     fi
@@ -457,7 +521,8 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
   status=$((status | st))
   ((st)) && exit 1
 fi
-[ -x "$build/tests/perf_tests" ] || fail "no build in $build: run --part build first (same PERF_GPU_BUILD)"
+[ -f "$build/CMakeCache.txt" ] || [ -x "$build/tests/perf_tests" ] ||
+  fail "no build in $build: run --part build first (same PERF_GPU_BUILD)"
 
 # GoogleTest's per-test lines, as "N ok, N failed, N skipped"; and the tests slower than a bound (ms).
 gtest_outcomes() {
@@ -547,9 +612,8 @@ one_process() {
   return 1
 }
 
-if has tests; then
-  t0=$(date +%s); logs=$build/gpu-logs/tests; rm -rf "$logs"; mkdir -p "$logs"
-  st=0
+if has tests && start_part tests; then
+  [ -x "$build/tests/perf_tests" ] || fail "no tests in $build: run --part build first (same PERF_GPU_BUILD)"
   timeout 60 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
   timeout 120 "$build/examples/doctor" >"$logs/environment.txt" 2>&1
   echo "== tests (ctest, one process per test; each at most $test_timeout s)"
@@ -594,6 +658,7 @@ if has tests; then
   tail -3 "$logs/gpu-tests-one-process.log"
   {
     echo "== gpu-check tests ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    [ -z "$built_line" ] || echo "$built_line"
     head -n 1 "$logs/environment.txt"
     grep -m1 -E "cuda:0" "$logs/environment.txt" || true
     grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
@@ -623,10 +688,8 @@ if has tests; then
   status=$((status | st))
 fi
 
-if has bench; then
-  t0=$(date +%s); logs=$build/gpu-logs/bench; rm -rf "$logs"; mkdir -p "$logs"
+if has bench && start_part bench; then
   work=$build/gpu-work; mkdir -p "$work"
-  st=0
   if ((quick)); then
     opt=(--iters 30); amp=(--iters 5); data=(--samples 2048 --epochs 2 --gpu-batches 32); graph=(--iters 100)
   else
@@ -752,6 +815,7 @@ if has bench; then
   fi
   {
     echo "== gpu-check bench ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    [ -z "$built_line" ] || echo "$built_line"
     echo "-- headline ratios (B vs A: how many times faster B is)"
     grep -hE " vs .*: [0-9.]+x \(ratio of medians" "$logs"/bench_*.txt || true
     grep -hE "x \(|ratio|speedup" "$logs"/peer_*.txt 2>/dev/null | head -10 || true
@@ -782,10 +846,8 @@ if has bench; then
   status=$((status | st))
 fi
 
-if has e2e; then
-  t0=$(date +%s); logs=$build/gpu-logs/e2e; rm -rf "$logs"; mkdir -p "$logs"
+if has e2e && start_part e2e; then
   work=$build/gpu-work/e2e
-  st=0
   echo "== bench/e2e (Python vs C++ training jobs on the GPU)"
   e2e_args=("${jobs_arg[@]}" --profile-steps 2); ((quick)) && e2e_args+=(--quick)
   e2e_args+=("${e2e_more[@]}")  # after ours: PERF_E2E_ARGS="--profile-steps 0" turns the profile off
@@ -805,6 +867,7 @@ if has e2e; then
   fi
   {
     echo "== gpu-check e2e ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    [ -z "$built_line" ] || echo "$built_line"
     echo "$inductor_line"
     grep -E "^(python|cpp) |^exported|^kept the run|^--diagnose: |FAILED|e2e failed: |Exception in aoti_torch: " "$logs/e2e.txt" | cut -c1-600 || true
     grep -hE "^(## |\| |Failed: )|\(goal >= " "$logs/e2e-cuda.md" 2>/dev/null | cut -c1-900 || true

@@ -11,6 +11,26 @@ root=$1 python=$2 bench_optim=$3
 source "$(dirname "$0")/check.sh"  # $work, check, $fails
 source "$(dirname "$0")/gpu_standins.sh"  # nvidia-smi, $work/bin/python, $work/build
 
+# A stand-in CMake that builds nothing: each call's arguments in $work/cmake-calls, a target list for `--target
+# help` as Ninja's build writes it, and a build step's line for a build. With a CMakeCache.txt the build folder is
+# CMake's: a part without the build part in its call builds first what it runs.
+cat >"$work/bin/cmake" <<EOF
+#!/usr/bin/env bash
+echo "\$*" >>"$work/cmake-calls"
+if [[ " \$* " == *" --target help "* ]]; then
+  printf '%s: phony\n' bench_optim bench_compiled bench_graph doctor e2e perf_tests
+elif [[ \$1 == --build ]]; then
+  echo "[1/1] Linking CXX executable stand-in"
+fi
+EOF
+chmod +x "$work/bin/cmake"
+touch "$work/build/CMakeCache.txt"
+# The builds a call ran (its `cmake --build` calls but the target lists), one a line; the list emptied.
+builds() {
+  grep "^--build " "$work/cmake-calls" 2>/dev/null | grep -v -- "--target help" | sed "s|$work|\$work|; s| -j [0-9]*| -j N|"
+  rm -f "$work/cmake-calls"
+}
+
 # Both on the CPU, briefly: of the options gpu-check gives, --json alone is kept.
 cpu_args='json=
 while [ $# -gt 0 ]; do
@@ -28,6 +48,11 @@ cat >"$work/bin/python" <<EOF
 if [[ \${1:-} == bench/peer_optim.py ]]; then
   $cpu_args
   exec "$python" bench/peer_optim.py --device cpu --iters 2 --warmup 0 --json "\$json"
+fi
+# bench/e2e's training packages, which a build part exports beside the compilation where its call runs them.
+if [[ \${1:-} == bench/e2e/run.py ]]; then
+  echo "e2e export \${*:2}" >>"$work/starts"
+  exit 0
 fi
 if [[ \${1:-} == tools/export_compiled.py ]]; then
   while [ \$# -gt 0 ]; do
@@ -114,6 +139,8 @@ check "its summary has the copy bandwidth" grep -q "^copy bandwidth (1 GiB copy_
 goal='^- perf (AdamW|Adam|SGD) \(flat\): [0-9.]+x perf .* \(goal >?=? ?1\.0x: (met|not met)\)$'
 check "and the flat-optimizer goals, judged (four on these CPU rows)" test "$(grep -cE "$goal" <<<"$summary")" = 4
 check_kept bench optim-cuda 'PERF_GPU_BUDGET_S=200 bash scripts/gpu-check.sh --part bench --bench optim --quick'
+check "the part built bench_optim first, and nothing else" test "$(builds)" = "--build \$work/build -j N --target bench_optim"
+check "and its summary says so" grep -qxF "built for this part first: bench_optim (1 build steps, 0 s)" <<<"$summary"
 check "the kept run has bench_optim's rows and the peer's" "$python" -c '
 import json, sys
 sys.exit(0 if {json.loads(line)["lang"] for line in open(sys.argv[1])} == {"cpp", "python"} else 1)' "${kept:-/dev/null}"
@@ -153,6 +180,8 @@ configs = sorted(json.loads(line)["config"] for line in open(sys.argv[1]))
 sys.exit(0 if configs == ["C++ eager fp32", "C++ package fp32 (batch 1)", "Python eager fp32"] else 1)' \
   "${kept:-/dev/null}"
 
+check "that call built bench_compiled first, and nothing else" \
+  test "$(builds)" = "--build \$work/build -j N --target bench_compiled"
 check "that call exported the two packages of --quick" test "$(wc -l <"$work/exported")" = 2
 check "and compiled Python's modes first, once, without max-autotune, before bench_compiled ran (twice)" test \
   "$(tr '\n' '|' <"$work/order")" = "warm-up --device cuda --compile-only --no-max-autotune|bench_compiled|bench_compiled|"
@@ -167,8 +196,6 @@ check "the summary has the warm-up's compile times" grep -qxF \
 # Inductor's autotuning timings from an earlier session (PERF_GPU_INDUCTOR) seed its cache folder, in the build
 # folder by default, without replacing a file this machine's calls wrote since; what the call's Pythons measured
 # goes back beside them in gpu-inductor.tar, and nothing else of that folder.
-printf '#!/usr/bin/env bash\nexit 0\n' >"$work/bin/cmake"
-chmod +x "$work/bin/cmake"
 mkdir -p "$work/deps/googletest" && touch "$work/deps/googletest/CMakeLists.txt"
 rm -rf "$work/out" "$work/tar" "$work/exported" "$work/order" "$work/starts" "$work/build/inductor"
 mkdir -p "$work/seed/cache" "$work/seed/k" "$work/build/inductor/cache"
@@ -179,6 +206,13 @@ echo newer >"$work/build/inductor/cache/machine"
   PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" \
   PERF_GPU_CCACHE=/nonexistent PERF_GPU_INDUCTOR="$work/autotune.tar" \
   bash scripts/gpu-check.sh --part build,bench --bench compiled >"$work/stdout-build" 2>&1)
+check "the build part built bench_compiled alone, the programs the tests run and the test packages left out" \
+  test "$(builds)" = "--build \$work/build -j N --target bench_compiled"
+check "its summary says so" grep -qxF "built bench_compiled only, what --part build,bench runs (a call with --part \
+tests, or --part build alone, builds the rest)" "$work/out/build-summary.txt"
+check "and the bench part built nothing more" test -z "$(grep "^built for this part" "$work/out/bench-summary.txt")"
+check "bench/e2e's training packages were not exported: the call runs no e2e" \
+  test -z "$(grep "^e2e export" "$work/starts")"
 check "the build part's summary says the five exports started beside the build" grep -qF \
   "bench_compiled's packages: 5 exports started beside the build" "$work/out/build-summary.txt"
 check "the three new ones exported once, the two of --quick used again" test \
@@ -204,5 +238,14 @@ check "gpu-inductor.tar has the seed's timings and the warm-up's, not its compil
   = "./ab/kernel.best_config ./cache/earlier ./cache/machine ./cache/warm-up ./k/x.best_config "
 check "and the call says how to carry it" grep -qE "^Inductor's autotuning: 5 files \([0-9]+ KiB\) in $work/out/\
 gpu-inductor.tar: keep it as gpu-inductor/autotune.tar and carry gpu-inductor" "$work/stdout-build"
+
+# --part build alone builds everything, and exports bench/e2e's training packages beside it for a later e2e part.
+rm -rf "$work/out" "$work/starts"
+(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
+  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" PERF_GPU_CCACHE=/nonexistent \
+  bash scripts/gpu-check.sh --part build >"$work/stdout-build-alone" 2>&1)
+check "--part build alone builds everything" test "$(builds)" = "--build \$work/build -j N"
+check "its summary says so" grep -qx "built everything" "$work/out/build-summary.txt"
+check "and bench/e2e's training packages export beside it" grep -q "^e2e export --export-only" "$work/starts"
 
 finish_check "gpu-check bench part"
