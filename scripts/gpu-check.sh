@@ -2,10 +2,12 @@
 # perf on a machine with an NVIDIA GPU, in parts that each fit a short session
 # (under 8 minutes on an H100 with 16 cores):
 #
-#   build   configure and build everything with all cores (works without a GPU); on a GPU, beside the
-#           compilation, bench/e2e's training packages and (with bench, without tests) bench_compiled's
-#           packages and its Python peer's compilations
+#   build   configure and build with all cores (works without a GPU): everything where the call tests or only
+#           builds, else the programs its other parts run; on a GPU, beside the compilation, bench/e2e's
+#           training packages (where the call builds everything or runs e2e) and (with bench, without tests)
+#           bench_compiled's packages and its Python peer's compilations
 #   tests   every ctest in its own process, then every GPU test in ONE process
+#   gpu-tests  the GPU tests in one process alone, without ctest (20 s where ctest takes 2-3 min; CI runs it)
 #   bench   every benchmark with --device cuda, the AOTInductor packages, the Python peers
 #   e2e     bench/e2e: Python vs C++ training jobs on the GPU (--quick: no max-autotune), and
 #           where each configuration's step time goes (2 profiled steps: profile-<job>.md)
@@ -53,21 +55,21 @@ parts="" quick=0 e2e=0 jobs_arg=() benches=all
 all_benches=setup,optim,amp,data,graph,ddp,compiled
 while (($#)); do
   case $1 in
-    --part) parts=${2:?--part needs build, tests, bench or e2e (comma-separated)}; shift ;;
+    --part) parts=${2:?--part needs build, tests, gpu-tests, bench or e2e (comma-separated)}; shift ;;
     --part=*) parts=${1#--part=} ;;
     --quick) quick=1 ;;
     --e2e) e2e=1 ;;
     --jobs) jobs_arg=(--jobs "${2:?--jobs needs a list like cnn,transformer}"); shift ;;
     --bench) benches=${2:?--bench needs a list of $all_benches}; shift ;;
     --build-only) parts=build ;;
-    *) echo "gpu-check: unknown argument $1 (valid: --part build,tests,bench,e2e  --quick  --e2e  --jobs LIST  --bench LIST)" >&2
+    *) echo "gpu-check: unknown argument $1 (valid: --part build,tests,gpu-tests,bench,e2e  --quick  --e2e  --jobs LIST  --bench LIST)" >&2
        exit 2 ;;
   esac
   shift
 done
 [ -n "$parts" ] || { parts=build,tests,bench; ((e2e)) && parts+=,e2e; }
 for p in ${parts//,/ }; do
-  case $p in build | tests | bench | e2e) ;; *) echo "gpu-check: unknown part '$p' (valid: build, tests, bench, e2e)" >&2; exit 2 ;; esac
+  case $p in build | tests | gpu-tests | bench | e2e) ;; *) echo "gpu-check: unknown part '$p' (valid: build, tests, gpu-tests, bench, e2e)" >&2; exit 2 ;; esac
 done
 [[ $benches == all ]] || for b in ${benches//,/ }; do
   [[ ",$all_benches," == *",$b,"* ]] || { echo "gpu-check: unknown benchmark '$b' in --bench (valid: $all_benches)" >&2; exit 2; }
@@ -108,6 +110,13 @@ within_budget() {  # reserve command...
   return $rc
 }
 has() { [[ ",$parts," == *",$1,"* ]]; }
+# The tests part of the call: tests (ctest, then the GPU tests in one process) or gpu-tests (those alone).
+tests_part=""
+has tests && tests_part=tests
+if has gpu-tests; then
+  [ -z "$tests_part" ] || fail "--part tests runs the GPU tests already: give tests or gpu-tests, not both"
+  tests_part=gpu-tests
+fi
 
 # AOTInductor packages of bench/resnet.py for bench_compiled, compiled here for this GPU (about 80 s each), kept
 # out of the results. *_b1: static shapes for batch 1, as torch.compile specialises on the first shape it sees (the
@@ -341,7 +350,7 @@ status=0
 # the CUDA test packages on the GPU beside bench_compiled's exports and Python's max-autotune, which time kernels
 # on that GPU and compile Triton's on those cores (ac79462: the build 197 s, max-autotune stopped by the budget).
 # A later part that needs what a call left out (the tests) builds it first, in its own budget.
-whole_build=0; { has tests || [[ $parts == build ]]; } && whole_build=1
+whole_build=0; { [ -n "$tests_part" ] || [[ $parts == build ]]; } && whole_build=1
 part_targets() {  # part...: the targets those parts run that this build has (none: build everything)
   local want=() have p t
   for p in "$@"; do
@@ -363,7 +372,7 @@ build_for_part() {  # part
   built_line=""
   has build && return 0
   [ -f "$build/CMakeCache.txt" ] || return 0
-  [[ $1 == tests ]] || mapfile -t targets < <(part_targets "$1")
+  [[ $1 == tests || $1 == gpu-tests ]] || mapfile -t targets < <(part_targets "$1")
   s0=$(date +%s)
   within_budget 30 cmake --build "$build" -j "$(nproc)" ${targets[@]:+--target "${targets[@]}"} >"$logs/build.log" 2>&1
   rc=$?
@@ -448,7 +457,7 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
   # bench_compiled's packages beside the compilation too where this call benchmarks and does not test (the tests'
   # timings would share the GPU with them): the max-autotune export ran past 168 s on an H200. The bench part
   # waits for them.
-  if ((!st && cuda_here)) && has bench && ! has tests && wanted compiled; then
+  if ((!st && cuda_here)) && has bench && [ -z "$tests_part" ] && wanted compiled; then
     start_bench_exports
     echo "bench_compiled's packages: ${#variants[@]} exports started beside the build" >>"$logs/bench-exports.txt"
   fi
@@ -612,11 +621,10 @@ one_process() {
   return 1
 }
 
-if has tests && start_part tests; then
+if [ -n "$tests_part" ] && start_part "$tests_part"; then
   [ -x "$build/tests/perf_tests" ] || fail "no tests in $build: run --part build first (same PERF_GPU_BUILD)"
   timeout 60 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
   timeout 120 "$build/examples/doctor" >"$logs/environment.txt" 2>&1
-  echo "== tests (ctest, one process per test; each at most $test_timeout s)"
   # ctest leaves the one-process run at least 100 s of the call (it took 21-22 s on an H100 and an
   # H200; it needs 80 to start). Two intra-op threads per test process (and its Python reference):
   # LibTorch's default, a thread per core in each of the $(nproc) tests at once, oversubscribes the
@@ -642,28 +650,35 @@ if has tests && start_part tests; then
   # where the exporter has no marker), and Inductor's compiles, CPU ones too, initialise CUDA where there is a
   # GPU (its cache key reads the device's name: torch/_inductor/codecache.py, CacheBase.get_system).
   import_s=""
-  for code in "import torch" "import torch" "import torch; torch.cuda.init()"; do
+  [[ $tests_part == tests ]] && for code in "import torch" "import torch" "import torch; torch.cuda.init()"; do
     s0=$(date +%s%N) why=""
     "$py" -c "$code" >/dev/null 2>&1 || why=" (failed)"
     ms=$((($(date +%s%N) - s0) / 1000000))
     import_s+="${import_s:+, }$((ms / 1000)).$((ms % 1000 / 100)) s$why"
   done
-  within_budget 100 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
-    PYTHONPATH="$PWD/tests/python_sampler${PYTHONPATH:+:$PYTHONPATH}" PERF_TEST_PYTHON_SAMPLES="$samples" \
-    ctest --test-dir "$build" -j "$ctest_jobs" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
-  tail -3 "$logs/ctest.log"
+  if [[ $tests_part == tests ]]; then
+    echo "== tests (ctest, one process per test; each at most $test_timeout s)"
+    within_budget 100 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
+      PYTHONPATH="$PWD/tests/python_sampler${PYTHONPATH:+:$PYTHONPATH}" PERF_TEST_PYTHON_SAMPLES="$samples" \
+      ctest --test-dir "$build" -j "$ctest_jobs" --output-on-failure >"$logs/ctest.log" 2>&1 || st=1
+    tail -3 "$logs/ctest.log"
+  fi
   echo "== GPU tests in one process"
   one_process || st=1
   cat "$logs"/gpu-tests-one-process-*.log >"$logs/gpu-tests-one-process.log" 2>/dev/null
   tail -3 "$logs/gpu-tests-one-process.log"
   {
-    echo "== gpu-check tests ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
+    echo "== gpu-check $tests_part ($(date -u +%F), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
     [ -z "$built_line" ] || echo "$built_line"
     head -n 1 "$logs/environment.txt"
     grep -m1 -E "cuda:0" "$logs/environment.txt" || true
-    grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
-    grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
-    echo "import torch in a new Python, before the tests (twice, then with CUDA initialised): $import_s"
+    if [[ $tests_part == tests ]]; then
+      grep -E "tests passed|tests failed" "$logs/ctest.log" || echo "ctest: no summary (see ctest.log)"
+      grep -E "^\s+[0-9]+ - .* \(.*\)$" "$logs/ctest.log" | head -20 || true
+    else
+      echo "ctest: not run (--part gpu-tests: the GPU tests alone)"
+    fi
+    [ -z "$import_s" ] || echo "import torch in a new Python, before the tests (twice, then with CUDA initialised): $import_s"
     echo "$pyc_line"
     echo "one process (every *OnGpu* test, $(compgen -G "$logs/gpu-tests-one-process-*.log" | wc -l) process(es)):" \
       "$(gtest_outcomes "$logs/gpu-tests-one-process.log")"
@@ -675,8 +690,8 @@ if has tests && start_part tests; then
     done
     grep -E "^\[  FAILED  \] [A-Za-z_0-9]+\.[A-Za-z_0-9]+ \([0-9]+ ms\)" "$logs/gpu-tests-one-process.log" | head -20 || true
     echo "tests over $slow_s s:"
-    grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
-    mapfile -t slow < <(grep -E "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print $4}')
+    grep -sE "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print "  ctest " $0 ($0 ~ /consumer_/ ? "  (a build check: compiles perf and a consumer project cold)" : "")}' || true
+    mapfile -t slow < <(grep -sE "Test +#[0-9]+: .* [0-9.]+ sec" "$logs/ctest.log" | awk -v s="$slow_s" '$(NF-1) > s {print $4}')
     if ((${#slow[@]})) && ctest --test-dir "$build" --show-only=json-v1 >"$samples.json" 2>/dev/null; then
       echo "  where their Pythons spent the time (a sample a second; python-samples/ in tests.tar.gz has the stacks):"
       "$py" tests/python_samples.py --keep "$logs/python-samples" "$samples" "$samples.json" "${slow[@]}" 2>&1 |
@@ -684,7 +699,7 @@ if has tests && start_part tests; then
     fi
     gtest_slow "$logs/gpu-tests-one-process.log" $((slow_s * 1000)) | sed 's/^/  one process: /'
   } >"$logs/summary.txt"
-  finish tests $st "$t0"
+  finish "$tests_part" $st "$t0"
   status=$((status | st))
 fi
 

@@ -57,6 +57,31 @@ check "tests.tar.gz keeps its samples, in a folder named by the test" \
   test "$(ls "$work/tar/tests/python-samples/slow_python" 2>/dev/null | wc -l)" = 1
 check "the summary says the venv holds torch's bytecode" grep -qx "torch's bytecode: in the venv" <<<"$summary"
 
+# --part gpu-tests: the GPU tests in one process alone, ctest not run (a stand-in perf_tests that passes one test).
+cat >"$work/build/tests/perf_tests" <<'EOF'
+#!/bin/sh
+echo "[ RUN      ] Stand.OnGpuIn"
+echo "[       OK ] Stand.OnGpuIn (5 ms)"
+EOF
+PYTHONPATH="$work/site-cached" PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" \
+  PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out-gpu" PERF_GPU_BUDGET_S=400 \
+  bash scripts/gpu-check.sh --part gpu-tests >>"$work/stdout" 2>&1
+rc=$?
+summary=$(cat "$work/out-gpu/gpu-tests-summary.txt" 2>/dev/null)
+check "--part gpu-tests passes (rc $rc)" test "$rc" = 0
+check "its summary says ctest did not run" grep -qxF "ctest: not run (--part gpu-tests: the GPU tests alone)" \
+  <<<"$summary"
+check "and counts the one-process run's test" grep -qxF \
+  "one process (every *OnGpu* test, 1 process(es)): 1 ok, 0 failed, 0 skipped" <<<"$summary"
+check "gpu-tests.tar.gz has the one-process log and no ctest log" test \
+  "$(tar -tzf "$work/out-gpu/gpu-tests.tar.gz" 2>/dev/null | grep -cE "/(gpu-tests-one-process|ctest)\.log$")-$(
+    tar -tzf "$work/out-gpu/gpu-tests.tar.gz" 2>/dev/null | grep -c "/ctest\.log$")" = 1-0
+PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" PERF_GPU_RESULTS="$work/out-both" \
+  bash scripts/gpu-check.sh --part tests,gpu-tests >"$work/both" 2>&1
+rc=$?
+check "tests and gpu-tests together are refused (rc $rc), saying why" test "$rc" = 2 -a \
+  "$(cat "$work/both")" = "gpu-check: --part tests runs the GPU tests already: give tests or gpu-tests, not both"
+
 # Again with a torch without bytecode that Python may not write: into folders that cannot take it (a
 # __pycache__ that is a file: root writes past a read-only mode, not past that), or under
 # PYTHONDONTWRITEBYTECODE. The bytecode then goes to the build folder, written by the first Python. The slow
