@@ -344,24 +344,26 @@ finish() {  # part status started
 }
 status=0
 
-# What a call builds. Where it tests, or only builds: everything (the tests, the programs, the test packages, whose
-# CUDA ones export on the GPU). Otherwise only the programs its other parts run, bench_<name> for each --bench and
-# the e2e runner: on an H200, `--part build,bench --bench compiled` compiled all 47 translation units and exported
+# What a call builds. Where it runs ctest, or only builds: everything (the tests, the programs, the test packages,
+# whose CUDA ones export on the GPU). Otherwise only what its other parts run: perf_tests, its packages and doctor for
+# gpu-tests, bench_<name> for each --bench, the e2e runner for e2e: on an H200, `--part build,bench --bench compiled` compiled all 47 translation units and exported
 # the CUDA test packages on the GPU beside bench_compiled's exports and Python's max-autotune, which time kernels
 # on that GPU and compile Triton's on those cores (ac79462: the build 197 s, max-autotune stopped by the budget).
 # A later part that needs what a call left out (the tests) builds it first, in its own budget.
-whole_build=0; { [ -n "$tests_part" ] || [[ $parts == build ]]; } && whole_build=1
+whole_build=0; { has tests || [[ $parts == build ]]; } && whole_build=1
 part_targets() {  # part...: the targets those parts run that this build has (none: build everything)
   local want=() have p t
   for p in "$@"; do
     case $p in
       bench) for t in ${all_benches//,/ }; do wanted "$t" && want+=("bench_$t"); done ;;
       e2e) want+=(e2e) ;;
+      gpu-tests) want+=(perf_tests perf_test_packages perf_test_cuda_packages doctor) ;;
     esac
   done
-  have=$(cmake --build "$build" --target help 2>/dev/null)  # Ninja's "name: phony", Make's "... name"
+  # Ninja's "name: phony" (a custom target's "<build>/CMakeFiles/name: phony"), Make's "... name".
+  have=$(cmake --build "$build" --target help 2>/dev/null)
   for t in "${want[@]}"; do
-    grep -qE "^(\.\.\. )?$t(:| |\$)" <<<"$have" && echo "$t"
+    grep -qE "(^|/|\.\.\. )$t(:| |\$)" <<<"$have" && echo "$t"
   done
 }
 # The targets a part runs, built where this call's build part did not (a build folder CMake did not make, a
@@ -372,7 +374,7 @@ build_for_part() {  # part
   built_line=""
   has build && return 0
   [ -f "$build/CMakeCache.txt" ] || return 0
-  [[ $1 == tests || $1 == gpu-tests ]] || mapfile -t targets < <(part_targets "$1")
+  [[ $1 == tests ]] || mapfile -t targets < <(part_targets "$1")
   s0=$(date +%s)
   within_budget 30 cmake --build "$build" -j "$(nproc)" ${targets[@]:+--target "${targets[@]}"} >"$logs/build.log" 2>&1
   rc=$?

@@ -18,7 +18,7 @@ cat >"$work/bin/cmake" <<EOF
 #!/usr/bin/env bash
 echo "\$*" >>"$work/cmake-calls"
 if [[ " \$* " == *" --target help "* ]]; then
-  printf '%s: phony\n' bench_optim bench_compiled bench_graph doctor e2e perf_tests
+  printf '%s: phony\n' bench_optim bench_compiled bench_graph doctor e2e perf_tests "$work/build/CMakeFiles/perf_test_packages"
 elif [[ \$1 == --build ]]; then
   echo "[1/1] Linking CXX executable stand-in"
 fi
@@ -247,5 +247,17 @@ rm -rf "$work/out" "$work/starts"
 check "--part build alone builds everything" test "$(builds)" = "--build \$work/build -j N"
 check "its summary says so" grep -qx "built everything" "$work/out/build-summary.txt"
 check "and bench/e2e's training packages export beside it" grep -q "^e2e export --export-only" "$work/starts"
+
+# --part build,gpu-tests builds what the one-process GPU run needs (perf_tests, its test packages, doctor for the
+# environment), of what the build has (no CUDA test packages in this stand-in's list), and exports no e2e package.
+rm -rf "$work/out" "$work/starts"
+(cd "$root" && PATH="$work/bin:$PATH" PERF_PYTHON="$work/bin/python" PERF_GPU_BUILD="$work/build" \
+  PERF_GPU_RESULTS="$work/out" PERF_GPU_BUDGET_S=200 PERF_DEPS_DIR="$work/deps" PERF_GPU_CCACHE=/nonexistent \
+  bash scripts/gpu-check.sh --part build,gpu-tests >"$work/stdout-gpu-tests" 2>&1)
+check "--part build,gpu-tests builds perf_tests, its packages and doctor" \
+  test "$(builds)" = "--build \$work/build -j N --target perf_tests perf_test_packages doctor"
+check "and no e2e package" test -z "$(grep "^e2e export" "$work/starts" 2>/dev/null)"
+check "and runs the GPU tests" grep -q "^one process (every \*OnGpu\* test, 1 process(es))" \
+  "$work/out/gpu-tests-summary.txt"
 
 finish_check "gpu-check bench part"
