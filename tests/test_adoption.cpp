@@ -24,7 +24,7 @@ struct Net : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     x = torch::relu(conv->forward(x));
-    return fc->forward(x.view({-1, 4 * 6 * 6}));  // the line channels-last breaks
+    return fc->forward(x.view({-1, int64_t{4} * 6 * 6}));  // the line channels-last breaks
   }
   torch::nn::Conv2d conv{nullptr};
   torch::nn::Linear fc{nullptr};
@@ -32,7 +32,7 @@ struct Net : torch::nn::Module {
 
 struct LinearModel : torch::nn::Module {
   LinearModel() { fc = register_module("fc", torch::nn::Linear(16, 4)); }
-  torch::Tensor forward(torch::Tensor x) { return fc->forward(x); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x); }
   torch::nn::Linear fc{nullptr};
 };
 
@@ -64,18 +64,18 @@ void check_switch(const OA& oa, const OB& ob, const std::string& what) {
   }
   A ref_opt(ref->parameters(), oa);
   train(
-      *ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 1);
+      *ref, [&](const torch::Tensor& x) { return ref->forward(x); }, ref_opt, 5, 1);
   train(
-      *ref, [&](torch::Tensor x) { return ref->forward(x); }, ref_opt, 5, 2);
+      *ref, [&](const torch::Tensor& x) { return ref->forward(x); }, ref_opt, 5, 2);
 
   A first(m->parameters(), oa);
   train(
-      *m, [&](torch::Tensor x) { return m->forward(x); }, first, 5, 1);
+      *m, [&](const torch::Tensor& x) { return m->forward(x); }, first, 5, 1);
   torch::save(first, path);
   B second(m->parameters(), ob);
   torch::load(second, path);
   train(
-      *m, [&](torch::Tensor x) { return m->forward(x); }, second, 5, 2);
+      *m, [&](const torch::Tensor& x) { return m->forward(x); }, second, 5, 2);
   EXPECT_LE((cat_params(*m) - cat_params(*ref)).abs().max().item<double>(), 1e-6) << what;
   EXPECT_GT((cat_params(*m) - cat_params(*std::make_shared<LinearModel>())).abs().max().item<double>(), 0.0);
   std::filesystem::remove(path);

@@ -131,7 +131,7 @@ TEST(Autocast, CpuAttentionInTrainingRunsInTheFasterPrecisionPerShape) {
   const auto in = attention_inputs(48);  // a shape no other test measures
   const auto count = [] { return perf::Autocast::cpu_attention_choices().size(); };
   const auto before = count();
-  auto gen = at::detail::getDefaultCPUGenerator();
+  const auto& gen = at::detail::getDefaultCPUGenerator();
   const auto rng = gen.get_state();
   torch::Tensor out;
   {
@@ -306,6 +306,7 @@ ScalerRun run_scaler(MakeOpt make_opt) {
   torch::manual_seed(0);
   const auto p0 = torch::randn({6});
   std::vector<torch::Tensor> gs;
+  gs.reserve(30);
   for (int k = 0; k < 30; ++k) gs.push_back(torch::randn({6}));
   gs[4][2] = std::numeric_limits<float>::infinity();
   gs[9][2] = -std::numeric_limits<float>::infinity();
@@ -660,6 +661,7 @@ TEST(ChannelsLast, ToChannelsLastWarnsWhereTrainingOnThisCpuMeetsTheOneDnnBug) {
   const auto said = warnings(*net);
   ASSERT_EQ(said.size(), 1u);
   for (const std::string& part : std::vector<std::string>{
+           // NOLINTNEXTLINE(bugprone-suspicious-missing-comma): one message, in two literals
            "perf::to_channels_last: training this model channels-last on this CPU can hang, crash or "
            "compute wrong weight gradients",
            "(" + std::to_string(block) + " on this CPU): uxlfoundation/oneDNN#6035",
@@ -1329,6 +1331,7 @@ TEST(Checkpoint, LowersPeakActivationMemory) {
   // layers: the same memory as 4096 x 1024 for a quarter of the matmul work.
   torch::manual_seed(0);
   std::vector<torch::nn::Linear> layers;
+  layers.reserve(8);
   for (int i = 0; i < 8; ++i) layers.emplace_back(256, 256);
   const auto x = torch::randn({16384, 256}, torch::requires_grad());
   auto peak_growth = [&](bool ckpt) {

@@ -367,6 +367,7 @@ TEST(Compiled, FirstCallsFromMoreThreadsThanRunnersDoNotDeadlock) {
     constexpr int kThreads = 8;
     std::atomic<int> waiting{kThreads};
     std::vector<std::future<double>> calls;
+    calls.reserve(kThreads);
     for (int t = 0; t < kThreads; ++t)
       calls.push_back(std::async(std::launch::async, [&] {
         waiting.fetch_sub(1);
@@ -837,8 +838,10 @@ TEST(Compiled, OnGpuChannelsLastCnnWithFrozenWeightsMatchesEager) {
       "print(*m(x).flatten().tolist())"));
   ASSERT_FALSE(out.empty());
   const auto want = at::tensor(test_util::parse_numbers(out.at(0))).reshape({8, 10}).to(at::kFloat);
-  const auto x =
-      at::linspace(-2, 2, 8 * 3 * 32 * 32).reshape({8, 3, 32, 32}).cuda().contiguous(at::MemoryFormat::ChannelsLast);
+  const auto x = at::linspace(-2, 2, int64_t{8} * 3 * 32 * 32)
+                     .reshape({8, 3, 32, 32})
+                     .cuda()
+                     .contiguous(at::MemoryFormat::ChannelsLast);
   const auto got = model(x).cpu();
   EXPECT_LE(max_diff(got, want), 1e-3 * want.abs().max().item<double>() + 1e-5)
       << "max |value| " << want.abs().max().item<double>();

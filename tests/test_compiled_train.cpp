@@ -727,6 +727,7 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
     // Replays allocate only the kept 0-dim losses (one 512-byte block each).
     EXPECT_LE(now - memory_after_5, 15 * 512) << "mode " << mode;
     std::vector<double> losses;
+    losses.reserve(kept.size());
     for (const auto& l : kept) losses.push_back(l.item<double>());
     std::vector<at::Tensor> params;
     for (auto& p : mlp.parameters()) params.push_back(p.detach().cpu());

@@ -56,6 +56,7 @@ pid_t spawn_rank(const std::string& test, int port, int rank = 1, int world = 2)
       env.push_back(kv);
   }
   std::vector<char*> envp;
+  envp.reserve(env.size() + 1);
   for (auto& kv : env) envp.push_back(kv.data());
   envp.push_back(nullptr);
   std::string self = "/proc/self/exe", filter = "--gtest_filter=" + test;
@@ -311,7 +312,7 @@ double max_diff(torch::nn::Module& a, torch::nn::Module& b) {
 
 enum class OptKind { sgd, adamw, torch_sgd, adamw_flat };
 
-std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, std::vector<at::Tensor> params) {
+std::shared_ptr<torch::optim::Optimizer> make_opt(OptKind k, const std::vector<at::Tensor>& params) {
   switch (k) {
     case OptKind::sgd:
       return std::make_shared<perf::optim::SGD>(params, perf::optim::SGDOptions(0.05).momentum(0.9));

@@ -230,6 +230,7 @@ std::pair<std::vector<double>, std::vector<double>> e2e_losses(Model model, cons
       }
     }
     std::vector<double> losses;
+    losses.reserve(kept.size());
     for (const auto& l : kept) losses.push_back(l.item<double>());  // read at the end, like bench/e2e
     return losses;
   };

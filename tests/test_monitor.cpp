@@ -152,6 +152,7 @@ TEST(Progress, UpdatesFromManyThreadsAreAllCounted) {
   std::ostringstream out;
   perf::Progress bar(4000, perf::ProgressOptions().every(std::chrono::milliseconds(1)).stream(&out).show_memory(false));
   std::vector<std::thread> threads;
+  threads.reserve(4);
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 1000; ++i) bar.update(1, {{"t", static_cast<double>(t)}});

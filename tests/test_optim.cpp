@@ -228,12 +228,12 @@ TEST(Optim, StateDictRoundTripResumesBitIdentically) {
       EXPECT_TRUE(torch::equal(resumed[i].detach(), pr.params[i].detach())) << tag << " param " << i;
   };
   check(
-      [](std::vector<torch::Tensor> ps) {
+      [](const std::vector<torch::Tensor>& ps) {
         return std::make_unique<perf::optim::AdamW>(ps, perf::optim::AdamWOptions(1e-2).amsgrad(true));
       },
       "adamw");
   check(
-      [](std::vector<torch::Tensor> ps) {
+      [](const std::vector<torch::Tensor>& ps) {
         return std::make_unique<perf::optim::SGD>(ps, perf::optim::SGDOptions(0.05).momentum(0.9));
       },
       "sgd");
@@ -439,6 +439,7 @@ TEST(Optim, OnGpuMatchesCpuAndCapturesInACudaGraph) {
       graph.replay();
     }
     std::vector<torch::Tensor> values;
+    values.reserve(ps.size());
     for (auto& p : ps) values.push_back(p.detach().cpu().flatten());
     EXPECT_LE(max_abs_diff(torch::cat(values), cpu), 1e-5);
   }
@@ -777,7 +778,7 @@ TEST(OptimFlat, CheckpointsMoveBetweenFlatNonFlatAndTorchOptim) {
       (std::filesystem::temp_directory_path() / ("perf_flat_" + std::to_string(::getpid()) + ".pt")).string();
   for (const auto& [saver_name, saver] : kinds) {
     for (const auto& [loader_name, loader] : kinds) {
-      SCOPED_TRACE(saver_name + " -> " + loader_name);
+      SCOPED_TRACE(std::string(saver_name).append(" -> ").append(loader_name));
       torch::manual_seed(7);
       FlatNet net;
       auto opt = saver(net);
@@ -886,7 +887,7 @@ TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
 TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
   using perf::optim::detail::Bucket;
   torch::manual_seed(3);
-  const auto cl = [](at::Tensor t) { return t.contiguous(at::MemoryFormat::ChannelsLast); };
+  const auto cl = [](const at::Tensor& t) { return t.contiguous(at::MemoryFormat::ChannelsLast); };
   const auto strided = [] { return torch::randn({6, 8}).slice(1, 0, 8, 2); };  // not dense
   Bucket b{c10::Device(c10::kCPU), at::kFloat, false, {}, {}, {}, {}, {}, {}, {}, /*flat=*/true, 0};
   // Entry 0: 1-d (10). Entry 1: channels-last 4-d (24). Entry 2: not dense (24).
@@ -1061,7 +1062,8 @@ class LoggingStreams final : public c10::impl::DeviceGuardImplInterface {
   }
   c10::DeviceIndex deviceCount() const noexcept override { return 1; }
   void record(void** event, const c10::Stream& s, const c10::DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) *event = reinterpret_cast<void*>(++events_);  // e1, e2, ... in order of first record
+    // e1, e2, ... in order of first record: a number for a name, never dereferenced
+    if (*event == nullptr) *event = reinterpret_cast<void*>(++events_);  // NOLINT(performance-no-int-to-ptr)
     log.push_back("record " + name(*event) + " on s" + std::to_string(s.id()));
   }
   void block(void* event, const c10::Stream& s) const override {
@@ -1315,6 +1317,7 @@ TEST(OptimFlat, OnGpuTrainStepCapturesCallsOnTwoStreams) {
         *model, [&](const at::Tensor& a, const at::Tensor& t) { return torch::mse_loss(model->forward(a), t); }, opt, x,
         y);
     std::vector<at::Tensor> losses;
+    losses.reserve(6);
     for (int i = 0; i < 6; ++i) losses.push_back(step.step(x.roll(i, 0), y.roll(i, 0)));
     return std::make_tuple(torch::stack(losses).cpu(), model->weight.detach().cpu(), opt.kernels().back());
   };

@@ -275,6 +275,7 @@ TEST(Setup, ConcurrentCallsAreSafe) {
   const KeepSettings keep;
   const auto s = perf::Settings().num_threads(1).matmul_precision("high").sdpa_math(true);
   std::vector<std::thread> threads;
+  threads.reserve(8);
   std::atomic<int> failures{0};
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&] {
@@ -752,6 +753,7 @@ int64_t rss_mib() { return *perf::memory_stats().rss >> 20; }
 int64_t malloc_round() {
   const int64_t before = rss_mib();
   std::vector<at::Tensor> blocks;
+  blocks.reserve(8);
   for (int i = 0; i < 8; ++i) blocks.push_back(at::ones({2 << 20}));
   return rss_mib() - before;
 }

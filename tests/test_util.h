@@ -205,16 +205,19 @@ inline std::string cuda_test_package(const std::string& name, const std::string&
     }
     return std::string();
   };
-  const std::string built_dir = test_packages() + "/cuda/", built = built_dir + name;
+  const std::string built_dir = test_packages() + "/cuda/";
+  std::string built = built_dir + name;
   if (std::ifstream(built).good()) return built;
   std::ifstream stamp(built_dir + "stamp");
   for (std::string line; std::getline(stamp, line);) {
     if (line.rfind(name + ": FAILED", 0) != 0) continue;
     std::ifstream text(built_dir + name.substr(0, name.size() - 4) + ".log");
-    return failed("the build's export of " + name + " failed (" + built_dir + "stamp: " + line + ")",
-                  std::string(std::istreambuf_iterator<char>(text), {}));
+    std::ostringstream what;
+    what << "the build's export of " << name << " failed (" << built_dir << "stamp: " << line << ")";
+    return failed(what.str(), std::string(std::istreambuf_iterator<char>(text), {}));
   }
-  const std::string pkg = dir / name, log = dir / (name + ".log");
+  std::string pkg = dir / name;
+  const std::string log = dir / (name + ".log");
   const std::string cmd = reference_python() + " " + source_dir() + "/tools/export_compiled.py " + args +
                           " --device cuda -o " + pkg + " > " + log + " 2>&1";
   if (run_command(cmd)) return pkg;
