@@ -345,10 +345,11 @@ finish() {  # part status started
 status=0
 
 # What a call builds. Where it runs ctest, or only builds: everything (the tests, the programs, the test packages,
-# whose CUDA ones export on the GPU). Otherwise only what its other parts run: perf_tests, its packages and doctor for
-# gpu-tests, bench_<name> for each --bench, the e2e runner for e2e: on an H200, `--part build,bench --bench compiled` compiled all 47 translation units and exported
-# the CUDA test packages on the GPU beside bench_compiled's exports and Python's max-autotune, which time kernels
-# on that GPU and compile Triton's on those cores (ac79462: the build 197 s, max-autotune stopped by the budget).
+# whose CUDA ones export on the GPU). Otherwise only what its other parts run: perf_tests, its packages and doctor
+# for gpu-tests, bench_<name> for each --bench, the e2e runner for e2e. Before, on an H200, `--part build,bench
+# --bench compiled` compiled all 47 translation units and exported the CUDA test packages on the GPU beside
+# bench_compiled's exports and Python's max-autotune, which time kernels on that GPU and compile Triton's on those
+# cores (ac79462: the build 197 s, max-autotune stopped by the budget).
 # A later part that needs what a call left out (the tests) builds it first, in its own budget.
 whole_build=0; { has tests || [[ $parts == build ]]; } && whole_build=1
 part_targets() {  # part...: the targets those parts run that this build has (none: build everything)
