@@ -5,7 +5,8 @@
 # (bench/peer_compiled.py); table and chart into docs/compiled-<device>.md, the run kept in docs/runs/.
 #   bash scripts/bench-compiled.sh [--device cuda] [--width 32] [--image 64] [--batches 1 32] [--no-max-autotune]
 # --no-max-autotune: leave out Python's torch.compile max-autotune row (minutes to compile on CUDA).
-# PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch).
+# PERF_PYTHON: the Python that exports (default: the venv that provides LibTorch). PERF_DOCS_SUFFIX=avx2: the page
+# is docs/compiled-<device>-avx2.md, for a kind of CPU whose page should not replace the main one (scripts/common.sh).
 source "$(dirname "$0")/common.sh"
 device=cpu width=32 image=64 peer_only=()
 args=()
@@ -53,8 +54,7 @@ for ((i = 0; i < ${#args[@]}; i++)); do
 done
 "$python" bench/peer_compiled.py "${peer_args[@]}"
 "$python" -c "import matplotlib" 2>/dev/null || "$python" -m pip install --quiet --disable-pip-version-check matplotlib >&2
-machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
-[[ $device == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
 # The run is kept in docs/runs/ (bench/runs.py), the way this call was made beside it.
-"$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device" --machine "$machine, $(nproc) cores" \
+"$python" bench/report_compiled.py "$results" --docs docs --name "compiled-$device${PERF_DOCS_SUFFIX:+-$PERF_DOCS_SUFFIX}" \
+  --machine "$(perf_machine "$device")" \
   --keep docs/runs --command "bash scripts/bench-compiled.sh${*:+ $*}"

@@ -4,7 +4,8 @@
 #   bash scripts/bench-e2e.sh [--quick] [--device cuda] [--jobs cnn,transformer,mlp] [--full] [--repeat N]
 # --quick: CI-sized (about 10 minutes on a 2-core CPU). --repeat N: every configuration N times, in
 # rounds; the table gives the median run (a VM's speed varies by 10-15% between runs). PERF_PYTHON: the Python
-# (default: the venv that provides LibTorch; matplotlib is installed into it if missing).
+# (default: the venv that provides LibTorch; matplotlib is installed into it if missing). PERF_DOCS_SUFFIX=avx2: the
+# page is docs/e2e-<device>-avx2.md, for a kind of CPU whose page should not replace the main one (scripts/common.sh).
 source "$(dirname "$0")/common.sh"
 python=${PERF_PYTHON:-${PERF_TORCH_PREFIX%/lib/python*}/bin/python}
 "$python" -c "import matplotlib" 2>/dev/null ||
@@ -16,8 +17,7 @@ args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do [[ ${args[i]} == --device ]] && device=${args[i + 1]}; done
 kind=${device%%:*}
 "$python" bench/e2e/run.py --e2e build/bench/e2e --out "bench-results/e2e-$kind" "$@"
-machine=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
-[[ $kind == cuda ]] && machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $machine"
 # The run's rows are kept in docs/runs/ (report.py --keep), from which a later report can write a job's section.
-"$python" bench/e2e/report.py "bench-results/e2e-$kind/results.jsonl" --docs docs --name "e2e-$kind" \
-  --machine "$machine, $(nproc) cores" --keep docs/runs --command "bash scripts/bench-e2e.sh $*"
+"$python" bench/e2e/report.py "bench-results/e2e-$kind/results.jsonl" --docs docs \
+  --name "e2e-$kind${PERF_DOCS_SUFFIX:+-$PERF_DOCS_SUFFIX}" --machine "$(perf_machine "$kind")" --keep docs/runs \
+  --command "bash scripts/bench-e2e.sh $*"

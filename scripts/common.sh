@@ -44,3 +44,26 @@ perf_configure() {  # <build dir> [extra cmake args...]
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PERF_TORCH_PREFIX" \
         "${perf_cmake_extra[@]}" "$@"
 }
+
+# The machine a benchmark report names: the GPU and its host, or the CPU with what decides its numbers (AVX2 or
+# AVX-512, and native bf16, which turns perf's CPU autocast on), and the cores. A run on another kind of CPU goes to a
+# page of its own: PERF_DOCS_SUFFIX=avx512-bf16 makes the benchmark scripts write docs/<name>-avx512-bf16.md (and
+# keep the run under that name) instead of replacing docs/<name>.md.
+perf_machine() {  # <device: cpu, cuda...>
+  local cpu flags isa bf16
+  cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  if [[ $flags == *" avx2 "* ]]; then
+    isa=AVX2
+    [[ $flags == *" avx512f "* ]] && isa=AVX-512
+    bf16="no native bf16"
+    [[ $flags == *" avx512_bf16 "* ]] && bf16="native bf16 (AVX512-BF16), no AMX"
+    [[ $flags == *" amx_bf16 "* ]] && bf16="native bf16 (AMX)"
+    cpu+=" ($isa, $bf16)"
+  fi
+  if [[ ${1%%:*} == cuda ]]; then
+    echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), host $cpu, $(nproc) cores"
+  else
+    echo "$cpu, $(nproc) cores"
+  fi
+}
