@@ -464,15 +464,14 @@ from torch._inductor import cpu_vec_isa; print(', '.join(map(str, cpu_vec_isa.va
     start_bench_exports
     echo "bench_compiled's packages: ${#variants[@]} exports started beside the build" >>"$logs/bench-exports.txt"
   fi
-  targets=()
-  if ((!st && !whole_build)); then
-    mapfile -t targets < <(part_targets ${parts//,/ })
-    ((${#targets[@]})) || echo "built everything: none of what this call runs is a target of the build" >"$logs/targets.txt"
-  fi
-  if ((${#targets[@]})); then
+  targets=()  # none: everything (also where none of what the call runs is a target of this build)
+  ((st || whole_build)) || mapfile -t targets < <(part_targets ${parts//,/ })
+  if ((st)); then
+    :  # configuration failed: nothing built
+  elif ((${#targets[@]})); then
     echo "built ${targets[*]} only, what --part $parts runs (a call with --part tests, or --part build alone," \
       "builds the rest)" >"$logs/targets.txt"
-  elif ((whole_build)); then
+  else
     echo "built everything" >"$logs/targets.txt"
   fi
   if ((!st)); then
@@ -653,13 +652,13 @@ if [ -n "$tests_part" ] && start_part "$tests_part"; then
   # where the exporter has no marker), and Inductor's compiles, CPU ones too, initialise CUDA where there is a
   # GPU (its cache key reads the device's name: torch/_inductor/codecache.py, CacheBase.get_system).
   import_s=""
-  [[ $tests_part == tests ]] && for code in "import torch" "import torch" "import torch; torch.cuda.init()"; do
-    s0=$(date +%s%N) why=""
-    "$py" -c "$code" >/dev/null 2>&1 || why=" (failed)"
-    ms=$((($(date +%s%N) - s0) / 1000000))
-    import_s+="${import_s:+, }$((ms / 1000)).$((ms % 1000 / 100)) s$why"
-  done
   if [[ $tests_part == tests ]]; then
+    for code in "import torch" "import torch" "import torch; torch.cuda.init()"; do
+      s0=$(date +%s%N) why=""
+      "$py" -c "$code" >/dev/null 2>&1 || why=" (failed)"
+      ms=$((($(date +%s%N) - s0) / 1000000))
+      import_s+="${import_s:+, }$((ms / 1000)).$((ms % 1000 / 100)) s$why"
+    done
     echo "== tests (ctest, one process per test; each at most $test_timeout s)"
     within_budget 100 env OMP_NUM_THREADS="$test_threads" TORCHINDUCTOR_COMPILE_THREADS=1 \
       PYTHONPATH="$PWD/tests/python_sampler${PYTHONPATH:+:$PYTHONPATH}" PERF_TEST_PYTHON_SAMPLES="$samples" \
