@@ -27,9 +27,13 @@ for v in "${versions[@]}"; do
     results+=("| $v | install failed (see $log) |")
     continue
   fi
+  # The linker resolves libtorch_cuda's own dependencies (NCCL, cuDNN, ...) in the -rpath folders first, where
+  # /usr/local/cuda/lib (which LibTorch's CMake adds) may hold an older NCCL than the wheel's: 2.15.0's libtorch_cuda
+  # then fails to link ("undefined reference to ncclCommGrow"). The wheel's own libraries come first.
+  wheel_libs=$(compgen -G "$prefix/../../../nvidia/*/lib" | paste -sd: -)
   if ! cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
       -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
-      >>"$log" 2>&1; then
+      ${wheel_libs:+"-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$wheel_libs"} >>"$log" 2>&1; then
     if grep -q "perf needs LibTorch >= $floor" "$log"; then
       results+=("| $v | refused by CMake (below the floor $floor), as expected |")
     else

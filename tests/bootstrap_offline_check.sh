@@ -14,6 +14,8 @@ venv=$(dirname "$(dirname "$python")")
 # LibTorch's prefix as torch says it (bootstrap.sh works it out without importing torch).
 prefix=$("$venv/bin/python" -c "import torch, numpy; print(torch.utils.cmake_prefix_path)" 2>/dev/null) ||
   { echo "skipped: $python is not the python of a venv with torch and numpy (bootstrap.sh's PERF_VENV)"; exit 0; }
+# The venv's torch is the version bootstrap.sh is asked for (scripts/test-matrix.sh's venvs hold others).
+version=$("$venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
 source "$(dirname "$0")/check.sh"  # $work, check, $fails
 
 bin=$work/bin
@@ -31,7 +33,7 @@ deps=$work/deps
 mkdir -p "$deps/googletest" "$deps/benchmark-prefix/include/benchmark" "$deps/CLI11/CLI" "$deps/gloo-include/gloo"
 touch "$deps/googletest/CMakeLists.txt" "$deps/CLI11/CLI/CLI.hpp" "$deps/gloo-include/gloo/config.h"
 run() {  # <PATH> <PERF_DEPS_DIR>: the exit status in $rc, stdout in $work/out, stderr in $work/err
-  env -i HOME="$work" PATH="$1" PERF_DEPS_DIR="$2" PERF_VENV="$venv" \
+  env -i HOME="$work" PATH="$1" PERF_DEPS_DIR="$2" PERF_VENV="$venv" PERF_TORCH_VERSION="$version" \
     bash "$root/scripts/bootstrap.sh" >"$work/out" 2>"$work/err"
   rc=$?
 }

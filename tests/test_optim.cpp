@@ -345,6 +345,112 @@ TEST(Optim, BadOptionsNameTheOption) {
   PERF_EXPECT_THROW_MSG(ok.step(), "invalid lr -1 in param group 0");
 }
 
+namespace {
+
+// Each group's options as the numbers step() uses, to compare a perf optimizer's groups with torch::optim's.
+std::vector<std::vector<double>> adam_groups(const torch::optim::Optimizer& opt) {
+  std::vector<std::vector<double>> out;
+  for (const auto& g : opt.param_groups()) {
+    const auto& o = g.options();
+    if (const auto* p = dynamic_cast<const perf::optim::AdamWOptions*>(&o)) {
+      out.push_back({p->lr(), std::get<0>(p->betas()), std::get<1>(p->betas()), p->eps(), p->weight_decay(),
+                     double(p->amsgrad())});
+    } else {
+      const auto& t = dynamic_cast<const torch::optim::AdamWOptions&>(o);
+      out.push_back(
+          {t.lr(), std::get<0>(t.betas()), std::get<1>(t.betas()), t.eps(), t.weight_decay(), double(t.amsgrad())});
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<double>> sgd_groups(const torch::optim::Optimizer& opt) {
+  std::vector<std::vector<double>> out;
+  for (const auto& g : opt.param_groups()) {
+    const auto& o = g.options();
+    if (const auto* p = dynamic_cast<const perf::optim::SGDOptions*>(&o)) {
+      out.push_back({p->lr(), p->momentum(), p->dampening(), p->weight_decay(), double(p->nesterov())});
+    } else {
+      const auto& t = dynamic_cast<const torch::optim::SGDOptions&>(o);
+      out.push_back({t.lr(), t.momentum(), t.dampening(), t.weight_decay(), double(t.nesterov())});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// A param group's own options reach step() combined with the defaults exactly as the LibTorch it runs with combines
+// them for torch::optim's optimizers: 2.11 takes them as they are; 2.12 and later take an option left at its
+// class's default from the optimizer's defaults (AdamW's weight_decay 1e-2 below, SGD's lr where it is 1e-3). Before,
+// with LibTorch 2.12+, every group of a perf optimizer silently trained with the defaults.
+TEST(Optim, GroupOptionsCombineWithTheDefaultsAsTorchOptimsOwn) {
+  std::vector<torch::Tensor> ps;
+  for (int i = 0; i < 4; ++i) ps.push_back(torch::ones({2}, torch::requires_grad()));
+  {
+    auto make_groups = [&](auto options) {
+      using O = decltype(options);
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{ps[0]});
+      groups.emplace_back(std::vector<torch::Tensor>{ps[1]}, std::make_unique<O>(O(3e-3)));
+      groups.emplace_back(std::vector<torch::Tensor>{ps[2]},
+                          std::make_unique<O>(O(1e-3).betas({0.8, 0.99}).weight_decay(0).amsgrad(true)));
+      return groups;
+    };
+    perf::optim::AdamW mine(make_groups(perf::optim::AdamWOptions()),
+                            perf::optim::AdamWOptions(2e-2).weight_decay(0.1).eps(1e-6));
+    torch::optim::AdamW theirs(make_groups(torch::optim::AdamWOptions()),
+                               torch::optim::AdamWOptions(2e-2).weight_decay(0.1).eps(1e-6));
+    // Added later, on the perf optimizer itself.
+    mine.add_param_group(torch::optim::OptimizerParamGroup(
+        {ps[3]}, std::make_unique<perf::optim::AdamWOptions>(perf::optim::AdamWOptions(5e-3).maximize(true))));
+    theirs.add_param_group(torch::optim::OptimizerParamGroup(
+        {ps[3]}, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(5e-3))));
+    EXPECT_EQ(adam_groups(mine), adam_groups(theirs));
+    EXPECT_EQ(adam_groups(mine)[1][0], 3e-3) << "the group's lr";
+    EXPECT_TRUE(static_cast<const perf::optim::AdamWOptions&>(mine.param_groups()[3].options()).maximize())
+        << "perf's own options are kept too";
+  }
+  {
+    auto make_groups = [&](auto options) {
+      using O = decltype(options);
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{ps[0]}, std::make_unique<O>(O(1e-3).momentum(0.5)));
+      groups.emplace_back(std::vector<torch::Tensor>{ps[1]},
+                          std::make_unique<O>(O(0.3).nesterov(true).momentum(0.9).weight_decay(1e-4)));
+      return groups;
+    };
+    perf::optim::SGD mine(make_groups(perf::optim::SGDOptions(1)), perf::optim::SGDOptions(0.1).weight_decay(1e-3));
+    torch::optim::SGD theirs(make_groups(torch::optim::SGDOptions(1)),
+                             torch::optim::SGDOptions(0.1).weight_decay(1e-3));
+    EXPECT_EQ(sgd_groups(mine), sgd_groups(theirs));
+    EXPECT_EQ(sgd_groups(mine)[1][0], 0.3);
+  }
+  // Through a torch::optim::Optimizer&, LibTorch's own add_param_group runs: since 2.12 it gives the group the
+  // defaults, which the next step says.
+  perf::optim::AdamW opt({ps[0]}, perf::optim::AdamWOptions(2e-2));
+  torch::optim::Optimizer& base = opt;
+  base.add_param_group(torch::optim::OptimizerParamGroup(
+      {ps[1]}, std::make_unique<perf::optim::AdamWOptions>(perf::optim::AdamWOptions(3e-3))));
+  for (auto& p : ps) p.mutable_grad() = torch::ones_like(p);
+  test_util::CollectWarnings warnings;
+  opt.step();
+  opt.step();
+  const double lr = static_cast<const perf::optim::AdamWOptions&>(opt.param_groups()[1].options()).lr();
+  if (perf::optim::detail::torch_merges_group_options) {
+    EXPECT_EQ(lr, 2e-2);
+    ASSERT_EQ(warnings.messages.size(), 1u) << "said once";
+    EXPECT_NE(warnings.messages[0].find("perf::optim::AdamW: param group 1 was added through "
+                                        "torch::optim::Optimizer::add_param_group"),
+              std::string::npos)
+        << warnings.messages[0];
+    EXPECT_NE(warnings.messages[0].find("Call add_param_group on the perf optimizer itself"), std::string::npos);
+  } else {
+    EXPECT_EQ(lr, 3e-3);
+    EXPECT_TRUE(warnings.messages.empty()) << warnings.messages[0];
+  }
+}
+
 // A group built with torch::optim's options class (same names, another type)
 // is refused, not read as perf's (which has more fields: a read past the
 // object), at construction and, for a group added later, before any group
@@ -685,7 +791,13 @@ TEST(OptimFlat, AddParamGroupJoinsTheBufferAtTheNextStep) {
       if (k != 10) return;
       auto ps = net->conv->parameters();
       for (auto& p : net->norm->parameters()) ps.push_back(p);
-      opt.add_param_group(torch::optim::OptimizerParamGroup(ps, std::make_unique<decltype(options)>(options)));
+      const torch::optim::OptimizerParamGroup group(ps, std::make_unique<decltype(options)>(options));
+      // The perf optimizer's own add_param_group: torch::optim::Optimizer's gives it the defaults (LibTorch 2.12+).
+      if (auto* own = dynamic_cast<perf::optim::FusedOptimizer*>(&opt)) {
+        own->add_param_group(group);
+      } else {
+        opt.add_param_group(group);
+      }
     };
   };
   const auto flat = [](FlatNet& net) -> OptPtr {

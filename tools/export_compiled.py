@@ -683,7 +683,10 @@ class AttentionPrecision:
 def _hint(n) -> int:
     """A size as the example has it: the example's value of a symbolic (dynamic batch) size."""
     if isinstance(n, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import size_hint
+        try:  # torch 2.11; renamed guarding_hint_or_throw in 2.12
+            from torch.fx.experimental.symbolic_shapes import size_hint
+        except ImportError:
+            from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as size_hint
         try:
             return size_hint(n)
         except Exception:  # no example value (data-dependent): matches no measured shape

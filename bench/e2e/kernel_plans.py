@@ -60,7 +60,7 @@ def simulate_codegen() -> None:
     from torch._inductor import scheduler
     import torch.utils._triton
 
-    scheduler.has_triton = torch.utils._triton.has_triton = lambda: True
+    scheduler.has_triton = torch.utils._triton.has_triton = lambda *a, **k: True
     device_interface.CudaInterface.is_bf16_supported = staticmethod(lambda *a, **k: True)
     torch._inductor.config.shape_padding = False
 

@@ -337,14 +337,17 @@ class Package {
   torch::inductor::AOTIModelPackageLoader& loader() { return *loader_; }
 
  private:
-  // Where the package's code failed, the runner's error says only which of its calls did
-  // ("run_func_(...) API call failed at model_container_runner.cpp"): the cause went to stderr,
-  // where that code logs it. The error names the package and, then, says so.
+  // The error names the package. Where the package's code failed, LibTorch 2.11's runner says only which
+  // of its calls did ("run_func_(...) API call failed at model_container_runner.cpp", a std::runtime_error):
+  // the cause went to stderr, where that code logs it, and the error says so. Later runners raise the
+  // cause itself as a c10::Error. Out of memory stays a c10::OutOfMemoryError (perf::find_max_batch_size).
   std::vector<at::Tensor> run_package(const std::vector<at::Tensor>& inputs, void* stream) {
     try {
       return loader_->run(inputs, stream);
-    } catch (const c10::Error&) {
-      throw;
+    } catch (const c10::OutOfMemoryError& e) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, who_, ": the package's run failed: ", e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who_, ": the package's run failed: ", e.what_without_backtrace());
     } catch (const std::exception& e) {
       const bool logged = std::string(e.what()).find("API call failed") != std::string::npos;
       TORCH_CHECK(false, who_, ": the package's run failed: ", e.what(),

@@ -176,6 +176,17 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// enabled, the update without.
   PERF_INLINE torch::Tensor step(LossClosure closure = nullptr) override;
 
+  /// As torch::optim::Optimizer::add_param_group, with the group's options
+  /// combined with the optimizer's defaults as the LibTorch perf is built with
+  /// combines them for its own optimizers: LibTorch 2.11 takes the group's
+  /// options as they are; 2.12 and later take each option the group left at
+  /// its options class's default from the optimizer's defaults instead (as
+  /// Python's param-group dicts inherit missing keys). Since 2.12,
+  /// torch::optim::Optimizer's own add_param_group (what a call through a
+  /// torch::optim::Optimizer& reaches) replaces options of any type but its
+  /// own optimizers' with a copy of the defaults.
+  PERF_INLINE void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+
   /// The update with gradients scaled by `grad_scale` (unscaled inside the
   /// kernel), skipped on the device where `found_inf` is nonzero. No host sync
   /// on the fused path; the _foreach_ fallback reads found_inf (one sync).
@@ -246,6 +257,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   virtual std::array<torch::Tensor*, 3> state_tensors(torch::optim::OptimizerParamState& s) const = 0;
   virtual torch::Tensor* state_step(torch::optim::OptimizerParamState&) const { return nullptr; }
   virtual std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const = 0;
+  // The options a param group given options `given` keeps (see add_param_group); of another type than the
+  // optimizer's, `given` as it is, so that check_options names the type.
+  virtual std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+      const torch::optim::OptimizerOptions& given) const = 0;
+  // After torch::optim::Optimizer's constructor: the groups' own options back in place (see add_param_group).
+  void keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given);
   // Checks group g's options: their type (a group built with torch::optim's
   // options class would be misread) and values. Before anything moves.
   virtual void check_options(const torch::optim::OptimizerOptions& o, size_t g) const = 0;
@@ -285,6 +302,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   std::map<std::string, torch::Tensor> ones_;                    // device -> 1.0f
   std::unique_ptr<detail::FlatStore> flat_;
   const char* name_ = "perf::optim";
+  mutable size_t groups_kept_ = 0;  // groups whose options this class put in place (see check_groups)
 };
 
 /// A FusedOptimizer whose state and options serialize as ParamState / Options,
@@ -326,6 +344,8 @@ class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Dec
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const Options&>(o).flat();
   }
+  std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+      const torch::optim::OptimizerOptions& given) const override;
   void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
                           std::vector<StepConstant>& out) const override {
@@ -360,6 +380,8 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const SGDOptions&>(o).flat();
   }
+  PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+      const torch::optim::OptimizerOptions& given) const override;
   PERF_INLINE void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
                           std::vector<StepConstant>& out) const override {
@@ -543,6 +565,12 @@ PERF_INLINE bool use_fused(const std::optional<bool>& fused, const Bucket& b, co
 
 PERF_INLINE std::string kernel_line(const Bucket& b, bool fused);
 
+// Whether LibTorch's Optimizer::add_param_group merges a group's options into the defaults (2.12 and later:
+// torch/csrc/api/src/optim/optimizer.cpp, OptimizerCloneableOptions::_merge_by_comparison), which perf's
+// optimizers then do for theirs (FusedOptimizer::add_param_group).
+constexpr bool torch_merges_group_options = TORCH_VERSION_MAJOR > 2 ||
+                                            (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12);
+
 // A param group's options as `Options`, or a clear error naming both types.
 template <typename Options>
 const Options& group_options(const torch::optim::OptimizerOptions& o, size_t g, const char* name,
@@ -636,7 +664,29 @@ AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
             return param_groups;
           }(),
           std::make_unique<Options>(defaults)) {
+  this->keep_group_options(param_groups);
   this->init_flat(defaults.flat().value_or(false), detail::adam_name<D>());  // checks every group's options first
+}
+
+template <bool D>
+std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::group_options(
+    const torch::optim::OptimizerOptions& given) const {
+  const auto* o = dynamic_cast<const Options*>(&given);
+  if (o == nullptr) return given.clone();
+  Options kept = *o;
+  if constexpr (detail::torch_merges_group_options) {
+    const Options unset;  // what a group's option left alone reads as
+    kept = static_cast<const Options&>(this->defaults());
+    if (o->lr() != unset.lr()) kept.lr(o->lr());
+    if (o->betas() != unset.betas()) kept.betas(o->betas());
+    if (o->eps() != unset.eps()) kept.eps(o->eps());
+    if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+    if (o->amsgrad() != unset.amsgrad()) kept.amsgrad(o->amsgrad());
+    if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
+    if (o->fused()) kept.fused(o->fused());
+    if (o->flat()) kept.flat(o->flat());
+  }
+  return std::make_unique<Options>(kept);
 }
 
 template <bool D>

@@ -228,11 +228,7 @@ PERF_INLINE Advice advise(const std::function<void()>& step, const AdviseOptions
   auto sorted = step_s;
   std::sort(sorted.begin(), sorted.end());
   advice.median_step_ms = sorted[sorted.size() / 2] * 1e3;
-  double total = 0, host_total = 0;
-  for (size_t i = 0; i < step_s.size(); ++i) {
-    total += step_s[i];
-    host_total += host_s[i];
-  }
+  const double total = std::accumulate(step_s.begin(), step_s.end(), 0.0);
   auto pct = [](double share) {
     std::ostringstream s;
     s << std::fixed << std::setprecision(0) << 100.0 * share << "%";
@@ -297,6 +293,7 @@ PERF_INLINE Advice advise(const std::function<void()>& step, const AdviseOptions
                  "perf::prefetch(loader, device) (pinned, async, on a side stream), or .pin_memory() and "
                  "non_blocking copies"});
   }
+  const double host_total = std::accumulate(host_s.begin(), host_s.end(), 0.0);
   if (cuda && total > 0 && host_total / total > 0.8 && advice.median_step_ms < 50) {
     std::ostringstream ev;
     ev << "the host spends " << pct(host_total / total)

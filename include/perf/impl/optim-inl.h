@@ -329,7 +329,32 @@ PERF_INLINE void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>&
   update(grad_scale, found_inf);
 }
 
+PERF_INLINE void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  torch::optim::Optimizer::add_param_group(param_group);
+  if (param_group.has_options()) param_groups_.back().set_options(group_options(param_group.options()));
+  groups_kept_ = param_groups_.size();
+}
+
+PERF_INLINE void FusedOptimizer::keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given) {
+  TORCH_INTERNAL_ASSERT(given.size() == param_groups_.size());
+  for (size_t g = 0; g < given.size(); ++g) {
+    if (given[g].has_options()) param_groups_[g].set_options(group_options(given[g].options()));
+  }
+  groups_kept_ = param_groups_.size();
+}
+
 PERF_INLINE void FusedOptimizer::check_groups() const {
+  // A group torch::optim::Optimizer::add_param_group added (through a torch::optim::Optimizer&): since LibTorch
+  // 2.12 its options are a copy of the defaults, whatever it was given. Said once per such group.
+  if (detail::torch_merges_group_options && param_groups_.size() > groups_kept_) {
+    TORCH_WARN(name_, ": param group ", groups_kept_,
+               param_groups_.size() - groups_kept_ > 1 ? " and later ones were" : " was",
+               " added through torch::optim::Optimizer::add_param_group, which since LibTorch 2.12 gives a group of an "
+               "optimizer that is not one of torch::optim's own a copy of the optimizer's defaults: options given "
+               "with the group were dropped. Call add_param_group on the perf optimizer itself (",
+               "perf::optim::FusedOptimizer&, not torch::optim::Optimizer&) to keep them.");
+  }
+  groups_kept_ = param_groups_.size();
   for (size_t g = 0; g < param_groups_.size(); ++g) check_options(param_groups_[g].options(), g);
 }
 
@@ -773,7 +798,28 @@ PERF_INLINE SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param
             return param_groups;
           }(),
           std::make_unique<SGDOptions>(defaults)) {
+  keep_group_options(param_groups);
   init_flat(defaults.flat().value_or(false), "perf::optim::SGD");  // checks every group's options first
+}
+
+PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::group_options(
+    const torch::optim::OptimizerOptions& given) const {
+  const auto* o = dynamic_cast<const SGDOptions*>(&given);
+  if (o == nullptr) return given.clone();
+  SGDOptions kept = *o;
+  if constexpr (detail::torch_merges_group_options) {
+    const SGDOptions unset(1e-3);  // SGDOptions has no default lr: LibTorch compares with 1e-3
+    kept = static_cast<const SGDOptions&>(defaults());
+    if (o->lr() != unset.lr()) kept.lr(o->lr());
+    if (o->momentum() != unset.momentum()) kept.momentum(o->momentum());
+    if (o->dampening() != unset.dampening()) kept.dampening(o->dampening());
+    if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+    if (o->nesterov() != unset.nesterov()) kept.nesterov(o->nesterov());
+    if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
+    if (o->fused()) kept.fused(o->fused());
+    if (o->flat()) kept.flat(o->flat());
+  }
+  return std::make_unique<SGDOptions>(kept);
 }
 
 PERF_INLINE void SGD::check_options(const torch::optim::OptimizerOptions& o, size_t g) const {

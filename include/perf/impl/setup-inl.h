@@ -72,18 +72,14 @@ PERF_INLINE int compute_capability([[maybe_unused]] int device) {
   return 0;
 }
 
+// LibTorch's own names ("none", "ieee", "tf32", "bf16"; later versions add more, e.g. 2.15's "bfx9"), so that a
+// precision a newer LibTorch adds prints as Python's torch.backends prints it.
 PERF_INLINE std::string precision_name(at::Float32Precision p) {
-  switch (p) {
-    case at::Float32Precision::NONE:
-      return "none";
-    case at::Float32Precision::IEEE:
-      return "ieee";
-    case at::Float32Precision::TF32:
-      return "tf32";
-    case at::Float32Precision::BF16:
-      return "bf16";
+  try {
+    return at::precision2str(p);
+  } catch (const c10::Error&) {  // a value LibTorch keeps internal (2.15's DEFAULT, which its getters resolve)
+    return "internal value " + std::to_string(static_cast<int>(p));
   }
-  return "?";
 }
 
 PERF_INLINE std::string matmul_precision_name(at::Float32MatmulPrecision p) {
