@@ -609,9 +609,18 @@ class SafeCUDAGraph : public at::cuda::CUDAGraph {
       if (partial != nullptr) (void)cudaGraphDestroy(partial);
     }
     (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
     // What CUDAGeneratorState::capture_epilogue() does (it is not exported):
     // the generator leaves capture mode; the graph's offset increment is moot.
     for (auto& entry : captured_generator_states_) entry.first->capturing_ = false;
+#else
+    // LibTorch 2.12+ keeps a generator's capture state per capture: what
+    // CUDAGeneratorState::remove_capture_state() (not exported) does for it.
+    for (auto& entry : captured_generator_states_) {
+      std::lock_guard<std::mutex> lock(entry.first->capture_states_mutex_);
+      entry.first->capture_states_.erase(capture_id_);
+    }
+#endif
     try {  // throws if capture_end() already stopped the routing
       c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
     } catch (const std::exception&) {
@@ -631,7 +640,9 @@ class SafeCUDAGraph : public at::cuda::CUDAGraph {
     if (cudaStreamIsCapturing(capture_stream_.stream(), &status) != cudaSuccess ||
         status != cudaStreamCaptureStatusNone)
       healthy = false;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
     for (auto& entry : captured_generator_states_) healthy = healthy && !entry.first->capturing_;
+#endif
     return healthy;
   }
 };
