@@ -259,7 +259,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   virtual std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const = 0;
   // The options a param group given options `given` keeps (see add_param_group); of another type than the
   // optimizer's, `given` as it is, so that check_options names the type.
-  virtual std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+  virtual std::unique_ptr<torch::optim::OptimizerOptions> kept_options(
       const torch::optim::OptimizerOptions& given) const = 0;
   // After torch::optim::Optimizer's constructor: the groups' own options back in place (see add_param_group).
   void keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given);
@@ -344,7 +344,7 @@ class AdamT : public SerializableFusedOptimizer<AdamParamState, AdamOptionsT<Dec
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const Options&>(o).flat();
   }
-  std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+  std::unique_ptr<torch::optim::OptimizerOptions> kept_options(
       const torch::optim::OptimizerOptions& given) const override;
   void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
@@ -380,7 +380,7 @@ class SGD : public SerializableFusedOptimizer<SGDParamState, SGDOptions> {
   std::optional<bool> flat_option(const torch::optim::OptimizerOptions& o) const override {
     return static_cast<const SGDOptions&>(o).flat();
   }
-  PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> group_options(
+  PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> kept_options(
       const torch::optim::OptimizerOptions& given) const override;
   PERF_INLINE void check_options(const torch::optim::OptimizerOptions& o, size_t g) const override;
   void add_step_constants(const torch::optim::OptimizerOptions& options, size_t g,
@@ -669,14 +669,15 @@ AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
 }
 
 template <bool D>
-std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::group_options(
+std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::kept_options(
     const torch::optim::OptimizerOptions& given) const {
   const auto* o = dynamic_cast<const Options*>(&given);
   if (o == nullptr) return given.clone();
-  Options kept = *o;
-  if constexpr (detail::torch_merges_group_options) {
+  if constexpr (!detail::torch_merges_group_options) {
+    return std::make_unique<Options>(*o);
+  } else {
     const Options unset;  // what a group's option left alone reads as
-    kept = static_cast<const Options&>(this->defaults());
+    Options kept = static_cast<const Options&>(this->defaults());
     if (o->lr() != unset.lr()) kept.lr(o->lr());
     if (o->betas() != unset.betas()) kept.betas(o->betas());
     if (o->eps() != unset.eps()) kept.eps(o->eps());
@@ -685,8 +686,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::group_options(
     if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
     if (o->fused()) kept.fused(o->fused());
     if (o->flat()) kept.flat(o->flat());
+    return std::make_unique<Options>(kept);
   }
-  return std::make_unique<Options>(kept);
 }
 
 template <bool D>

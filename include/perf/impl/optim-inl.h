@@ -331,14 +331,14 @@ PERF_INLINE void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>&
 
 PERF_INLINE void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
   torch::optim::Optimizer::add_param_group(param_group);
-  if (param_group.has_options()) param_groups_.back().set_options(group_options(param_group.options()));
+  if (param_group.has_options()) param_groups_.back().set_options(kept_options(param_group.options()));
   groups_kept_ = param_groups_.size();
 }
 
 PERF_INLINE void FusedOptimizer::keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given) {
   TORCH_INTERNAL_ASSERT(given.size() == param_groups_.size());
   for (size_t g = 0; g < given.size(); ++g) {
-    if (given[g].has_options()) param_groups_[g].set_options(group_options(given[g].options()));
+    if (given[g].has_options()) param_groups_[g].set_options(kept_options(given[g].options()));
   }
   groups_kept_ = param_groups_.size();
 }
@@ -802,14 +802,15 @@ PERF_INLINE SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param
   init_flat(defaults.flat().value_or(false), "perf::optim::SGD");  // checks every group's options first
 }
 
-PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::group_options(
+PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::kept_options(
     const torch::optim::OptimizerOptions& given) const {
   const auto* o = dynamic_cast<const SGDOptions*>(&given);
   if (o == nullptr) return given.clone();
-  SGDOptions kept = *o;
-  if constexpr (detail::torch_merges_group_options) {
+  if constexpr (!detail::torch_merges_group_options) {
+    return std::make_unique<SGDOptions>(*o);
+  } else {
     const SGDOptions unset(1e-3);  // SGDOptions has no default lr: LibTorch compares with 1e-3
-    kept = static_cast<const SGDOptions&>(defaults());
+    SGDOptions kept = static_cast<const SGDOptions&>(defaults());
     if (o->lr() != unset.lr()) kept.lr(o->lr());
     if (o->momentum() != unset.momentum()) kept.momentum(o->momentum());
     if (o->dampening() != unset.dampening()) kept.dampening(o->dampening());
@@ -818,8 +819,8 @@ PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::group_options(
     if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
     if (o->fused()) kept.fused(o->fused());
     if (o->flat()) kept.flat(o->flat());
+    return std::make_unique<SGDOptions>(kept);
   }
-  return std::make_unique<SGDOptions>(kept);
 }
 
 PERF_INLINE void SGD::check_options(const torch::optim::OptimizerOptions& o, size_t g) const {
