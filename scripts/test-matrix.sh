@@ -5,13 +5,23 @@
 # be refused by CMake with the floor message; that counts as the expected
 # result for them.
 #
-#   bash scripts/test-matrix.sh [version...]     default: 2.11.0
+#   bash scripts/test-matrix.sh [--cuda] [version...]     default: 2.11.0
 #
-# The suite is built with PERF_WITH_CUDA=OFF (a CPU build) so that a wheel
-# whose CUDA differs from the local toolkit still builds; the CUDA build of
-# the supported version is what scripts/test.sh (CI) runs.
+# The suite is built with PERF_WITH_CUDA=OFF (a CPU build, in build-matrix/X)
+# so that a wheel whose CUDA differs from the local toolkit still builds; the
+# CUDA build of the supported version is what scripts/test.sh (CI) runs.
+# --cuda builds as CI's CUDA suite does instead (PERF_WITH_CUDA=ON, examples
+# and benchmarks as one translation unit, in build-matrix/X-cuda) and runs its
+# tests: on a machine without a GPU that checks that perf's CUDA code compiles
+# and links against that LibTorch and that the CPU tests pass there (the GPU
+# tests skip).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+variant=cpu
+if [[ ${1:-} == --cuda ]]; then
+  variant=cuda
+  shift
+fi
 versions=("$@")
 ((${#versions[@]})) || versions=(2.11.0)
 floor=$(sed -n 's/^set(PERF_MIN_TORCH_VERSION \([0-9.]*\)).*/\1/p' cmake/perfTorch.cmake)
@@ -20,11 +30,15 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 results=()
 for v in "${versions[@]}"; do
   echo "== LibTorch $v"
-  dir=build-matrix/$v
-  log=build-matrix/$v.log
+  dir=build-matrix/$v log=build-matrix/$v.log label=$v
+  build_args=(-DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF)
+  if [[ $variant == cuda ]]; then
+    dir=build-matrix/$v-cuda log=build-matrix/$v-cuda.log label="$v (CUDA build)"
+    build_args=(-DPERF_WITH_CUDA=ON -DPERF_BUILD_EXAMPLES=ON -DPERF_BUILD_BENCH=ON -DPERF_PROGRAMS_UNITY=ON)
+  fi
   mkdir -p build-matrix
   if ! prefix=$(PERF_TORCH_VERSION=$v bash scripts/bootstrap.sh 2>"$log" | tail -n 1) || [ -z "$prefix" ]; then
-    results+=("| $v | install failed (see $log) |")
+    results+=("| $label | install failed (see $log) |")
     continue
   fi
   # The linker resolves libtorch_cuda's own dependencies (NCCL, cuDNN, ...) in the -rpath folders first, where
@@ -32,24 +46,24 @@ for v in "${versions[@]}"; do
   # then fails to link ("undefined reference to ncclCommGrow"). The wheel's own libraries come first.
   wheel_libs=$(compgen -G "$prefix/../../../nvidia/*/lib" | paste -sd: -)
   if ! cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-      -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF \
+      -DCMAKE_CXX_COMPILER_LAUNCHER=ccache "${build_args[@]}" \
       ${wheel_libs:+"-DCMAKE_EXE_LINKER_FLAGS=-Wl,-rpath-link,$wheel_libs"} >>"$log" 2>&1; then
     if grep -q "perf needs LibTorch >= $floor" "$log"; then
-      results+=("| $v | refused by CMake (below the floor $floor), as expected |")
+      results+=("| $label | refused by CMake (below the floor $floor), as expected |")
     else
-      results+=("| $v | configure FAILED (see $log) |")
+      results+=("| $label | configure FAILED (see $log) |")
     fi
     continue
   fi
   if ! cmake --build "$dir" -j "$(nproc)" >>"$log" 2>&1; then
-    results+=("| $v | build FAILED (see $log) |")
+    results+=("| $label | build FAILED (see $log) |")
     continue
   fi
   if (cd "$dir" && ctest -j "$(nproc)" --output-on-failure >>"../../$log" 2>&1); then
     summary=$(grep -E "tests passed" "$log" | tail -n 1)
-    results+=("| $v | $summary |")
+    results+=("| $label | $summary |")
   else
-    results+=("| $v | tests FAILED: $(grep -E 'tests passed' "$log" | tail -n 1) (see $log) |")
+    results+=("| $label | tests FAILED: $(grep -E 'tests passed' "$log" | tail -n 1) (see $log) |")
   fi
 done
 echo
