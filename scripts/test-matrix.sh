@@ -5,7 +5,7 @@
 # be refused by CMake with the floor message; that counts as the expected
 # result for them.
 #
-#   bash scripts/test-matrix.sh [--cuda] [version...]     default: 2.11.0
+#   bash scripts/test-matrix.sh [--cuda | --asan] [version...]     default: 2.11.0
 #
 # The suite is built with PERF_WITH_CUDA=OFF (a CPU build, in build-matrix/X)
 # so that a wheel whose CUDA differs from the local toolkit still builds; the
@@ -14,14 +14,16 @@
 # and benchmarks as one translation unit, in build-matrix/X-cuda) and runs its
 # tests: on a machine without a GPU that checks that perf's CUDA code compiles
 # and links against that LibTorch and that the CPU tests pass there (the GPU
-# tests skip).
+# tests skip). --asan builds as CI's sanitizer suite does (the CPU build under
+# AddressSanitizer + UndefinedBehaviorSanitizer, linked to perf::perf_static,
+# in build-matrix/X-asan).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 variant=cpu
-if [[ ${1:-} == --cuda ]]; then
-  variant=cuda
-  shift
-fi
+case ${1:-} in
+  --cuda | --asan) variant=${1#--}; shift ;;
+  --*) echo "test-matrix.sh: unknown option $1 (valid: --cuda, --asan, then versions)" >&2; exit 2 ;;
+esac
 versions=("$@")
 ((${#versions[@]})) || versions=(2.11.0)
 floor=$(sed -n 's/^set(PERF_MIN_TORCH_VERSION \([0-9.]*\)).*/\1/p' cmake/perfTorch.cmake)
@@ -32,10 +34,15 @@ for v in "${versions[@]}"; do
   echo "== LibTorch $v"
   dir=build-matrix/$v log=build-matrix/$v.log label=$v
   build_args=(-DPERF_WITH_CUDA=OFF -DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF)
-  if [[ $variant == cuda ]]; then
-    dir=build-matrix/$v-cuda log=build-matrix/$v-cuda.log label="$v (CUDA build)"
-    build_args=(-DPERF_WITH_CUDA=ON -DPERF_BUILD_EXAMPLES=ON -DPERF_BUILD_BENCH=ON -DPERF_PROGRAMS_UNITY=ON)
-  fi
+  case $variant in
+    cuda)
+      dir=build-matrix/$v-cuda log=build-matrix/$v-cuda.log label="$v (CUDA build)"
+      build_args=(-DPERF_WITH_CUDA=ON -DPERF_BUILD_EXAMPLES=ON -DPERF_BUILD_BENCH=ON -DPERF_PROGRAMS_UNITY=ON) ;;
+    asan)  # as scripts/test.sh's asan suite
+      dir=build-matrix/$v-asan log=build-matrix/$v-asan.log label="$v (ASan + UBSan build)"
+      build_args+=(-DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON
+                   -DCMAKE_CXX_FLAGS=-D_GLIBCXX_ASSERTIONS) ;;
+  esac
   mkdir -p build-matrix
   if ! prefix=$(PERF_TORCH_VERSION=$v bash scripts/bootstrap.sh 2>"$log" | tail -n 1) || [ -z "$prefix" ]; then
     results+=("| $label | install failed (see $log) |")
