@@ -5,7 +5,7 @@
 # be refused by CMake with the floor message; that counts as the expected
 # result for them.
 #
-#   bash scripts/test-matrix.sh [--cuda | --asan] [version...]     default: 2.11.0
+#   bash scripts/test-matrix.sh [--cuda | --asan | --tsan] [version...]     default: 2.11.0
 #
 # The suite is built with PERF_WITH_CUDA=OFF (a CPU build, in build-matrix/X)
 # so that a wheel whose CUDA differs from the local toolkit still builds; the
@@ -16,13 +16,14 @@
 # and links against that LibTorch and that the CPU tests pass there (the GPU
 # tests skip). --asan builds as CI's sanitizer suite does (the CPU build under
 # AddressSanitizer + UndefinedBehaviorSanitizer, linked to perf::perf_static,
-# in build-matrix/X-asan).
+# in build-matrix/X-asan), --tsan its ThreadSanitizer build of the threaded
+# suites (in build-matrix/X-tsan).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 variant=cpu
 case ${1:-} in
-  --cuda | --asan) variant=${1#--}; shift ;;
-  --*) echo "test-matrix.sh: unknown option $1 (valid: --cuda, --asan, then versions)" >&2; exit 2 ;;
+  --cuda | --asan | --tsan) variant=${1#--}; shift ;;
+  --*) echo "test-matrix.sh: unknown option $1 (valid: --cuda, --asan, --tsan, then versions)" >&2; exit 2 ;;
 esac
 versions=("$@")
 ((${#versions[@]})) || versions=(2.11.0)
@@ -42,6 +43,9 @@ for v in "${versions[@]}"; do
       dir=build-matrix/$v-asan log=build-matrix/$v-asan.log label="$v (ASan + UBSan build)"
       build_args+=(-DPERF_SANITIZE=address,undefined -DPERF_TESTS_SEPARATE_COMPILATION=ON
                    -DCMAKE_CXX_FLAGS=-D_GLIBCXX_ASSERTIONS) ;;
+    tsan)  # as scripts/test.sh's tsan suite: CUDA as LibTorch reports it
+      dir=build-matrix/$v-tsan log=build-matrix/$v-tsan.log label="$v (TSan build)"
+      build_args=(-DPERF_BUILD_EXAMPLES=OFF -DPERF_BUILD_BENCH=OFF -DPERF_SANITIZE=thread) ;;
   esac
   mkdir -p build-matrix
   if ! prefix=$(PERF_TORCH_VERSION=$v bash scripts/bootstrap.sh 2>"$log" | tail -n 1) || [ -z "$prefix" ]; then
