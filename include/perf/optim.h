@@ -672,22 +672,19 @@ template <bool D>
 std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::kept_options(
     const torch::optim::OptimizerOptions& given) const {
   const auto* o = dynamic_cast<const Options*>(&given);
-  if (o == nullptr) return given.clone();
-  if constexpr (!detail::torch_merges_group_options) {
-    return std::make_unique<Options>(*o);
-  } else {
-    const Options unset;  // what a group's option left alone reads as
-    Options kept = static_cast<const Options&>(this->defaults());
-    if (o->lr() != unset.lr()) kept.lr(o->lr());
-    if (o->betas() != unset.betas()) kept.betas(o->betas());
-    if (o->eps() != unset.eps()) kept.eps(o->eps());
-    if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
-    if (o->amsgrad() != unset.amsgrad()) kept.amsgrad(o->amsgrad());
-    if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
-    if (o->fused()) kept.fused(o->fused());
-    if (o->flat()) kept.flat(o->flat());
-    return std::make_unique<Options>(kept);
-  }
+  // Of another type (check_options names it), or LibTorch 2.11: the group's options as given.
+  if (o == nullptr || !detail::torch_merges_group_options) return given.clone();
+  const Options unset;  // what a group's option left alone reads as
+  Options kept = static_cast<const Options&>(this->defaults());
+  if (o->lr() != unset.lr()) kept.lr(o->lr());
+  if (o->betas() != unset.betas()) kept.betas(o->betas());
+  if (o->eps() != unset.eps()) kept.eps(o->eps());
+  if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+  if (o->amsgrad() != unset.amsgrad()) kept.amsgrad(o->amsgrad());
+  if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
+  if (o->fused()) kept.fused(o->fused());
+  if (o->flat()) kept.flat(o->flat());
+  return std::make_unique<Options>(kept);
 }
 
 template <bool D>

@@ -805,22 +805,19 @@ PERF_INLINE SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param
 PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::kept_options(
     const torch::optim::OptimizerOptions& given) const {
   const auto* o = dynamic_cast<const SGDOptions*>(&given);
-  if (o == nullptr) return given.clone();
-  if constexpr (!detail::torch_merges_group_options) {
-    return std::make_unique<SGDOptions>(*o);
-  } else {
-    const SGDOptions unset(1e-3);  // SGDOptions has no default lr: LibTorch compares with 1e-3
-    SGDOptions kept = static_cast<const SGDOptions&>(defaults());
-    if (o->lr() != unset.lr()) kept.lr(o->lr());
-    if (o->momentum() != unset.momentum()) kept.momentum(o->momentum());
-    if (o->dampening() != unset.dampening()) kept.dampening(o->dampening());
-    if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
-    if (o->nesterov() != unset.nesterov()) kept.nesterov(o->nesterov());
-    if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
-    if (o->fused()) kept.fused(o->fused());
-    if (o->flat()) kept.flat(o->flat());
-    return std::make_unique<SGDOptions>(kept);
-  }
+  // Of another type (check_options names it), or LibTorch 2.11: the group's options as given.
+  if (o == nullptr || !detail::torch_merges_group_options) return given.clone();
+  const SGDOptions unset(1e-3);  // SGDOptions has no default lr: LibTorch compares with 1e-3
+  SGDOptions kept = static_cast<const SGDOptions&>(defaults());
+  if (o->lr() != unset.lr()) kept.lr(o->lr());
+  if (o->momentum() != unset.momentum()) kept.momentum(o->momentum());
+  if (o->dampening() != unset.dampening()) kept.dampening(o->dampening());
+  if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+  if (o->nesterov() != unset.nesterov()) kept.nesterov(o->nesterov());
+  if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
+  if (o->fused()) kept.fused(o->fused());
+  if (o->flat()) kept.flat(o->flat());
+  return std::make_unique<SGDOptions>(kept);
 }
 
 PERF_INLINE void SGD::check_options(const torch::optim::OptimizerOptions& o, size_t g) const {
