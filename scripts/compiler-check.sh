@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Configures perf's CUDA build (as scripts/test.sh's build/) with other GCC
-# versions and compiles every translation unit (the library, the tests, the
-# benchmarks, the examples, the per-header checks) the way Ubuntu's g++ builds
-# by default (_FORTIFY_SOURCE=3, stack protector, CET), under the project's own
-# -Werror flags for that compiler. GPU machines run Ubuntu's g++ 13, which this
-# Debian host does not have: a warning only g++ 13 gives would otherwise first
-# show up as a failed build on a lent GPU. Nothing is linked or run.
+# and clang versions and compiles every translation unit (the library, the
+# tests, the benchmarks, the examples, the per-header checks) the way Ubuntu's
+# g++ builds by default (_FORTIFY_SOURCE=3, stack protector, CET), under the
+# project's own -Werror flags for that compiler. GPU machines run Ubuntu's g++
+# 13, which this Debian host does not have: a warning only g++ 13 gives would
+# otherwise first show up as a failed build on a lent GPU; and a user on a
+# newer clang than this host's 14 (Ubuntu 24.04's 18, Debian 13's 19) compiles
+# perf's headers with that one's warnings. Nothing is linked or run.
 #
-#   sudo bash scripts/compiler-check.sh [--compilers g++-13[,g++-14]]
+#   sudo bash scripts/compiler-check.sh [--compilers g++-13[,g++-14,clang++-18,clang++-19]]
 #
 # The compilers live in a Debian trixie chroot (PERF_CHROOT, default
 # /opt/perf-trixie; debootstrap makes it once: about a minute, 1 GB, 1.2 GB
@@ -16,15 +18,16 @@
 # headers and the build directory are bind-mounted at the same paths; so CMake
 # sees the real compiler and version (PERF_WARNINGS' per-version flags apply),
 # and the chroot's own GoogleTest, Benchmark and CLI11 headers stand in for the
-# host's. Needs root, debootstrap and the Debian mirror. The build directories
-# are temporary.
+# host's. clang++-N comes from Debian's clang-N package and compiles against the
+# chroot's libstdc++ (GCC 14's). Needs root, debootstrap and the Debian mirror.
+# The build directories are temporary.
 source "$(dirname "$0")/common.sh"  # LibTorch (PERF_TORCH_PREFIX), perf_configure
 set +e
 compilers=g++-13
 while (($#)); do
   case $1 in
     --compilers) compilers=${2:?--compilers needs a list, e.g. g++-13,g++-14}; shift 2 ;;
-    *) echo "compiler-check: unknown argument $1 (valid: --compilers g++-13,g++-14)" >&2; exit 2 ;;
+    *) echo "compiler-check: unknown argument $1 (valid: --compilers g++-13,g++-14,clang++-19)" >&2; exit 2 ;;
   esac
 done
 fail() { echo "compiler-check: $*" >&2; exit 2; }
@@ -32,8 +35,10 @@ root=${PERF_CHROOT:-/opt/perf-trixie}
 ((EUID == 0)) || fail "needs root (chroot and bind mounts): run it with sudo"
 IFS=, read -r -a ccs <<<"$compilers"
 for cc in "${ccs[@]}"; do
-  [[ $cc =~ ^g\+\+-[0-9]+$ ]] || fail "unknown compiler '$cc' in --compilers (valid: g++-N, a Debian trixie package)"
+  [[ $cc =~ ^(g|clang)\+\+-[0-9]+$ ]] ||
+    fail "unknown compiler '$cc' in --compilers (valid: g++-N or clang++-N of a Debian trixie package)"
 done
+package() { [[ $1 == clang* ]] && echo "clang-${1#clang++-}" || echo "$1"; }  # clang++-19 is in clang-19
 
 if [ ! -x "$root/usr/bin/apt-get" ]; then
   command -v debootstrap >/dev/null || fail "debootstrap not found (apt install debootstrap)"
@@ -43,7 +48,7 @@ if [ ! -x "$root/usr/bin/apt-get" ]; then
     fail "debootstrap failed (see ${TMPDIR:-/tmp}/perf-debootstrap.log)"
 fi
 missing=()
-for cc in "${ccs[@]}"; do [ -x "$root/usr/bin/$cc" ] || missing+=("$cc"); done
+for cc in "${ccs[@]}"; do [ -x "$root/usr/bin/$cc" ] || missing+=("$(package "$cc")"); done
 if ((${#missing[@]})); then
   chroot "$root" bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ${missing[*]}" \
     >/dev/null 2>&1 || fail "could not install ${missing[*]} in $root"
@@ -81,8 +86,9 @@ exec chroot $root /bin/bash -c 'cd "\$0" && exec $cc "\$@"' "\$PWD" "\$@"
 EOF
   chmod +x "$wrapper"
   start=$(date +%s)
-  # As scripts/test.sh configures, without ccache (a throwaway build).
-  if ! perf_configure "$dir" -DCMAKE_CXX_COMPILER_LAUNCHER= -DCMAKE_CXX_COMPILER="$wrapper" \
+  # As scripts/test.sh configures, without ccache (a throwaway build). With a clang++, LibTorch's CMake config makes
+  # it nvcc's host compiler too (its CUDA check): nvcc's temporary files then go to $work, which the chroot sees.
+  if ! TMPDIR=$work perf_configure "$dir" -DCMAKE_CXX_COMPILER_LAUNCHER= -DCMAKE_CXX_COMPILER="$wrapper" \
       -DCMAKE_CXX_FLAGS="$hardening" >"$work/configure-$cc.log" 2>&1; then
     status=1
     echo "   configure FAILED:"; tail -15 "$work/configure-$cc.log" | sed 's/^/     /'

@@ -336,7 +336,9 @@ PERF_INLINE void FusedOptimizer::add_param_group(const torch::optim::OptimizerPa
 }
 
 PERF_INLINE void FusedOptimizer::keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given) {
-  TORCH_INTERNAL_ASSERT(given.size() == param_groups_.size());
+  // With a message: a bare condition passes nothing for the macro's `...`, which clang's -Wpedantic refuses in C++17.
+  TORCH_INTERNAL_ASSERT(given.size() == param_groups_.size(), "perf::optim: ", given.size(),
+                        " param groups given but the optimizer holds ", param_groups_.size());
   for (size_t g = 0; g < given.size(); ++g) {
     if (given[g].has_options()) param_groups_[g].set_options(kept_options(given[g].options()));
   }
