@@ -204,6 +204,7 @@ PERF_INLINE std::vector<Stats> compare(const std::vector<std::pair<std::string, 
   }
   auto d = detail::time_round_robin(fns, options);
   std::vector<Stats> out;
+  out.reserve(d.size());
   for (size_t k = 0; k < d.size(); ++k)
     out.push_back(Stats::from(std::move(d[k]), configurations[k].first, options.items_per_call()));
   return out;

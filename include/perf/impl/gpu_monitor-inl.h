@@ -78,6 +78,7 @@ PERF_INLINE void GpuMonitor::loop() {
 PERF_INLINE std::vector<std::vector<GpuSample>> GpuMonitor::samples() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::vector<GpuSample>> out;
+  out.reserve(samples_.size());
   for (const auto& d : samples_) out.emplace_back(d.begin(), d.end());
   return out;
 }

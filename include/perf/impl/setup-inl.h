@@ -718,6 +718,7 @@ PERF_INLINE std::vector<std::pair<std::string, std::string>> read_flags() {
   const Settings s;
   const auto values = read_values(make_plan(s));
   std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(values.size());
   for (size_t i = 0; i < values.size(); ++i) out.emplace_back(entries()[i].name, values[i]);
   return out;
 }
