@@ -93,10 +93,11 @@ static int bench_amp_main(int argc, char** argv) {
       std::cout << "causal scaled_dot_product_attention, forward + backward, batch " << b << ", " << h << " heads, "
                 << t << " tokens, head size " << d << ", under perf::Autocast(kCPU, kBFloat16)\n"
                 << perf::Stats::header() << "\n";
-      const auto stats = perf::compare({{"bf16 (LibTorch's autocast)", step_in("autocast")},
-                                        {"fp32 inside", step_in("float32")},
-                                        {"perf default (fastest)", step_in("fastest")}},
-                                       perf::BenchOptions().warmup(warmup).iters(iters * 2).items_per_call(b * h));
+      const auto stats = perf::compare(
+          {{"bf16 (LibTorch's autocast)", step_in("autocast")},
+           {"fp32 inside", step_in("float32")},
+           {"perf default (fastest)", step_in("fastest")}},
+          perf::BenchOptions().warmup(warmup).iters(iters * 2).items_per_call(static_cast<double>(b * h)));
       for (const auto& st : stats) std::cout << st << "\n";
       std::cout << std::fixed << std::setprecision(2)
                 << "perf default vs LibTorch's autocast: " << stats[0].median_ms / stats[2].median_ms << "x\n\n";

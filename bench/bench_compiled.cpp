@@ -70,7 +70,10 @@ static void profile_rows(const std::vector<std::pair<std::string, std::function<
       std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.self_us > b.self_us; });
       int64_t n = 0;
       double us = 0;
-      for (const auto& o : ops) n += o.calls, us += o.self_us;
+      for (const auto& o : ops) {
+        n += o.calls;
+        us += o.self_us;
+      }
       std::cout << "profile of " << name << " at batch " << batch << ": " << std::fixed << std::setprecision(1)
                 << static_cast<double>(n) / calls << " " << on << " operations a call, " << us / calls
                 << " us of their time a call (" << calls << " calls)\n";

@@ -132,8 +132,8 @@ static int bench_data_main(int argc, char** argv) {
     ry = b.target.to(device);
   }
   std::cout << "training loop on " << device << ": batch " << gpu_batch << " of uint8 3x" << gpu_image << "x"
-            << gpu_image << " (" << std::fixed << std::setprecision(1) << rx.nbytes() / 1e6 << " MB), " << gpu_batches
-            << " batches per epoch, 2 convolutions + SGD (items/s = batches/s)\n";
+            << gpu_image << " (" << std::fixed << std::setprecision(1) << static_cast<double>(rx.nbytes()) / 1e6
+            << " MB), " << gpu_batches << " batches per epoch, 2 convolutions + SGD (items/s = batches/s)\n";
   const auto gopts =
       perf::BenchOptions().warmup(1).iters(epochs).items_per_call(static_cast<double>(gpu_batches)).device(device);
   const auto resident = perf::benchmark(
@@ -163,8 +163,9 @@ static int bench_data_main(int argc, char** argv) {
   const auto h2d = perf::compare(
       "pageable H2D", [&] { dst.copy_(pageable); }, "pinned H2D", [&] { dst.copy_(pinned, /*non_blocking=*/true); },
       perf::BenchOptions().warmup(2).iters(10).device(device));
-  std::cout << h2d << std::setprecision(1) << "pageable " << pageable.nbytes() / (h2d.a.median_ms * 1e6)
-            << " GB/s, pinned " << pinned.nbytes() / (h2d.b.median_ms * 1e6) << " GB/s\n";
+  std::cout << h2d << std::setprecision(1) << "pageable "
+            << static_cast<double>(pageable.nbytes()) / (h2d.a.median_ms * 1e6) << " GB/s, pinned "
+            << static_cast<double>(pinned.nbytes()) / (h2d.b.median_ms * 1e6) << " GB/s\n";
   return 0;
 }
 

@@ -78,9 +78,9 @@ static int bench_ddp_main(int argc, char** argv) {
       {{"per-param all-reduce", manual_step}, {"perf DDP", ddp_step}, {"no communication", local_step}}, opts);
   if (rank == 0) {
     std::cout << "ResNet-style CNN (width " << width << "), " << numel << " parameters (" << std::fixed
-              << std::setprecision(1) << numel * 4 / 1e6 << " MB of gradients), batch " << batch << " per rank, "
-              << image << "x" << image << ", " << world << " ranks on " << device << " (" << pg->getBackendName()
-              << "), " << at::get_num_threads() << " threads per rank; items/s = images/s "
+              << std::setprecision(1) << static_cast<double>(numel * 4) / 1e6 << " MB of gradients), batch " << batch
+              << " per rank, " << image << "x" << image << ", " << world << " ranks on " << device << " ("
+              << pg->getBackendName() << "), " << at::get_num_threads() << " threads per rank; items/s = images/s "
               << "across ranks; " << ddp.buckets().size() << " DDP buckets\n\n"
               << perf::Stats::header();
     for (const auto& st : s) std::cout << st;

@@ -27,11 +27,11 @@ constexpr int64_t kFeatures = 64, kClasses = 10;
 // The C++ twin of examples/compiled_train.py's Net: the same parameter names
 // and shapes (the package checks them), the same forward (used for inference).
 struct NetImpl : torch::nn::Module {
-  explicit NetImpl(int64_t hidden = 256, double p = 0.1)
+  explicit NetImpl(int64_t hidden = 256, double dropout = 0.1)
       : fc1(register_module("fc1", torch::nn::Linear(kFeatures, hidden))),
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})))),
         fc2(register_module("fc2", torch::nn::Linear(hidden, kClasses))),
-        p(p) {}
+        p(dropout) {}
   torch::Tensor forward(const torch::Tensor& x) {
     return fc2(torch::dropout(torch::gelu(norm(fc1(x))), p, is_training()));
   }

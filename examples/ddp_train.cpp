@@ -19,7 +19,7 @@ namespace {
 struct Synthetic : torch::data::datasets::Dataset<Synthetic> {
   explicit Synthetic(size_t n) : n_(n) {}
   torch::data::Example<> get(size_t i) override {
-    auto g = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(i));
+    auto g = at::make_generator<at::CPUGeneratorImpl>(i);
     return {torch::randn({3, 32, 32}, g), torch::tensor(static_cast<int64_t>(i % 10))};
   }
   std::optional<size_t> size() const override { return n_; }

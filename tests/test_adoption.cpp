@@ -40,7 +40,7 @@ using test_util::cat_params;
 
 void train(torch::nn::Module& m, const std::function<torch::Tensor(torch::Tensor)>& fwd, torch::optim::Optimizer& opt,
            int steps, int seed) {
-  torch::manual_seed(seed);
+  torch::manual_seed(static_cast<uint64_t>(seed));
   for (int i = 0; i < steps; ++i) {
     const auto x = torch::randn({8, 16});
     opt.zero_grad();

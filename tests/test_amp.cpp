@@ -353,7 +353,7 @@ void expect_matches_python(const ScalerRun& r, size_t first_line) {
   EXPECT_EQ(r.scales, test_util::parse_numbers(ref[first_line]));
   const auto params = test_util::parse_numbers(ref[first_line + 1]);
   ASSERT_EQ(params.size(), 6u);
-  for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(r.params[i].item<double>(), params[i], 1e-6) << i;
+  for (int64_t i = 0; i < 6; ++i) EXPECT_NEAR(r.params[i].item<double>(), params[static_cast<size_t>(i)], 1e-6) << i;
 }
 
 }  // namespace
@@ -723,7 +723,7 @@ TORCH_MODULE(Probe);
 // A convolution whose calls sleep: first_ms more in its first call in each layout and precision (a stand-in
 // for cuDNN's autotuning), every_ms in every call. Counts the calls each recipe (layout, autocast) gets.
 struct SlowImpl : torch::nn::Module {
-  SlowImpl(int first_ms, int every_ms) : first_ms(first_ms), every_ms(every_ms) {
+  SlowImpl(int first, int every) : first_ms(first), every_ms(every) {
     conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)));
   }
   torch::Tensor forward(const torch::Tensor& x) {

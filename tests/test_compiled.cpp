@@ -46,7 +46,7 @@ Reference reference(const std::string& name, int batch) {
   auto dict = torch::pickle_load(bytes).toGenericDict();
   auto list = [&](const std::string& key) {
     std::vector<at::Tensor> v;
-    for (const auto& t : dict.at(key).toList()) v.push_back(t.get().toTensor());
+    for (const auto t : dict.at(key).toList()) v.push_back(t.get().toTensor());
     return v;
   };
   const auto b = "b" + std::to_string(batch);
@@ -300,7 +300,7 @@ void expect_concurrent_callers_get_their_answers(perf::CompiledModel& mlp) {
   for (size_t t = 0; t < worst.size(); ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 25; ++i) {
-        const int64_t b = 1 + static_cast<int64_t>((t + i) % 5);
+        const int64_t b = 1 + static_cast<int64_t>((t + static_cast<size_t>(i)) % 5);
         worst[t] = std::max(worst[t], max_diff(mlp(ref.in[0].slice(0, 0, b)), ref.out[0].slice(0, 0, b)));
       }
     });

@@ -151,14 +151,18 @@ void expect_each_step_equal(const std::string& name, double tol, bool channels_l
     std::string step_where;
     for (const auto& p : model.named_parameters()) {
       const double d = max_diff(p.value().grad(), grads.at(p.key()).toTensor());
-      if (d > step_grad) step_grad = d, step_where = p.key() + " at step " + std::to_string(i);
+      if (d > step_grad) {
+        step_grad = d;
+        step_where = p.key() + " at step " + std::to_string(i);
+      }
     }
     if (step_grad > tol && kinked < kink_steps) {
       ++kinked;
       worst_kink = std::max(worst_kink, step_grad);
       kinks += " " + step_where;
     } else if (step_grad > worst_grad) {
-      worst_grad = step_grad, where = step_where;
+      worst_grad = step_grad;
+      where = step_where;
     }
     if (i + 1 < ref.steps()) {
       const auto next = ref.dict.at("states").toList().get(i + 1).toGenericDict();
@@ -643,7 +647,7 @@ TEST(CompiledTrain, ExporterPicksTheFasterAttentionPrecisionPerShape) {
       "        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)\n"
       "loss = lambda m, x, y: F.mse_loss(m(x).float(), y)\n"
       "path = e.export_train(Attend(), loss, (torch.randn(16, 64, 128), torch.randn(16, 64, 32)), '" +
-      std::string(dir / "attend.pt2") +
+      dir / "attend.pt2" +
       "', amp='bf16', dynamic_batch=(2, 32))\n"
       "meta = torch._inductor.aoti_load_package(path).get_metadata()\n"
       "print(meta['perf.train.attention'])\n"
@@ -712,9 +716,7 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
         kept.push_back(step->step(x, y));
       }
       sched.step();
-      if (i == 5)
-        memory_after_5 =
-            static_cast<int64_t>(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current);
+      if (i == 5) memory_after_5 = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
     }
     if (mode == 2) {
       EXPECT_TRUE(step->graphed());
@@ -879,7 +881,7 @@ TEST(CompiledTrain, ExporterPlansTheChannelsLastCudaStepAsThePythonWrapperDoes) 
   if (out[0].rfind("skipped:", 0) == 0) GTEST_SKIP() << out[0];
   ASSERT_EQ(out.size(), 6u);
   // fp32, then bf16 with every forward convolution in bf16; one graph each: forward and backward in one step.
-  for (const auto& [first, head] : {std::pair{0, "off 0 1 1 1"}, std::pair{3, "bf16 2 1 1 1"}}) {
+  for (const auto& [first, head] : {std::pair{size_t{0}, "off 0 1 1 1"}, std::pair{size_t{3}, "bf16 2 1 1 1"}}) {
     SCOPED_TRACE(head);
     EXPECT_EQ(out[first], head);
     const auto& stale = out[first + 1];

@@ -950,7 +950,7 @@ TEST(CudaPaths, OnGpuResumedCheckpointFirstStepEqualsEager) {
   {  // train a little and save, as a resumed run's earlier process did
     auto m = make();
     perf::optim::Adam opt(m->parameters(), perf::optim::AdamOptions(1e-2));
-    for (int i = 0; i < 3; ++i) {
+    for (size_t i = 0; i < 3; ++i) {
       opt.zero_grad();
       loss_of(m)(d.xs[i], d.ts[i]).backward();
       opt.step();
@@ -998,6 +998,6 @@ TEST(CudaPaths, OnGpuPrefetchToAMissingDeviceIsAClearError) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
       TensorDataset(8).map(torch::data::transforms::Stack<>()), perf::loader_options(4));
-  const auto n = static_cast<c10::DeviceIndex>(torch::cuda::device_count());
+  const auto n = torch::cuda::device_count();
   PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::Device(torch::kCUDA, n)), "no such CUDA device");
 }

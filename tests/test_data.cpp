@@ -89,7 +89,7 @@ TEST(LoaderOptions, DefaultsAndOverrides) {
 
 TEST(Prefetch, EverySampleExactlyOncePerEpochInOrder) {
   const size_t n = 103;
-  for (size_t workers : {0, 1, 2, 3}) {
+  for (size_t workers : {0u, 1u, 2u, 3u}) {
     auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
         IndexDataset(n).map(torch::data::transforms::Stack<>()),
         perf::loader_options(8, perf::LoaderTuning().workers(workers).drop_last(false)));
@@ -139,7 +139,7 @@ TEST(Prefetch, DropLastAndTinyDatasets) {
 }
 
 TEST(Prefetch, DatasetExceptionReachesTheConsumer) {
-  for (size_t workers : {0, 2}) {
+  for (size_t workers : {0u, 2u}) {
     auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
         IndexDataset(40, /*bad_index=*/13).map(torch::data::transforms::Stack<>()),
         perf::loader_options(4, perf::LoaderTuning().workers(workers)));
@@ -300,7 +300,7 @@ TEST(Prefetch, CpuIsAPassThrough) {
 TEST(Prefetch, OnGpuArrivesOnTheDeviceInOrder) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   const size_t n = 203;
-  for (size_t workers : {0, 2}) {
+  for (size_t workers : {0u, 2u}) {
     auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
         IndexDataset(n).map(torch::data::transforms::Stack<>()),
         perf::loader_options(16, perf::LoaderTuning().workers(workers).drop_last(false)));

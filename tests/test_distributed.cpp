@@ -364,7 +364,7 @@ template <typename Net>
 void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   SCOPED_TRACE(c.name + " on " + std::to_string(pg->getSize()) + " ranks");
   const int rank = pg->getRank(), world = pg->getSize();
-  torch::manual_seed(100 + rank);  // different on every rank: DDP must broadcast rank 0's
+  torch::manual_seed(static_cast<uint64_t>(100 + rank));  // different on every rank: DDP must broadcast rank 0's
   Net model(c.spare);
   torch::manual_seed(100);  // rank 0's initial weights
   Net ref(c.spare);
@@ -376,7 +376,7 @@ void run_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Case& c) {
   perf::GradScaler ref_scaler(perf::GradScalerOptions().enabled(c.scaler).init_scale(1024.0));
   const int64_t b = 6;
   for (int step = 0; step < 10; ++step) {
-    torch::manual_seed(1000 + step);  // the same global batch everywhere
+    torch::manual_seed(static_cast<uint64_t>(1000 + step));  // the same global batch everywhere
     const auto x = torch::randn({c.micro, world * b, 8});
     const auto y = torch::randint(0, 4, {c.micro, world * b});
     clear_ddp_grads(*opt);

@@ -163,7 +163,7 @@ Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false
   if (use_trainstep) {
     perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0], options);
     EXPECT_EQ(step.graphed(), device.is_cuda());
-    for (int i = 0; i < steps; ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<double>());
+    for (size_t i = 0; i < xs.size(); ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<double>());
     if (flat) {  // the replayed (or eager) steps kept every gradient in the flat buffer
       const auto ps = model->parameters();
       for (const auto& p : ps) EXPECT_TRUE(p.grad().is_alias_of(ps.front().grad()));
@@ -172,7 +172,7 @@ Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false
     }
     PERF_EXPECT_THROW_MSG(step.step(torch::randn({8, 16}, device), ts[0]), "static shapes");
   } else {
-    for (int i = 0; i < steps; ++i) {
+    for (size_t i = 0; i < xs.size(); ++i) {
       opt.zero_grad();
       auto loss = loss_fn(xs[i], ts[i]);
       loss.backward();

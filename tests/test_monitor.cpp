@@ -208,7 +208,7 @@ TEST(GpuMonitor, SamplesEveryDeviceAndSummarises) {
     EXPECT_DOUBLE_EQ(g.mean_sm_util, mean);
     EXPECT_EQ(g.max_sm_util, 80.0);
     EXPECT_EQ(g.mem_total, 80ull << 30);
-    EXPECT_EQ(g.max_mem_used, static_cast<uint64_t>(d + 1) << 30);
+    EXPECT_EQ(g.max_mem_used, (d + 1) << 30);
     EXPECT_DOUBLE_EQ(g.mean_sm_clock_mhz, 1980.0);
     EXPECT_DOUBLE_EQ(g.max_power_w, 300.5);
     EXPECT_EQ(g.max_temperature_c, 40u + d);
@@ -310,7 +310,7 @@ TEST(Advise, ThreadsAreJudgedAgainstThisProcessShareOfTheCores) {
   CnnStep step(true, perf::detail::cpu_bf16().native());
   test_util::ScopedJobThreads two_processes(2);
   {
-    ScopedThreads half(share);
+    ScopedThreads half_the_cores(share);
     const auto advice = perf::advise(std::ref(step), perf::AdviseOptions().steps(2).warmup(1));
     EXPECT_FALSE(advice.has("intra-op threads below the physical cores")) << advice;
     EXPECT_FALSE(advice.has("intra-op threads over this process's share of the cores")) << advice;
@@ -443,7 +443,10 @@ TEST(Advise, OnGpuFindsSyncsPageableCopiesPrecisionAndLaunchBoundSteps) {
   const auto cuda = torch::Device(torch::kCUDA);
   // A tiny MLP: many small kernels, an .item() per step, a pageable input copy, fp32 without autocast.
   torch::nn::Sequential mlp;
-  for (int i = 0; i < 8; ++i) mlp->push_back(torch::nn::Linear(64, 64)), mlp->push_back(torch::nn::ReLU());
+  for (int i = 0; i < 8; ++i) {
+    mlp->push_back(torch::nn::Linear(64, 64));
+    mlp->push_back(torch::nn::ReLU());
+  }
   mlp->to(cuda);
   torch::optim::SGD opt(mlp->parameters(), 0.01);
   const auto host_x = torch::randn({32, 64});  // pageable

@@ -30,6 +30,7 @@ constexpr int kSteps = 100;
 struct Problem {
   std::vector<torch::Tensor> params;
   std::vector<std::vector<torch::Tensor>> grads;  // [step][param]
+  const torch::Tensor& grad(int step, size_t param) const { return grads[static_cast<size_t>(step)][param]; }
 };
 
 Problem make_problem() {
@@ -53,9 +54,9 @@ torch::Tensor run(const std::function<std::unique_ptr<torch::optim::Optimizer>(s
     for (size_t i = 0; i < pr.params.size(); ++i) {
       auto& g = pr.params[i].mutable_grad();
       if (in_place && g.defined()) {
-        g.copy_(pr.grads[k][i]);
+        g.copy_(pr.grad(k, i));
       } else {
-        g = pr.grads[k][i].clone();
+        g = pr.grad(k, i).clone();
       }
     }
     opt->step();
@@ -204,7 +205,7 @@ TEST(Optim, StateDictRoundTripResumesBitIdentically) {
     Problem pr = make_problem();
     auto opt = make(pr.params);
     auto feed = [&](std::vector<torch::Tensor>& ps, int k) {
-      for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = pr.grads[k][i].clone();
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = pr.grad(k, i).clone();
     };
     for (int k = 0; k < 10; ++k) {
       feed(pr.params, k);
@@ -513,7 +514,7 @@ TEST(Optim, OnGpuMatchesCpuAndCapturesInACudaGraph) {
     // Static grads for capture: copy each step's values in, replay the captured step.
     for (auto& p : ps) p.mutable_grad() = torch::zeros_like(p);
     auto feed = [&](int k) {
-      for (size_t i = 0; i < ps.size(); ++i) ps[i].grad().copy_(pr.grads[k][i]);
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].grad().copy_(pr.grad(k, i));
     };
     feed(0);
     c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
@@ -583,7 +584,7 @@ void clear_grads(torch::optim::Optimizer& opt) {
 
 // One training step on batch k (the same batches for every optimizer).
 void flat_net_step(FlatNet& net, torch::optim::Optimizer& opt, int k) {
-  torch::manual_seed(1000 + k);
+  torch::manual_seed(static_cast<uint64_t>(1000 + k));
   const auto& w = net->fc->weight;
   const auto x = torch::randn({8, 2, 6, 6}).to(w.device(), w.scalar_type());
   const auto y = torch::randint(0, 3, {8}).to(w.device());
@@ -924,7 +925,7 @@ TEST(OptimFlat, GradScalerSkipsAnInfStepAndClipsTheWholeBuffer) {
     perf::GradScaler scaler(perf::GradScalerOptions().init_scale(256.0));
     Run r;
     for (int k = 0; k < 30; ++k) {
-      torch::manual_seed(1000 + k);
+      torch::manual_seed(static_cast<uint64_t>(1000 + k));
       const auto x = torch::randn({8, 2, 6, 6}), y = torch::randint(0, 3, {8});
       clear_grads(*opt);
       scaler.scale(torch::nn::functional::cross_entropy(net(x), y)).backward();

@@ -602,9 +602,9 @@ TEST(Setup, OnGpuCudaSettingsApply) {
   EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(dev), 0.5);
   EXPECT_EQ(r.at("memory_fraction").reason, "cuda:" + std::to_string(dev));
   // Only that device: the others get no cap (and no CUDA context from perf).
-  for (int d = 0; d < perf::detail::cuda_device_count(); ++d) {
+  for (c10::DeviceIndex d = 0; d < perf::detail::cuda_device_count(); ++d) {
     if (d != dev) {
-      EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(d), 1.0) << d;
+      EXPECT_DOUBLE_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(d), 1.0) << static_cast<int>(d);
     }
   }
   EXPECT_EQ(at::globalContext().allowFP16ReductionCuBLAS(),

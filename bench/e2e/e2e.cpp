@@ -64,7 +64,7 @@ void load_state(torch::nn::Module& module, const std::string& path) {
 }
 
 struct PairDataset : torch::data::datasets::Dataset<PairDataset> {
-  PairDataset(at::Tensor x, at::Tensor y) : x(std::move(x)), y(std::move(y)) {}
+  PairDataset(at::Tensor inputs, at::Tensor targets) : x(std::move(inputs)), y(std::move(targets)) {}
   torch::data::Example<> get(size_t i) override {
     const auto k = static_cast<int64_t>(i);
     return {x[k], y[k]};

@@ -9,8 +9,8 @@
 namespace e2e {
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t d, int64_t heads)
-      : heads(heads),
+  BlockImpl(int64_t d, int64_t n_heads)
+      : heads(n_heads),
         ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
         qkv(register_module("qkv", torch::nn::Linear(d, 3 * d))),
         proj(register_module("proj", torch::nn::Linear(d, d))),

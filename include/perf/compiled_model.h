@@ -236,8 +236,7 @@ class Package {
                   "' was compiled for CUDA, and this process sees no CUDA device. Export a CPU package "
                   "(tools/export_compiled.py --device cpu) to run here.");
       const auto index = options.device_index() >= 0 ? options.device_index() : c10::cuda::current_device();
-      TORCH_CHECK(index < static_cast<c10::DeviceIndex>(at::cuda::device_count()),
-                  "perf::CompiledOptions::device_index ", static_cast<int>(index),
+      TORCH_CHECK(index < at::cuda::device_count(), "perf::CompiledOptions::device_index ", static_cast<int>(index),
                   " is out of range: this process sees ", at::cuda::device_count(), " GPU(s)");
       device_ = c10::Device(c10::kCUDA, index);
 #else

@@ -214,15 +214,16 @@ PERF_INLINE std::vector<at::Tensor> check_inputs(const std::string& who, const s
     const CompiledInput& want = specs[i];
     TORCH_CHECK(x.scalar_type() == want.dtype, who, ": input ", i, " has dtype ", x.scalar_type(),
                 ", the package was exported for ", want.dtype, " (convert with .to(", want.dtype, "))");
-    bool shape_ok = x.dim() == static_cast<int64_t>(want.sizes.size());
-    for (int64_t d = 0; shape_ok && d < x.dim(); ++d) shape_ok = want.sizes[d] < 0 || want.sizes[d] == x.size(d);
+    const auto sizes = x.sizes();
+    bool shape_ok = sizes.size() == want.sizes.size();
+    for (size_t d = 0; shape_ok && d < sizes.size(); ++d) shape_ok = want.sizes[d] < 0 || want.sizes[d] == sizes[d];
     TORCH_CHECK(shape_ok, who, ": input ", i, " has shape ", x.sizes(), ", the package was exported for ",
                 sizes_string(want.sizes));
-    for (int64_t d = 0; d < x.dim(); ++d) {
+    for (size_t d = 0; d < sizes.size(); ++d) {
       if (want.sizes[d] >= 0) continue;
-      TORCH_CHECK(x.size(d) >= want.min_batch && (want.max_batch <= 0 || x.size(d) <= want.max_batch), who, ": input ",
-                  i, " has batch ", x.size(d), ", the package was exported for batches ", want.min_batch, "..",
-                  want.max_batch, " (shape ", x.sizes(), " vs ", sizes_string(want.sizes), ")");
+      TORCH_CHECK(sizes[d] >= want.min_batch && (want.max_batch <= 0 || sizes[d] <= want.max_batch), who, ": input ", i,
+                  " has batch ", sizes[d], ", the package was exported for batches ", want.min_batch, "..",
+                  want.max_batch, " (shape ", sizes, " vs ", sizes_string(want.sizes), ")");
     }
     out.push_back(x.is_contiguous(want.format) ? x : x.contiguous(want.format));
   }

@@ -405,7 +405,7 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     detail::ForwardSnapshot snapshot(*module_, static_batch_);
     try {
       at::NoGradGuard no_grad;
-      const auto result = loss_fn_(std::vector<at::Tensor>(static_batch_));
+      const auto result = loss_fn_(static_batch_);
       const at::Tensor loss = result.empty() ? at::Tensor() : result[0];
       TORCH_CHECK(loss.defined() && loss.numel() == 1 && at::isFloatingType(loss.scalar_type()),
                   "perf::TrainStep: the loss function must return a floating-point scalar, got ",

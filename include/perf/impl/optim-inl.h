@@ -113,7 +113,7 @@ PERF_INLINE std::vector<at::Tensor> coalesce_flat(const std::vector<at::Tensor>&
     if (!seen.count(st)) {
       out.push_back(g);
     } else if (done.insert(st).second) {
-      const auto n = static_cast<int64_t>(g.storage().nbytes() / g.element_size());
+      const auto n = static_cast<int64_t>(g.storage().nbytes() / static_cast<size_t>(g.element_size()));
       out.push_back(plain_view(g, 0, {n}, {1}));
     }
   }
@@ -616,7 +616,7 @@ PERF_INLINE void FusedOptimizer::flatten() {
     }
     if (auto* step = state_step(*s.owner); step && step->defined()) {
       steps.push_back(step->detach().to(at::kCPU, at::kFloat).reshape({}));  // devices may differ
-      step_slots.push_back(&s - f->slots.data());
+      step_slots.push_back(static_cast<size_t>(&s - f->slots.data()));
     }
   }
   // Step counters: one tensor per (group, key, value), so that runs stay long.

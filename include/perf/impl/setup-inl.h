@@ -422,7 +422,7 @@ PERF_INLINE const std::vector<Entry>& entries() {
          const char* v = std::getenv("CUBLAS_WORKSPACE_CONFIG");
          if (valid_cublas_workspace(v)) return Request{std::string(v), "", "set in the environment"};
          return Request{":4096:8",
-                        std::string(v ? "\"" + std::string(v) + "\" is not deterministic" : "not set") +
+                        (v ? "\"" + std::string(v) + "\" is not deterministic" : std::string("not set")) +
                             ": not effective; deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) "
                             "in the environment before the program starts (perf does not call setenv)",
                         ""};
