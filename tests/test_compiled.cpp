@@ -192,6 +192,10 @@ TEST(Compiled, MissingCorruptWrongNameAndCudaPackagesAreClearErrors) {
                         "for model 'encoder'");
   PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().runners(0)),
                         "runners must be >= 1, got 0");
+  const int64_t negative = -2;
+  PERF_EXPECT_THROW_MSG(
+      perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().runners(static_cast<size_t>(negative))),
+      "runners must be >= 1, got -2 (a negative value, converted to size_t)");
 #if PERF_WITH_CUDA
   if (!at::cuda::is_available()) {
     PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp_cuda_marked.pt2")),

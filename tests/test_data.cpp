@@ -82,6 +82,14 @@ TEST(LoaderOptions, DefaultsAndOverrides) {
             "batch_size=8 workers=3 max_jobs=12 drop_last=false enforce_ordering=false timeout=500ms");
   EXPECT_FALSE(perf::loader_options(8, perf::LoaderTuning().workers(0)).max_jobs().has_value());
   PERF_EXPECT_THROW_MSG(perf::loader_options(0), "batch_size must be >= 1");
+  const int64_t negative = -1;  // a negative count, as a program computing a batch size may give
+  PERF_EXPECT_THROW_MSG(perf::loader_options(static_cast<size_t>(negative)),
+                        "batch_size must be >= 1, got -1 (a negative value, converted to size_t)");
+  PERF_EXPECT_THROW_MSG(perf::loader_options(8, perf::LoaderTuning().workers(static_cast<size_t>(negative))),
+                        "perf::LoaderTuning::workers must be >= 0, got -1 (a negative value, converted to size_t)");
+  PERF_EXPECT_THROW_MSG(perf::loader_options(torch::data::DataLoaderOptions(8),
+                                             perf::LoaderTuning().prefetch_factor(static_cast<size_t>(negative))),
+                        "perf::LoaderTuning::prefetch_factor must be >= 1, got -1");
   PERF_EXPECT_THROW_MSG(perf::loader_options(4, perf::LoaderTuning().prefetch_factor(0)), "prefetch_factor");
 }
 
@@ -259,7 +267,12 @@ TEST(Prefetch, UserBatchTypesThroughBatchTraits) {
 TEST(Prefetch, BadOptionsAndMismatchedChannels) {
   auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
       ImageDataset().map(torch::data::transforms::Stack<>()), perf::loader_options(4, perf::LoaderTuning().workers(0)));
-  PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().depth(0)), "depth");
+  PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().depth(0)),
+                        "perf::PrefetchOptions::depth must be >= 1, got 0");
+  const int64_t negative = -1;
+  PERF_EXPECT_THROW_MSG(
+      perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().depth(static_cast<size_t>(negative))),
+      "perf::PrefetchOptions::depth must be >= 1, got -1 (a negative value, converted to size_t)");
   PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().mean({1, 2}).std({1})),
                         "mean has 2 values but std has 1");
   PERF_EXPECT_THROW_MSG(perf::prefetch(*loader, torch::kCPU, perf::PrefetchOptions().mean({1}).std({0})),

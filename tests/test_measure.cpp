@@ -123,6 +123,8 @@ TEST(Benchmark, InvalidOptionsNameTheOption) {
   PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().iters(0)), "iters");
   PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().warmup(-1)), "warmup");
   PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().min_time(-1)), "min_time");
+  PERF_EXPECT_THROW_MSG(perf::benchmark(f, perf::BenchOptions().items_per_call(-64)),
+                        "perf::BenchOptions::items_per_call: must be >= 0 (0: items/s not reported), got -64");
 }
 
 TEST(Compare, AlternatesAndReportsTheRatioOfMedians) {
@@ -352,6 +354,9 @@ TEST(Profile, WritesAChromeTraceWithRangesAndOperators) {
   std::filesystem::remove(path);
   std::ostringstream table;
   perf::ProfileSummary summary;
+  // Refused before the profiler starts: the profile below starts as if it never was.
+  PERF_EXPECT_THROW_MSG(perf::Profile(path.string(), perf::ProfileOptions().top(-1)),
+                        "perf::ProfileOptions::top: must be >= 0 (0: no table), got -1");
   {
     perf::Profile p(path.string(), perf::ProfileOptions().record_shapes(true).out(&table).top(10));
     PERF_EXPECT_THROW_MSG(perf::Profile(path.string() + ".2"), "already running");

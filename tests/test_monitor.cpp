@@ -187,6 +187,8 @@ TEST(GpuMonitor, WithoutNvmlItIsUnavailableAndSaysWhy) {
   EXPECT_TRUE(contains(not_nvml.reason(), "lacks nvmlInit_v2")) << not_nvml.reason();
   PERF_EXPECT_THROW_MSG(perf::GpuMonitor(perf::GpuMonitorOptions().interval(std::chrono::milliseconds(0))),
                         "interval must be > 0 ms, got 0");
+  PERF_EXPECT_THROW_MSG(perf::GpuMonitor(perf::GpuMonitorOptions().max_samples(0)),
+                        "perf::GpuMonitorOptions::max_samples must be >= 1, got 0");
 }
 
 TEST(GpuMonitor, SamplesEveryDeviceAndSummarises) {

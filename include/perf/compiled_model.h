@@ -37,6 +37,7 @@
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <perf/config.h>
+#include <perf/detail/check.h>
 #include <perf/detail/cpu.h>
 #include <torch/arg.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
@@ -209,7 +210,7 @@ class Package {
       : path_(path),
         single_threaded_(options.single_threaded().value_or(options.runners() == 1)),
         who_(who + " '" + path + "'") {
-    TORCH_CHECK(options.runners() >= 1, "perf::CompiledOptions::runners must be >= 1, got ", options.runners());
+    detail::check_count(options.runners(), 1, "perf::CompiledOptions::runners");
     TORCH_CHECK(!single_threaded_ || options.runners() == 1,
                 "perf::CompiledOptions: single_threaded(true) runs one model instance, so runners(", options.runners(),
                 ") would not run at once; for several threads at once leave single_threaded unset (or false), for one "

@@ -15,6 +15,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/check.h>
 #include <torch/arg.h>
 #include <torch/data/dataloader_options.h>
 #include <torch/data/example.h>
@@ -277,7 +278,7 @@ PERF_INLINE std::string describe(const torch::data::DataLoaderOptions& o);
 template <typename Loader>
 Prefetcher<Loader>::Prefetcher(Loader& loader, c10::Device device, PrefetchOptions options)
     : loader_(loader), device_(device), options_(std::move(options)) {
-  TORCH_CHECK(options_.depth() >= 1, "perf::PrefetchOptions::depth: must be >= 1, got ", options_.depth());
+  detail::check_count(options_.depth(), 1, "perf::PrefetchOptions::depth");
   TORCH_CHECK(options_.mean().size() == options_.std().size(), "perf::PrefetchOptions: mean has ",
               options_.mean().size(), " values but std has ", options_.std().size());
   for (double s : options_.std()) TORCH_CHECK(s > 0, "perf::PrefetchOptions::std: values must be > 0, got ", s);

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 #include <perf/config.h>
+#include <perf/detail/check.h>
 #include <perf/memory.h>
 #include <torch/arg.h>
 

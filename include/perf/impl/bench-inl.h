@@ -137,6 +137,8 @@ PERF_INLINE std::vector<std::vector<double>> time_round_robin(const std::vector<
   TORCH_CHECK(o.warmup() >= 0, "perf::BenchOptions::warmup: must be >= 0, got ", o.warmup());
   TORCH_CHECK(o.iters() >= 1, "perf::BenchOptions::iters: must be >= 1, got ", o.iters());
   TORCH_CHECK(o.min_time() >= 0, "perf::BenchOptions::min_time: must be >= 0 seconds, got ", o.min_time());
+  TORCH_CHECK(o.items_per_call() >= 0 && std::isfinite(o.items_per_call()),
+              "perf::BenchOptions::items_per_call: must be >= 0 (0: items/s not reported), got ", o.items_per_call());
   const c10::Device device = bench_device(o);
   check_timer_device(device);
   {  // A process's first CUDA event creates the context (~1 s): keep that out of min_time.

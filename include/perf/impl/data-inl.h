@@ -17,9 +17,9 @@ PERF_INLINE size_t default_workers() {
 }  // namespace detail
 
 PERF_INLINE torch::data::DataLoaderOptions loader_options(size_t batch_size, const LoaderTuning& tuning) {
-  TORCH_CHECK(batch_size >= 1, "perf::loader_options: batch_size must be >= 1, got ", batch_size);
-  TORCH_CHECK(tuning.prefetch_factor() >= 1, "perf::LoaderTuning::prefetch_factor: must be >= 1, got ",
-              tuning.prefetch_factor());
+  detail::check_count(batch_size, 1, "perf::loader_options: batch_size");
+  detail::check_count(tuning.prefetch_factor(), 1, "perf::LoaderTuning::prefetch_factor");
+  if (tuning.workers()) detail::check_count(*tuning.workers(), 0, "perf::LoaderTuning::workers");
   const size_t workers = tuning.workers().value_or(detail::default_workers());
   auto o = torch::data::DataLoaderOptions(batch_size)
                .workers(workers)
@@ -32,8 +32,8 @@ PERF_INLINE torch::data::DataLoaderOptions loader_options(size_t batch_size, con
 
 PERF_INLINE torch::data::DataLoaderOptions loader_options(const torch::data::DataLoaderOptions& existing,
                                                           const LoaderTuning& tuning) {
-  TORCH_CHECK(tuning.prefetch_factor() >= 1, "perf::LoaderTuning::prefetch_factor: must be >= 1, got ",
-              tuning.prefetch_factor());
+  detail::check_count(tuning.prefetch_factor(), 1, "perf::LoaderTuning::prefetch_factor");
+  if (tuning.workers()) detail::check_count(*tuning.workers(), 0, "perf::LoaderTuning::workers");
   auto o = existing;
   if (tuning.workers()) {
     o.workers(*tuning.workers());

@@ -11,7 +11,7 @@ PERF_INLINE GpuMonitor::GpuMonitor(GpuMonitorOptions options)
     : options_(std::move(options)), start_(std::chrono::steady_clock::now()) {
   TORCH_CHECK(options_.interval().count() > 0, "perf::GpuMonitorOptions::interval must be > 0 ms, got ",
               options_.interval().count());
-  TORCH_CHECK(options_.max_samples() > 0, "perf::GpuMonitorOptions::max_samples must be > 0");
+  detail::check_count(options_.max_samples(), 1, "perf::GpuMonitorOptions::max_samples");
   auto& nvml = detail::Nvml::get(options_.library());
   if (!nvml.ok()) {
     reason_ = nvml.error();

@@ -68,6 +68,7 @@ PERF_INLINE Profile::Profile(std::string path, const ProfileOptions& options)
     : path_(std::move(path)), options_(options) {
   using namespace torch::profiler::impl;
   TORCH_CHECK(!path_.empty(), "perf::Profile: empty trace path");
+  TORCH_CHECK(options_.top() >= 0, "perf::ProfileOptions::top: must be >= 0 (0: no table), got ", options_.top());
   TORCH_CHECK(!torch::autograd::profiler::isProfilerEnabledInMainThread(),
               "perf::Profile: a profiler is already running in this process; end it first");
   std::set<ActivityType> activities{ActivityType::CPU};
