@@ -7,6 +7,7 @@
 #include <perf/setup.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -102,6 +103,7 @@ std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor
   return [o](std::vector<torch::Tensor> ps) { return std::make_unique<Opt>(std::move(ps), o); };
 }
 
+using test_util::CollectWarnings;
 using test_util::has_cuda;
 
 }  // namespace
@@ -889,6 +891,8 @@ TEST(OptimFlat, CheckpointsMoveBetweenFlatNonFlatAndTorchOptim) {
   const auto reference = train_flat_net(kinds[0].second, 20);
   const auto path =
       (std::filesystem::temp_directory_path() / ("perf_flat_" + std::to_string(::getpid()) + ".pt")).string();
+  const auto model_path =
+      (std::filesystem::temp_directory_path() / ("perf_flat_model_" + std::to_string(::getpid()) + ".pt")).string();
   for (const auto& [saver_name, saver] : kinds) {
     for (const auto& [loader_name, loader] : kinds) {
       SCOPED_TRACE(std::string(saver_name).append(" -> ").append(loader_name));
@@ -897,12 +901,11 @@ TEST(OptimFlat, CheckpointsMoveBetweenFlatNonFlatAndTorchOptim) {
       auto opt = saver(net);
       for (int k = 0; k < 10; ++k) flat_net_step(net, *opt, k);
       torch::save(*opt, path);
-      FlatNet resumed;  // a new process would rebuild the model, load its weights, then the optimizer's
-      {
-        torch::NoGradGuard ng;
-        const auto src = net->parameters(), dst = resumed->parameters();
-        for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
-      }
+      torch::save(net, model_path);
+      // A new process rebuilds the model, loads its weights, then the optimizer's. torch::load of a model saved
+      // from flat mode gives parameters that are views of one storage, padding between them.
+      FlatNet resumed;
+      torch::load(resumed, model_path);
       auto opt2 = loader(resumed);
       torch::load(*opt2, path);
       for (int k = 10; k < 20; ++k) flat_net_step(resumed, *opt2, k);
@@ -910,6 +913,7 @@ TEST(OptimFlat, CheckpointsMoveBetweenFlatNonFlatAndTorchOptim) {
     }
   }
   std::filesystem::remove(path);
+  std::filesystem::remove(model_path);
 }
 
 TEST(OptimFlat, GradScalerSkipsAnInfStepAndClipsTheWholeBuffer) {
@@ -970,15 +974,25 @@ TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
   auto a = torch::randn({4}, torch::requires_grad());
   PERF_EXPECT_THROW_MSG(perf::optim::AdamW({a, a}, AdamWOptions().flat(true)),
                         "parameter 1 of group 0 is the same tensor as parameter 0 of group 0");
-  // Two parameters over one storage (tied through a view): flattening would untie them.
+  // Two parameters whose elements overlap (tied through a view): flattening would untie them. Named in
+  // parameter order whatever the memory order; a transposed view of a weight is the usual way to tie.
   const auto base = torch::randn({8});
   auto lo = base.narrow(0, 0, 4).detach().requires_grad_(true);
-  auto hi = base.narrow(0, 4, 4).detach().requires_grad_(true);
+  auto mid = base.narrow(0, 2, 4).detach().requires_grad_(true);
+  auto other = torch::randn({3}, torch::requires_grad());
   const auto lo_ptr = lo.data_ptr();
-  PERF_EXPECT_THROW_MSG(perf::optim::SGD({lo, hi}, perf::optim::SGDOptions(0.1).flat(true)),
-                        "parameter 1 of group 0 shares memory with parameter 0 of group 0");
+  const auto other_ptr = other.data_ptr();
+  PERF_EXPECT_THROW_MSG(perf::optim::SGD({other, mid, lo}, perf::optim::SGDOptions(0.1).flat(true)),
+                        "parameter 2 of group 0 shares memory with parameter 1 of group 0 (their elements overlap");
   EXPECT_EQ(lo.data_ptr(), lo_ptr) << "nothing moved";
+  EXPECT_EQ(other.data_ptr(), other_ptr) << "nothing moved";
   EXPECT_FALSE(lo.grad().defined());
+  EXPECT_FALSE(other.grad().defined());
+  const auto shared = torch::randn({4, 3});
+  auto weight = shared.detach().requires_grad_(true);
+  auto tied = shared.t().detach().requires_grad_(true);
+  PERF_EXPECT_THROW_MSG(perf::optim::AdamW({weight, tied}, AdamWOptions().flat(true)),
+                        "parameter 1 of group 0 shares memory with parameter 0 of group 0");
   // flat is one setting for the optimizer.
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<torch::Tensor>{a}, std::make_unique<AdamWOptions>(AdamWOptions().flat(true)));
@@ -992,6 +1006,200 @@ TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
   PERF_EXPECT_THROW_MSG(opt.step(), "does not support sparse gradients");
 }
 
+// A new flat optimizer over parameters that an earlier one flattened (a second training phase, an optimizer
+// built again), whether the first is gone or still alive: the new one copies them into its own buffer, as it
+// would any parameter, and trains as a new torch::optim optimizer does. Before 2026-11-29 it refused them
+// ("shares memory with parameter ..."), since they were views of one storage.
+TEST(OptimFlat, ANewFlatOptimizerTakesOverParametersAnEarlierOneFlattened) {
+  const auto flat = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<perf::optim::AdamW>(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  };
+  const auto reference = [](FlatNet& net) -> OptPtr {
+    return std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  };
+  for (const bool first_alive : {false, true}) {
+    SCOPED_TRACE(first_alive ? "the first optimizer alive" : "the first optimizer gone");
+    std::vector<torch::Tensor> result[2];
+    for (const int kind : {0, 1}) {
+      const auto& make = kind == 0 ? flat : reference;
+      torch::manual_seed(7);
+      FlatNet net;
+      auto first = make(net);
+      for (int k = 0; k < 5; ++k) flat_net_step(net, *first, k);
+      if (!first_alive) first.reset();
+      auto second = make(net);
+      for (int k = 5; k < 15; ++k) flat_net_step(net, *second, k);
+      if (kind == 0) {
+        expect_one_buffer(net, "the second optimizer's");
+        EXPECT_EQ(dynamic_cast<perf::optim::FusedOptimizer&>(*second).kernels(),
+                  std::vector<std::string>{"cpu Float: fused, flat (1 tensor for 6 parameters)"});
+      }
+      if (first_alive) {
+        flat_net_step(net, *first, 15);  // the first takes them back (a rebuild) and goes on from its own state
+        if (kind == 0) expect_one_buffer(net, "the first optimizer's, again");
+      }
+      result[kind] = params_of(net);
+    }
+    EXPECT_LE(max_diff(result[0], result[1]), 1e-6);
+  }
+}
+
+namespace {
+
+// A language model whose LSTM weights are packed into one storage, as LibTorch's RNN modules pack them into
+// cuDNN's weight buffer on CUDA (RNNImplBase::flatten_parameters: each weight set_ to a view of the buffer).
+struct PackedLmImpl : torch::nn::Module {
+  PackedLmImpl()
+      : emb(register_module("emb", torch::nn::Embedding(40, 12))),
+        lstm(register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(12, 20).num_layers(2)))),
+        out(register_module("out", torch::nn::Linear(20, 40))) {}
+  torch::Tensor forward(const torch::Tensor& tokens) { return out(std::get<0>(lstm(emb(tokens)))); }
+  void pack() {
+    torch::NoGradGuard ng;
+    int64_t n = 0;
+    for (const auto& p : lstm->parameters()) n += p.numel();
+    const auto buffer = torch::empty({n});
+    int64_t offset = 0;
+    for (auto& p : lstm->parameters()) {
+      buffer.narrow(0, offset, p.numel()).view(p.sizes()).copy_(p);
+      p.set_(buffer.storage(), offset, p.sizes(), p.strides());
+      offset += p.numel();
+    }
+  }
+  torch::nn::Embedding emb;
+  torch::nn::LSTM lstm;
+  torch::nn::Linear out;
+};
+TORCH_MODULE(PackedLm);
+
+// The twin starts from the same weights.
+void copy_weights(PackedLm& from, PackedLm& to) {
+  torch::NoGradGuard ng;
+  const auto src = from->parameters(), dst = to->parameters();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+}
+
+double weight_diff(PackedLm& a, PackedLm& b) {
+  const auto pa = a->parameters(), pb = b->parameters();
+  EXPECT_EQ(pa.size(), pb.size());
+  double d = 0;
+  for (size_t i = 0; i < std::min(pa.size(), pb.size()); ++i)
+    d = std::max(d, (pa[i].to(torch::kDouble) - pb[i].to(torch::kDouble)).abs().max().item<double>());
+  return d;
+}
+
+void lm_step(PackedLm& lm, torch::optim::Optimizer& opt, int k) {
+  torch::manual_seed(static_cast<uint64_t>(500 + k));
+  const auto device = lm->out->weight.device();
+  const auto tokens = torch::randint(0, 40, {6, 4}).to(device);
+  const auto next = torch::randint(0, 40, {6 * 4}).to(device);
+  clear_grads(opt);
+  torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next).backward();
+  opt.step();
+}
+
+}  // namespace
+
+// Parameters that already share one storage without gaps (cuDNN's RNN weight buffer) stay where they are: moving
+// them would make cuDNN copy the weights into a buffer at every call, with LibTorch's warning each time. Their
+// gradients and state are still the optimizer's buffers, and a step covers them in one run.
+TEST(OptimFlat, ParametersSharingAStorageWithoutGapsStayWhereTheyAre) {
+  torch::manual_seed(11);
+  PackedLm lm, twin;
+  lm->pack();
+  copy_weights(lm, twin);
+  const auto lstm_params = lm->lstm->parameters();
+  std::vector<const void*> where;
+  for (const auto& p : lstm_params) where.push_back(p.data_ptr());
+  const auto packed = lstm_params.front();  // a view of the packed storage from its start
+  perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.1).flat(true));
+  torch::optim::AdamW ref(twin->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  for (int k = 0; k < 20; ++k) {
+    lm_step(lm, opt, k);
+    lm_step(twin, ref, k);
+  }
+  for (size_t i = 0; i < lstm_params.size(); ++i) {
+    EXPECT_EQ(lstm_params[i].data_ptr(), where[i]) << "LSTM parameter " << i << " moved";
+    EXPECT_TRUE(lstm_params[i].is_alias_of(packed));
+    EXPECT_FALSE(lstm_params[i].grad().is_alias_of(packed));
+    EXPECT_TRUE(lstm_params[i].grad().is_alias_of(lstm_params[0].grad())) << "gradient " << i << ": one buffer";
+  }
+  EXPECT_FALSE(lm->emb->weight.is_alias_of(packed));
+  EXPECT_TRUE(lm->emb->weight.is_alias_of(lm->out->bias)) << "the other parameters: the optimizer's buffer";
+  // 11 parameters: the LSTM's 8 as one run of their storage, the others as one run of the optimizer's buffer.
+  EXPECT_EQ(opt.kernels(), std::vector<std::string>{
+                               "cpu Float: fused, flat (2 tensors for 11 parameters, 8 of them in place in a buffer "
+                               "they share)"});
+  EXPECT_LE(weight_diff(lm, twin), 1e-5) << "trains as torch::optim::AdamW";
+  // A rebuild (a param group added) keeps them in place, with their state.
+  auto extra = torch::zeros({5}, torch::requires_grad());
+  opt.add_param_group(torch::optim::OptimizerParamGroup({extra}));
+  lm_step(lm, opt, 20);
+  lm_step(twin, ref, 20);
+  for (size_t i = 0; i < lstm_params.size(); ++i) EXPECT_EQ(lstm_params[i].data_ptr(), where[i]);
+  EXPECT_LE(weight_diff(lm, twin), 1e-5) << "after the rebuild";
+  // Packed again elsewhere (what flatten_parameters() does after model->to): the next step follows.
+  lm->pack();
+  lm_step(lm, opt, 21);
+  lm_step(twin, ref, 21);
+  EXPECT_TRUE(lm->lstm->parameters()[3].is_alias_of(lm->lstm->parameters()[0]));
+  EXPECT_NE(lm->lstm->parameters()[0].data_ptr(), where[0]);
+  EXPECT_LE(weight_diff(lm, twin), 1e-5) << "after packing again";
+}
+
+// On CUDA, LibTorch's LSTM keeps its weights in cuDNN's buffer (model->to flattens them). A flat optimizer leaves
+// them there: cuDNN keeps reading the buffer directly, without the "weights are not part of single contiguous
+// chunk of memory" warning and the copy at every call, and the model trains as with torch::optim.
+TEST(OptimFlat, OnGpuAnLstmKeepsCudnnsWeightBuffer) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  torch::manual_seed(11);
+  PackedLm lm, twin;
+  lm->to(torch::kCUDA);
+  twin->to(torch::kCUDA);
+  copy_weights(lm, twin);
+  const auto lstm_params = lm->lstm->parameters();
+  ASSERT_TRUE(lstm_params[7].is_alias_of(lstm_params[0])) << "LibTorch no longer flattens an LSTM's weights on CUDA";
+  {  // what the in-place rule assumes of cuDNN's layout: the weights cover one range, without gaps
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const auto& p : lstm_params) ranges.emplace_back(p.storage_offset(), p.storage_offset() + p.numel());
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; i < ranges.size(); ++i)
+      EXPECT_EQ(ranges[i].first, ranges[i - 1].second) << "a gap in cuDNN's weight buffer before element "
+                                                       << ranges[i].first << ": flat mode would move the weights";
+  }
+  std::vector<const void*> where;
+  for (const auto& p : lstm_params) where.push_back(p.data_ptr());
+  perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  torch::optim::AdamW ref(twin->parameters(), torch::optim::AdamWOptions(1e-2));
+  CollectWarnings warnings;
+  for (int k = 0; k < 20; ++k) {
+    lm_step(lm, opt, k);
+    lm_step(twin, ref, k);
+  }
+  for (size_t i = 0; i < lstm_params.size(); ++i) EXPECT_EQ(lstm_params[i].data_ptr(), where[i]) << i;
+  for (const auto& w : warnings.messages)
+    EXPECT_EQ(w.find("not part of single contiguous chunk"), std::string::npos) << w;
+  EXPECT_EQ(opt.kernels(),
+            std::vector<std::string>{"cuda:0 Float: fused, flat (2 tensors for 11 parameters, 8 of them in place in a "
+                                     "buffer they share)"});
+  EXPECT_LE(weight_diff(lm, twin), 1e-4) << "trains as torch::optim::AdamW";
+  // Built on the CPU, flattened, then moved: model->to packs the LSTM into cuDNN's buffer, and the next step
+  // rebuilds around it instead of moving it back out.
+  torch::manual_seed(11);
+  PackedLm late;
+  perf::optim::AdamW late_opt(late->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  late->to(torch::kCUDA);
+  const auto moved = late->lstm->parameters();
+  ASSERT_TRUE(moved[7].is_alias_of(moved[0]));
+  const auto first = moved[0].data_ptr();
+  lm_step(late, late_opt, 0);
+  lm_step(late, late_opt, 1);
+  EXPECT_EQ(late->lstm->parameters()[0].data_ptr(), first);
+  for (const auto& w : warnings.messages)
+    EXPECT_EQ(w.find("not part of single contiguous chunk"), std::string::npos) << w;
+}
+
 // A flat CUDA bucket goes to the fused kernel in SM-sized calls (the device's
 // size: elements_per_call). The cutting itself, on the CPU: entries whose
 // tensors are dense with one layout are cut in memory order, the others go
@@ -1002,7 +1210,7 @@ TEST(OptimFlat, SlicesOfABucketUpdateAsOneCall) {
   torch::manual_seed(3);
   const auto cl = [](const at::Tensor& t) { return t.contiguous(at::MemoryFormat::ChannelsLast); };
   const auto strided = [] { return torch::randn({6, 8}).slice(1, 0, 8, 2); };  // not dense
-  Bucket b{c10::Device(c10::kCPU), at::kFloat, false, {}, {}, {}, {}, {}, {}, {}, /*flat=*/true, 0};
+  Bucket b{c10::Device(c10::kCPU), at::kFloat, false, {}, {}, {}, {}, {}, {}, {}, /*flat=*/true, 0, 0};
   // Entry 0: 1-d (10). Entry 1: channels-last 4-d (24). Entry 2: not dense (24).
   // Entry 3: the gradient laid out unlike its parameter (6).
   b.params = {torch::randn({10}), cl(torch::randn({2, 3, 2, 2})), strided(), torch::randn({2, 3})};

@@ -226,6 +226,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// - each parameter's data and .grad() are views into one buffer per
   ///   (device, dtype), parameters of a param group adjacent; state tensors
   ///   are views too, laid out like their parameter (channels-last included);
+  ///   parameters that already share one storage as a gap-free range (an
+  ///   LSTM's weights in cuDNN's buffer on CUDA) stay there, their gradients
+  ///   and state in the optimizer's buffers; overlapping ones (tied) are refused;
   /// - the buffers are rebuilt (values kept) at the next step or zero_grad
   ///   after add_param_group, torch::load, model->to(device or dtype) or
   ///   perf::to_channels_last; never while a CUDA graph is being captured;
@@ -412,6 +415,7 @@ struct Bucket {
   std::vector<at::Tensor> unique_steps;  // each counter once (runs may share one)
   bool flat = false;
   int64_t parameters = 0;  // flat: parameters covered by the entries
+  int64_t in_place = 0;    // flat: of them, parameters left in a buffer they share (FlatKey::in_place)
 };
 
 PERF_INLINE Bucket& bucket_for(std::vector<Bucket>& buckets, const c10::Device& device, c10::ScalarType dtype,
@@ -505,21 +509,28 @@ class StreamAlternation {
 struct FlatSlot {
   at::Tensor param;  // the user's parameter (same TensorImpl)
   size_t group = 0, key = 0;
-  size_t pos = 0;  // index among the key's slots: adjacent slots are adjacent in memory
-  int64_t offset = 0;
+  size_t pos = 0;      // index among the key's slots: adjacent slots are adjacent in memory
+  int64_t offset = 0;  // in the key's buffers (in_place: the parameter's storage offset - base)
   std::vector<int64_t> sizes, strides;
   at::Tensor grad;                                     // the gradient view
   std::array<at::Tensor, 3> state;                     // state views, made when first needed
   torch::optim::OptimizerParamState* owner = nullptr;  // the state_ entry they were handed to
 };
 
+// One buffer per (device, dtype) that the optimizer allocates, plus one per
+// storage that several parameters already share without gaps (in_place: the
+// parameters stay where they are, so that cuDNN's RNN weight buffer, which
+// LibTorch's LSTM/GRU/RNN make on CUDA, keeps serving cuDNN directly). The
+// gradient and state buffers are always the optimizer's, laid out alike.
 struct FlatKey {
   c10::Device device;
   c10::ScalarType dtype;
   int64_t numel = 0;  // with alignment padding (zeros, never written)
   size_t slots = 0;
-  at::Tensor params, grads;
+  at::Tensor params, grads;  // in_place: params is a view of the shared storage from `base` on
   std::array<at::Tensor, 3> state;
+  bool in_place = false;
+  int64_t base = 0;  // in_place: storage offset of the first parameter (slot offsets count from it)
 };
 
 struct FlatStore {
@@ -546,6 +557,22 @@ PERF_INLINE at::Tensor slot_view(const at::Tensor& buffer, const FlatSlot& s);
 PERF_INLINE bool owns_storage(const at::Tensor& t);
 
 PERF_INLINE bool same_storage(const at::Tensor& a, const at::Tensor& b);
+
+// A storage that parameters share and that stays where it is (FlatKey::in_place), in elements.
+struct InPlaceRange {
+  int64_t base = 0, numel = 0;
+};
+
+// The storages whose parameters stay in place: those that several parameters
+// (or one that does not own its storage) cover as one gap-free range of dense
+// tensors of one dtype, as cuDNN's RNN weight buffer is. Others are copied
+// into the optimizer's buffer: storages in `own` (its previous buffers) and
+// any with gaps (the buffer of an earlier flat optimizer, or a checkpoint
+// saved from one, with its alignment padding). Parameters whose memory
+// overlaps (tied weights) are refused, naming both.
+PERF_INLINE std::unordered_map<const void*, InPlaceRange> in_place_storages(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const std::unordered_set<const void*>& own,
+    const char* name);
 
 // Flat gradient buffers alive: storage -> number of parameters in it, so that
 // clip_grad_norm_ and GradScaler can treat a complete set as one tensor.
@@ -815,7 +842,7 @@ size_t for_each_slice(const Bucket& b, int64_t elements, Call&& call) {
     call(b);
     return 1;
   }
-  Bucket slice{b.device, b.dtype, b.first, {}, {}, {}, {}, {}, {}, {}, b.flat, 0};
+  Bucket slice{b.device, b.dtype, b.first, {}, {}, {}, {}, {}, {}, {}, b.flat, 0, 0};
   using List = std::pair<const std::vector<at::Tensor>*, std::vector<at::Tensor>*>;  // b's, the slice's
   std::vector<List> lists{{&b.params, &slice.params}, {&b.grads, &slice.grads}};
   for (const List& l : {List{&b.a, &slice.a}, List{&b.b, &slice.b}, List{&b.c, &slice.c}})

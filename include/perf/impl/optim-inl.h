@@ -18,7 +18,7 @@ PERF_INLINE Bucket& bucket_for(std::vector<Bucket>& buckets, const c10::Device& 
                                bool first) {
   for (auto& b : buckets)
     if (b.device == device && b.dtype == dtype && b.first == first) return b;
-  buckets.push_back(Bucket{device, dtype, first, {}, {}, {}, {}, {}, {}, {}, false, 0});
+  buckets.push_back(Bucket{device, dtype, first, {}, {}, {}, {}, {}, {}, {}, false, 0, 0});
   return buckets.back();
 }
 
@@ -61,6 +61,61 @@ PERF_INLINE bool owns_storage(const at::Tensor& t) {
 PERF_INLINE bool same_storage(const at::Tensor& a, const at::Tensor& b) {
   return a.defined() && b.defined() && a.layout() == at::kStrided && b.layout() == at::kStrided &&
          a.storage().unsafeGetStorageImpl() == b.storage().unsafeGetStorageImpl();
+}
+
+PERF_INLINE std::unordered_map<const void*, InPlaceRange> in_place_storages(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const std::unordered_set<const void*>& own,
+    const char* name) {
+  struct Use {
+    int64_t begin, end;  // bytes of the storage that the parameter's elements span
+    size_t g, i;
+    const at::Tensor* p;
+  };
+  std::unordered_map<const void*, std::vector<Use>> uses;
+  std::unordered_set<const void*> seen;  // a parameter passed twice is refused by the caller, by that name
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      if (p.layout() != at::kStrided || p.numel() == 0 || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      int64_t extent = 1;
+      for (int64_t d = 0; d < p.dim(); ++d) extent += (p.size(d) - 1) * p.stride(d);
+      const int64_t item = p.element_size();
+      uses[p.storage().unsafeGetStorageImpl()].push_back(
+          {p.storage_offset() * item, (p.storage_offset() + extent) * item, g, i, &p});
+    }
+  }
+  std::unordered_map<const void*, InPlaceRange> out;
+  for (auto& [storage, v] : uses) {
+    if (v.size() == 1 && owns_storage(*v[0].p)) continue;  // the usual case: a tensor of its own
+    std::sort(v.begin(), v.end(), [](const Use& a, const Use& b) { return a.begin < b.begin; });
+    size_t last = 0;  // the use reaching furthest so far
+    bool gap_free = true;
+    for (size_t n = 1; n < v.size(); ++n) {
+      const auto& a = v[last];
+      const auto& b = v[n];
+      if (b.begin < a.end) {
+        const bool a_first = std::make_pair(a.g, a.i) < std::make_pair(b.g, b.i);
+        const auto& later = a_first ? b : a;
+        const auto& earlier = a_first ? a : b;
+        TORCH_CHECK(false, name, ": flat(true): parameter ", later.i, " of group ", later.g,
+                    " shares memory with parameter ", earlier.i, " of group ", earlier.g,
+                    " (their elements overlap: tied weights, or one a view of the other); flat mode gives each "
+                    "parameter its own place in the buffer, which would untie them: pass the shared tensor once");
+      }
+      gap_free = gap_free && b.begin == v[n - 1].end;
+      if (b.end > a.end) last = n;
+    }
+    if (own.count(storage) || !gap_free) continue;
+    const auto& first = *v.front().p;
+    const bool alike = std::all_of(v.begin(), v.end(), [&](const Use& u) {
+      return u.p->scalar_type() == first.scalar_type() && u.p->is_non_overlapping_and_dense();
+    });
+    if (!alike) continue;
+    const int64_t item = first.element_size();
+    out[storage] = InPlaceRange{v.front().begin / item, (v.back().end - v.front().begin) / item};
+  }
+  return out;
 }
 
 PERF_INLINE std::mutex& flat_registry_mutex() {
@@ -199,7 +254,9 @@ PERF_INLINE std::string kernel_line(const Bucket& b, bool fused) {
   std::string line = b.device.str() + " " + c10::toString(b.dtype) + ": " + (fused ? "fused" : "foreach");
   if (b.flat) {
     line += ", flat (" + std::to_string(b.params.size()) + (b.params.size() == 1 ? " tensor" : " tensors") + " for " +
-            std::to_string(b.parameters) + (b.parameters == 1 ? " parameter)" : " parameters)");
+            std::to_string(b.parameters) + (b.parameters == 1 ? " parameter" : " parameters") +
+            (b.in_place > 0 ? ", " + std::to_string(b.in_place) + " of them in place in a buffer they share" : "") +
+            ")";
   }
   return line;
 }
@@ -495,7 +552,7 @@ PERF_INLINE bool FusedOptimizer::flat_stale() const {
       const auto& s = f.slots[i++];
       const auto& k = f.keys[s.key];
       if (p.unsafeGetTensorImpl() != s.param.unsafeGetTensorImpl() || !detail::same_storage(p, k.params) ||
-          p.storage_offset() != s.offset || p.strides() != at::IntArrayRef(s.strides) ||
+          p.storage_offset() != k.base + s.offset || p.strides() != at::IntArrayRef(s.strides) ||
           p.sizes() != at::IntArrayRef(s.sizes))
         return true;
       auto it = state_.find(p.unsafeGetTensorImpl());
@@ -525,8 +582,16 @@ PERF_INLINE void FusedOptimizer::flatten() {
   // Checks and allocations first: a failure leaves everything as it was.
   const detail::FlatStore* old = flat_.get();
   auto f = std::make_unique<detail::FlatStore>();
-  // Layout: per (device, dtype), groups in order, parameters in order.
-  std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params, seen_storage;
+  // Layout: per (device, dtype), groups in order, parameters in order; parameters that share a storage without
+  // gaps stay where they are (detail::in_place_storages), one key per such storage.
+  std::unordered_set<const void*> own;  // this optimizer's previous buffers: always rebuilt
+  if (old) {
+    for (const auto& k : old->keys)
+      if (!k.in_place && k.params.defined()) own.insert(k.params.storage().unsafeGetStorageImpl());
+  }
+  const auto in_place = detail::in_place_storages(param_groups_, own, name);
+  std::unordered_map<const void*, size_t> in_place_key;  // storage -> key
+  std::unordered_map<const void*, std::pair<size_t, size_t>> seen_params;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     check_group_flat(g, true);  // a group added since construction
     f->group_begin.push_back(f->slots.size());
@@ -538,33 +603,51 @@ PERF_INLINE void FusedOptimizer::flatten() {
       auto [it, fresh] = seen_params.emplace(p.unsafeGetTensorImpl(), std::make_pair(g, i));
       TORCH_CHECK(fresh, name, ": flat(true): parameter ", i, " of group ", g, " is the same tensor as parameter ",
                   it->second.second, " of group ", it->second.first, "; pass each parameter once");
-      const bool in_old = old && std::any_of(old->keys.begin(), old->keys.end(), [&](const detail::FlatKey& k) {
-                            return detail::same_storage(p, k.params);
-                          });
-      if (!in_old) {
-        auto [st, alone] = seen_storage.emplace(p.storage().unsafeGetStorageImpl(), std::make_pair(g, i));
-        TORCH_CHECK(alone, name, ": flat(true): parameter ", i, " of group ", g, " shares memory with parameter ",
-                    st->second.second, " of group ", st->second.first,
-                    " (one is a view of the other, e.g. tied weights); flat mode gives each parameter its own place "
-                    "in the buffer, which would untie them: pass the shared tensor once");
-      }
-      size_t key = 0;
-      while (key < f->keys.size() && (f->keys[key].device != p.device() || f->keys[key].dtype != p.scalar_type()))
-        ++key;
-      if (key == f->keys.size()) f->keys.push_back(detail::FlatKey{p.device(), p.scalar_type(), 0, 0, {}, {}, {}});
-      auto& k = f->keys[key];
       detail::FlatSlot s;
       s.param = p;
       s.group = g;
+      s.sizes = p.sizes().vec();
+      const auto shared = in_place.find(p.storage().unsafeGetStorageImpl());
+      if (p.numel() > 0 && shared != in_place.end()) {
+        auto [kit, added] = in_place_key.emplace(shared->first, f->keys.size());
+        if (added) {
+          f->keys.push_back(detail::FlatKey{
+              p.device(), p.scalar_type(), shared->second.numel, 0, {}, {}, {}, true, shared->second.base});
+          f->keys.back().params = detail::plain_view(p, shared->second.base, {shared->second.numel}, {1});
+        }
+        s.key = kit->second;
+        auto& k = f->keys[s.key];
+        s.pos = k.slots++;  // renumbered in memory order below
+        s.offset = p.storage_offset() - k.base;
+        s.strides = p.strides().vec();
+        f->slots.push_back(std::move(s));
+        continue;
+      }
+      size_t key = 0;
+      while (key < f->keys.size() &&
+             (f->keys[key].in_place || f->keys[key].device != p.device() || f->keys[key].dtype != p.scalar_type()))
+        ++key;
+      if (key == f->keys.size())
+        f->keys.push_back(detail::FlatKey{p.device(), p.scalar_type(), 0, 0, {}, {}, {}, false, 0});
+      auto& k = f->keys[key];
       s.key = key;
       s.pos = k.slots++;
       s.offset = detail::flat_align(k.numel, k.dtype);
-      s.sizes = p.sizes().vec();
       s.strides = p.is_non_overlapping_and_dense() ? p.strides().vec()
                                                    : at::IntArrayRef(c10::contiguous_strides(p.sizes())).vec();
       k.numel = s.offset + p.numel();
       f->slots.push_back(std::move(s));
     }
+  }
+  // In a shared storage, adjacent slots are the ones adjacent in memory.
+  for (size_t key = 0; key < f->keys.size(); ++key) {
+    if (!f->keys[key].in_place) continue;
+    std::vector<detail::FlatSlot*> order;
+    for (auto& s : f->slots)
+      if (s.key == key) order.push_back(&s);
+    std::sort(order.begin(), order.end(),
+              [](const detail::FlatSlot* a, const detail::FlatSlot* b) { return a->offset < b->offset; });
+    for (size_t n = 0; n < order.size(); ++n) order[n]->pos = n;
   }
   f->group_begin.push_back(f->slots.size());
   std::vector<std::array<bool, 3>> needs(f->keys.size(), {false, false, false});  // state buffers in use
@@ -577,7 +660,7 @@ PERF_INLINE void FusedOptimizer::flatten() {
   for (size_t key = 0; key < f->keys.size(); ++key) {
     auto& k = f->keys[key];
     const auto opts = at::TensorOptions().device(k.device).dtype(k.dtype);
-    k.params = at::zeros({k.numel}, opts);
+    if (!k.in_place) k.params = at::zeros({k.numel}, opts);
     k.grads = at::zeros({k.numel}, opts);
     for (size_t j = 0; j < 3; ++j) {
       if (needs[key][j]) k.state[j] = at::zeros({k.numel}, opts);
@@ -589,9 +672,11 @@ PERF_INLINE void FusedOptimizer::flatten() {
   for (auto& s : f->slots) {
     auto& k = f->keys[s.key];
     auto& p = s.param;
-    auto pv = detail::slot_view(k.params, s);
-    pv.copy_(p);
-    p.set_data(pv);
+    if (!k.in_place) {
+      auto pv = detail::slot_view(k.params, s);
+      pv.copy_(p);
+      p.set_data(pv);
+    }
     s.grad = detail::slot_view(k.grads, s);
     auto& grad = p.mutable_grad();
     const bool ours_before =
@@ -709,7 +794,13 @@ PERF_INLINE std::vector<detail::Bucket> FusedOptimizer::flat_buckets(size_t g, s
       *st = fork;
     }
   }
-  // Runs: adjacent slots of one key with the same counter (and first flag).
+  // Runs: adjacent slots of one key with the same counter (and first flag), in memory order (a group's
+  // parameters may alternate between keys: dtypes, or a storage left in place).
+  std::stable_sort(parts.begin(), parts.end(), [&](const Part& a, const Part& b) {
+    const auto& sa = f.slots[a.slot];
+    const auto& sb = f.slots[b.slot];
+    return std::make_pair(sa.key, sa.pos) < std::make_pair(sb.key, sb.pos);
+  });
   std::vector<detail::Bucket> buckets;
   size_t run_begin = 0, run_end = 0;  // indices into parts, [begin, end)
   auto flush = [&] {
@@ -720,6 +811,7 @@ PERF_INLINE std::vector<detail::Bucket> FusedOptimizer::flat_buckets(size_t g, s
     auto& b = detail::bucket_for(buckets, k.device, k.dtype, parts[run_begin].first);
     b.flat = true;
     b.parameters += static_cast<int64_t>(run_end - run_begin);
+    if (k.in_place) b.in_place += static_cast<int64_t>(run_end - run_begin);
     const bool single = run_end - run_begin == 1;
     const int64_t begin = s0.offset, len = s1.offset + s1.param.numel() - s0.offset;
     auto range = [&](const at::Tensor& buffer, const at::Tensor& view) {
