@@ -1044,6 +1044,29 @@ TEST(OptimFlat, ANewFlatOptimizerTakesOverParametersAnEarlierOneFlattened) {
   }
 }
 
+// torch::save writes a tensor's whole storage: in flat mode a part of the model saved on its own carries every
+// parameter of the buffer, and a clone() of the part carries its own (what the README tells users to save).
+TEST(OptimFlat, SavingPartOfAFlatModelWritesTheBufferUnlessCloned) {
+  torch::nn::Sequential model(torch::nn::Linear(256, 256), torch::nn::Linear(256, 2));
+  perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1).flat(true));
+  auto head = model[1];
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto pid = std::to_string(::getpid());
+  const auto part = (dir / ("perf_flat_head_" + pid + ".pt")).string();
+  const auto copy = (dir / ("perf_flat_head_clone_" + pid + ".pt")).string();
+  torch::save(head, part);
+  torch::save(head->clone(), copy);
+  const auto buffer_bytes = (256 * 256 + 256 + 2 * 256 + 2) * 4;
+  EXPECT_GE(std::filesystem::file_size(part), static_cast<uintmax_t>(buffer_bytes)) << "the whole buffer";
+  EXPECT_LT(std::filesystem::file_size(copy), static_cast<uintmax_t>(buffer_bytes / 10)) << "the head alone";
+  torch::nn::Linear back(256, 2);
+  torch::load(back, copy);
+  EXPECT_TRUE(back->weight.equal(model[1]->as<torch::nn::Linear>()->weight));
+  EXPECT_TRUE(back->bias.equal(model[1]->as<torch::nn::Linear>()->bias));
+  std::filesystem::remove(part);
+  std::filesystem::remove(copy);
+}
+
 namespace {
 
 // A language model whose LSTM weights are packed into one storage, as LibTorch's RNN modules pack them into
