@@ -21,6 +21,7 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
+#include <perf/detail/float.h>
 #include <perf/optim.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>

@@ -35,6 +35,7 @@
 #include <perf/compiled_model.h>
 #include <perf/config.h>
 #include <perf/cuda_graph.h>
+#include <perf/detail/float.h>
 #include <perf/module.h>
 #include <torch/arg.h>
 #include <torch/data/example.h>

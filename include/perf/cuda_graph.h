@@ -43,6 +43,7 @@
 #include <perf/config.h>
 #include <perf/detail/cuda.h>
 #include <perf/detail/ddp_registry.h>
+#include <perf/detail/float.h>
 #include <perf/detail/rng.h>
 #include <perf/module.h>
 #include <perf/optim.h>

@@ -20,6 +20,7 @@
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
 #include <perf/detail/ddp_registry.h>
+#include <perf/detail/float.h>
 #include <torch/arg.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
@@ -400,8 +401,8 @@ DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<Mod
   // are sized now, in reverse parameter order.
   const auto mib = [](double m) { return static_cast<size_t>(m * 1024.0 * 1024.0); };
   const size_t cap = std::max<size_t>(1, mib(options_.bucket_cap_mb()));
-  const double first_mb =
-      options_.first_bucket_cap_mb().value_or(options_.bucket_cap_mb() == 25.0 ? 1.0 : options_.bucket_cap_mb());
+  const double first_mb = options_.first_bucket_cap_mb().value_or(
+      detail::same_value(options_.bucket_cap_mb(), 25.0) ? 1.0 : options_.bucket_cap_mb());
   const size_t first = std::max<size_t>(1, std::min(cap, mib(first_mb)));
   const std::vector<bool> sparse(params_.size(), false);
   const std::vector<size_t> limits_in = options_.static_graph() || !options_.find_unused_parameters()

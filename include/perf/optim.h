@@ -37,6 +37,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <perf/config.h>
+#include <perf/detail/float.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
@@ -703,10 +704,10 @@ std::unique_ptr<torch::optim::OptimizerOptions> AdamT<D>::kept_options(
   if (o == nullptr || !detail::torch_merges_group_options) return given.clone();
   const Options unset;  // what a group's option left alone reads as
   Options kept = static_cast<const Options&>(this->defaults());
-  if (o->lr() != unset.lr()) kept.lr(o->lr());
+  if (!perf::detail::same_value(o->lr(), unset.lr())) kept.lr(o->lr());
   if (o->betas() != unset.betas()) kept.betas(o->betas());
-  if (o->eps() != unset.eps()) kept.eps(o->eps());
-  if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+  if (!perf::detail::same_value(o->eps(), unset.eps())) kept.eps(o->eps());
+  if (!perf::detail::same_value(o->weight_decay(), unset.weight_decay())) kept.weight_decay(o->weight_decay());
   if (o->amsgrad() != unset.amsgrad()) kept.amsgrad(o->amsgrad());
   if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
   if (o->fused()) kept.fused(o->fused());
@@ -804,7 +805,7 @@ void AdamT<D>::update(const std::optional<torch::Tensor>& grad_scale, const std:
       if (this->skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
       at::_foreach_add_(b.unique_steps, 1);
       auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
-      if (o.weight_decay() != 0) {
+      if (!perf::detail::same_value(o.weight_decay(), 0.0)) {
         if (D) {
           at::_foreach_mul_(b.params, 1 - o.lr() * o.weight_decay());
         } else {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
+#include <perf/detail/float.h>
 #include <perf/gpu_monitor.h>
 #include <perf/memory.h>
 #include <torch/arg.h>

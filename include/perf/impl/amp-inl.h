@@ -195,7 +195,7 @@ PERF_INLINE at::Tensor autocast_cpu_sdpa(const at::Tensor& q, const at::Tensor& 
   const bool trained = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
                                                       (mask && mask->defined() && mask->requires_grad()));
   const auto mode = static_cast<CpuAttention>(cpu_attention_mode().load());
-  if (cpu_autocast_depth() > 0 && trained && dropout_p == 0.0 && mode != CpuAttention::autocast &&
+  if (cpu_autocast_depth() > 0 && trained && detail::same_value(dropout_p, 0.0) && mode != CpuAttention::autocast &&
       (mode == CpuAttention::float32 || fastest_is_float(lower, q, k, v, mask, is_causal, scale, enable_gqa))) {
     return sdpa_in(at::kFloat, lower, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   }
@@ -437,7 +437,7 @@ PERF_INLINE torch::Tensor GradScaler::step(torch::optim::Optimizer& optimizer) {
   double inf_sum = 0;
   for (const auto& f : st.found_inf_per_device) inf_sum += f.item<double>();  // the documented sync
   torch::Tensor ret;
-  if (inf_sum == 0) ret = optimizer.step();
+  if (detail::same_value(inf_sum, 0.0)) ret = optimizer.step();
   st.stage = Stage::stepped;
   return ret;
 }

@@ -167,7 +167,7 @@ PERF_INLINE at::Tensor CompiledTrainStep::micro(const std::vector<at::Tensor>& b
     }
   }
   const at::Tensor& loss = out[m];
-  return divisor != 1.0 ? loss / divisor : loss;
+  return !detail::same_value(divisor, 1.0) ? loss / divisor : loss;
 }
 
 PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& batch) {

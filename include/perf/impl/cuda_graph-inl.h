@@ -168,7 +168,7 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
     if (fused->state_addresses() != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
     const auto constants = fused->step_constants();
     for (size_t i = 0; i < constants.size() && i < constants_.size(); ++i) {
-      if (constants[i].value != constants_[i].value) {
+      if (!detail::same_value(constants[i].value, constants_[i].value)) {
         std::ostringstream os;
         os << "the optimizer's option " << constants[i].option << " of param group " << constants[i].group
            << " changed from " << constants_[i].value << " to " << constants[i].value
@@ -518,7 +518,7 @@ PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& 
               "perf::TrainStep: the loss function must return a scalar");
   detail::check_step_outputs(result, options_.accumulation_steps());
   const at::Tensor& loss = result[0];
-  at::Tensor part = divisor != 1.0 ? loss / divisor : loss;
+  at::Tensor part = !detail::same_value(divisor, 1.0) ? loss / divisor : loss;
   auto* scaler = options_.scaler();
   (scaler ? scaler->scale(part) : part).backward();
   for (size_t i = 1; i < result.size(); ++i) outputs.push_back(result[i].detach());

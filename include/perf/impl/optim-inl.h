@@ -291,7 +291,7 @@ PERF_INLINE std::optional<at::Tensor> on_device(const std::optional<at::Tensor>&
 
 PERF_INLINE bool foreach_prepare_scaled(std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& grad_scale,
                                         const std::optional<at::Tensor>& found_inf) {
-  if (found_inf && found_inf->item<float>() != 0.0f) return false;
+  if (found_inf && !perf::detail::same_value(found_inf->item<float>(), 0.0f)) return false;
   if (grad_scale) grads = at::_foreach_div(grads, *grad_scale);
   return true;
 }
@@ -438,7 +438,7 @@ PERF_INLINE const torch::Tensor& FusedOptimizer::lr_tensor(size_t g, const c10::
                 "tensors must exist first); run one eager step (perf::TrainStep warms up for you)");
     slot.value = at::full({}, lr, at::device(device).dtype(at::kFloat));
     slot.host = lr;
-  } else if (slot.host != lr && !detail::capturing_cuda_graph()) {
+  } else if (!perf::detail::same_value(slot.host, lr) && !detail::capturing_cuda_graph()) {
     slot.value.fill_(lr);  // outside capture only: a captured fill would freeze this value
     slot.host = lr;
   }
@@ -489,7 +489,7 @@ PERF_INLINE void FusedOptimizer::sync_lr() {
   at::NoGradGuard no_grad;
   for (auto& [key, slot] : lr_tensors_) {
     const double lr = param_groups_.at(key.first).options().get_lr();
-    if (slot.host != lr) {
+    if (!perf::detail::same_value(slot.host, lr)) {
       slot.value.fill_(lr);
       slot.host = lr;
     }
@@ -877,7 +877,7 @@ PERF_INLINE void check_sgd_options(const SGDOptions& o, const std::string& where
   TORCH_CHECK(o.lr() >= 0, name, ": invalid lr ", o.lr(), where, " (must be >= 0)");
   TORCH_CHECK(o.momentum() >= 0, name, ": invalid momentum ", o.momentum(), where, " (must be >= 0)");
   TORCH_CHECK(o.weight_decay() >= 0, name, ": invalid weight_decay ", o.weight_decay(), where, " (must be >= 0)");
-  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name,
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && perf::detail::same_value(o.dampening(), 0.0)), name,
               ": nesterov requires momentum > 0 and dampening == 0", where, " (got momentum ", o.momentum(),
               ", dampening ", o.dampening(), ")");
 }
@@ -903,10 +903,10 @@ PERF_INLINE std::unique_ptr<torch::optim::OptimizerOptions> SGD::kept_options(
   if (o == nullptr || !detail::torch_merges_group_options) return given.clone();
   const SGDOptions unset(1e-3);  // SGDOptions has no default lr: LibTorch compares with 1e-3
   SGDOptions kept = static_cast<const SGDOptions&>(defaults());
-  if (o->lr() != unset.lr()) kept.lr(o->lr());
-  if (o->momentum() != unset.momentum()) kept.momentum(o->momentum());
-  if (o->dampening() != unset.dampening()) kept.dampening(o->dampening());
-  if (o->weight_decay() != unset.weight_decay()) kept.weight_decay(o->weight_decay());
+  if (!perf::detail::same_value(o->lr(), unset.lr())) kept.lr(o->lr());
+  if (!perf::detail::same_value(o->momentum(), unset.momentum())) kept.momentum(o->momentum());
+  if (!perf::detail::same_value(o->dampening(), unset.dampening())) kept.dampening(o->dampening());
+  if (!perf::detail::same_value(o->weight_decay(), unset.weight_decay())) kept.weight_decay(o->weight_decay());
   if (o->nesterov() != unset.nesterov()) kept.nesterov(o->nesterov());
   if (o->maximize() != unset.maximize()) kept.maximize(o->maximize());
   if (o->fused()) kept.fused(o->fused());
@@ -927,7 +927,7 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     auto& group = param_groups_[g];
     const auto& o = static_cast<const SGDOptions&>(group.options());  // checked by step()
-    const bool momentum = o.momentum() != 0;
+    const bool momentum = !perf::detail::same_value(o.momentum(), 0.0);
     std::vector<detail::Bucket> buckets;
     if (flat()) {
       buckets = flat_buckets(g, {momentum, false, false}, /*split_first=*/true);
@@ -981,7 +981,7 @@ PERF_INLINE void SGD::update(const std::optional<torch::Tensor>& grad_scale,
       // _foreach_ path: Python's multi-tensor SGD.
       if (skip_updates_ || !detail::foreach_prepare_scaled(b.grads, gs, fi)) continue;
       auto grads = o.maximize() ? at::_foreach_neg(b.grads) : b.grads;
-      if (o.weight_decay() != 0) grads = at::_foreach_add(grads, b.params, o.weight_decay());
+      if (!perf::detail::same_value(o.weight_decay(), 0.0)) grads = at::_foreach_add(grads, b.params, o.weight_decay());
       if (momentum) {
         if (b.first) {
           for (size_t i = 0; i < b.a.size(); ++i) b.a[i].copy_(grads[i]);

@@ -25,7 +25,7 @@ PERF_INLINE std::string fmt_duration(double seconds) {
 PERF_INLINE std::string fmt_number(double v) {
   std::ostringstream s;
   const double a = std::abs(v);
-  if (a != 0 && (a < 1e-3 || a >= 1e6)) {
+  if (!detail::same_value(a, 0.0) && (a < 1e-3 || a >= 1e6)) {
     s << std::scientific << std::setprecision(3) << v;
   } else {
     s << std::fixed << std::setprecision(a >= 100 ? 1 : 4) << v;
