@@ -1170,6 +1170,44 @@ TEST(OptimFlat, ParametersSharingAStorageWithoutGapsStayWhereTheyAre) {
   EXPECT_LE(weight_diff(lm, twin), 1e-5) << "after packing again";
 }
 
+// The same model under perf::TrainStep with a GradScaler, clipping and two micro-batches: the weights left in place
+// train exactly as the plain fused path trains them (the gradient buffer is one tensor for the scaler's inf check
+// and the norm, the weights' run one tensor for the update).
+TEST(OptimFlat, TrainStepOverWeightsLeftInPlaceTrainsAsTheFusedPath) {
+  std::vector<torch::Tensor> result[2];
+  for (const bool flat : {true, false}) {
+    torch::manual_seed(3);
+    PackedLm lm;
+    if (flat) lm->pack();
+    const auto first_weight = lm->lstm->parameters()[0].data_ptr();
+    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0).growth_interval(3));
+    perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    const auto batch = [](int k) {
+      torch::manual_seed(static_cast<uint64_t>(50 + k));
+      return std::make_pair(torch::randint(0, 40, {6, 4}), torch::randint(0, 40, {6, 4}));
+    };
+    const auto first = batch(0);
+    perf::TrainStep step(
+        lm,
+        [&](const torch::Tensor& tokens, const torch::Tensor& next) {
+          return torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next.reshape({-1}));
+        },
+        opt, first.first, first.second,
+        perf::TrainStepOptions().scaler(&scaler).max_grad_norm(0.5).accumulation_steps(2));
+    for (int k = 0; k < 10; ++k) {
+      const auto b = batch(k);
+      step.step(b.first, b.second);
+    }
+    EXPECT_EQ(lm->lstm->parameters()[0].data_ptr(), first_weight);
+    if (flat) {
+      EXPECT_EQ(opt.kernels(), std::vector<std::string>{"cpu Float: fused, flat (2 tensors for 11 parameters, 8 of "
+                                                        "them in place in a buffer they share)"});
+    }
+    for (const auto& p : lm->parameters()) result[flat ? 0 : 1].push_back(p.detach().to(torch::kDouble).clone());
+  }
+  EXPECT_LE(max_diff(result[0], result[1]), 1e-6);
+}
+
 // On CUDA, LibTorch's LSTM keeps its weights in cuDNN's buffer (model->to flattens them). A flat optimizer leaves
 // them there: cuDNN keeps reading the buffer directly, without the "weights are not part of single contiguous
 // chunk of memory" warning and the copy at every call, and the model trains as with torch::optim.
