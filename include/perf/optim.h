@@ -519,10 +519,10 @@ struct FlatSlot {
 };
 
 // One buffer per (device, dtype) that the optimizer allocates, plus one per
-// storage that several parameters already share without gaps (in_place: the
-// parameters stay where they are, so that cuDNN's RNN weight buffer, which
-// LibTorch's LSTM/GRU/RNN make on CUDA, keeps serving cuDNN directly). The
-// gradient and state buffers are always the optimizer's, laid out alike.
+// storage whose parameters stay where they are (in_place; which ones:
+// in_place_storages), so that cuDNN's RNN weight buffer, which LibTorch's
+// LSTM/GRU/RNN make on CUDA, keeps serving cuDNN directly. The gradient and
+// state buffers are always the optimizer's, laid out alike.
 struct FlatKey {
   c10::Device device;
   c10::ScalarType dtype;
