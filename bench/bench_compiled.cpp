@@ -20,6 +20,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -87,6 +88,75 @@ static void profile_rows(const std::vector<std::pair<std::string, std::function<
       std::cout << "profile of " << name << " at batch " << batch << ": none (" << what.substr(0, what.find('\n'))
                 << ")\n";
     }
+  }
+}
+
+// Where the batch-1 gap between rows that replay the same kernels comes from (docs/benchmarks.md): on the H200 the
+// decision's graph and the eager recipe's NCHW-input graph ran at 0.287 ms, the pinned recipe, the heuristic
+// decision and the NHWC-input graph at 0.310 ms, in four runs; LibTorch's profiler, with the device idle before
+// each call, found the same kernels, grids and blocks and the same 290 us of device time in both, and calls 4-6 us
+// apart, not 24. perf::compare times a call right behind an untimed call of its own, so a fast row's median is its
+// device time alone. Two things it could be, each checked on the same rows, after the table:
+// - the call: "launch check" times each call on the host, on an idle device and right behind its own previous
+//   call; a call that returns only when the previous replay is done (a wait on the host) shows the device's time
+//   there, and the launch it then exposes is the gap;
+// - the place in the round-robin: on the H200 the fast rows were each the first graph after a row that is not one
+//   (the eager recipe; LibTorch's multi-threaded container), the slow ones right behind another graph (on the H100
+//   at dba86b3 the eager recipe's graph, behind a single-threaded package, was slow too). "order check" times the
+//   rows again in the reverse order, and each behind eager fp32: if the fast set moves with the place, the gap is
+//   the device's state between rows (its clocks, say), not the row's code.
+static void order_check(const std::vector<std::pair<std::string, std::function<void()>>>& configs,
+                        const std::vector<perf::Stats>& stats, const perf::BenchOptions& opts, int64_t batch) {
+  using Config = std::pair<std::string, std::function<void()>>;
+  std::vector<size_t> rows;
+  for (size_t row = 0; row < configs.size(); ++row) {
+    const auto& name = configs[row].first;
+    if (name.rfind("perf::optimize", 0) == 0 || name.rfind("perf::graph(eager recipe)", 0) == 0) rows.push_back(row);
+  }
+  if (rows.size() < 2 || configs.empty()) return;
+  const auto at = " at batch " + std::to_string(batch);
+  try {
+    const auto median_us = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    for (const size_t row : rows) {
+      const auto& call = configs[row].second;
+      std::vector<double> idle_us, behind_us;
+      for (int i = 0; i < 21; ++i) {
+        torch::cuda::synchronize();
+        auto t0 = std::chrono::steady_clock::now();
+        call();
+        idle_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+        torch::cuda::synchronize();
+        call();
+        t0 = std::chrono::steady_clock::now();
+        call();
+        behind_us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      torch::cuda::synchronize();
+      std::cout << "launch check of " << configs[row].first << at << ": the call returns after " << std::fixed
+                << std::setprecision(1) << median_us(idle_us) << " us on the host with the device idle, "
+                << median_us(behind_us) << " us right behind its own previous call (median of 21; its table median "
+                << std::setprecision(1) << stats[row].median_ms * 1000 << " us)\n";
+    }
+    std::vector<Config> reversed, behind_eager;
+    for (auto it = rows.rbegin(); it != rows.rend(); ++it) reversed.push_back(configs[*it]);
+    for (const size_t row : rows) {
+      behind_eager.push_back(configs[0]);
+      behind_eager.push_back(configs[row]);
+    }
+    const auto in_reverse = perf::compare(reversed, opts);
+    const auto after_eager = perf::compare(behind_eager, opts);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      std::cout << "order check of " << configs[rows[k]].first << at << ": " << std::fixed << std::setprecision(3)
+                << stats[rows[k]].median_ms << " ms in the table, " << in_reverse[rows.size() - 1 - k].median_ms
+                << " ms timed in the reverse order, " << after_eager[2 * k + 1].median_ms << " ms each behind "
+                << configs[0].first << "\n";
+    }
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    std::cout << "order check" << at << ": none (" << what.substr(0, what.find('\n')) << ")\n";
   }
 }
 
@@ -264,6 +334,7 @@ static int bench_compiled_main(int argc, char** argv) {
       std::cout << line << std::fixed << std::setprecision(2) << std::setw(10) << stats[0].median_ms / s.median_ms
                 << "x\n";
     }
+    if (device.is_cuda()) order_check(configs, stats, opts, batch);
     if (profile_calls > 0) profile_rows(configs, device, batch, profile_calls, profile_traces);
   }
   return 0;

@@ -55,7 +55,7 @@ def goals(rs, batch, device):
         else:
             autotune = by.get("Python torch.compile max-autotune")
             vs_py = (judged(autotune["median_ms"] / graphed["median_ms"], 1.0, autotune["config"]) if autotune else
-                     "Python torch.compile max-autotune: no row in this run (gpu-check's --quick leaves it out)")
+                     f"Python torch.compile max-autotune: no row in this run ({no_autotune_row(rs)})")
             line = f"{graphed['config']} ({graphed['median_ms']:.3f} ms): {vs_py}"
             if batch == 1:
                 line += f"; {judged(eager['median_ms'] / graphed['median_ms'], 3.0, BASE)}"
@@ -73,6 +73,16 @@ def goals(rs, batch, device):
                    + judged(fixed["median_ms"] / tuned["median_ms"], 0.97,
                             f"the best fixed recipe, {fixed['config']} ({fixed['median_ms']:.3f} ms), level within 3%"))
     return out
+
+
+def no_autotune_row(rs):
+    """Why a run has no max-autotune row at a batch, from the command that made it: gpu-check's --quick leaves the
+    mode out; otherwise Python's peer ended before it (its autotuning takes minutes on CUDA, and a call's budget
+    stops the peer where it is, keeping the rows before)."""
+    command = next((r["run"].get("command", "") for r in rs if "run" in r), "")
+    if "--quick" in command or "--no-max-autotune" in command:
+        return "gpu-check's --quick leaves it out" if "--quick" in command else "--no-max-autotune leaves it out"
+    return "Python's peer ended before it: its autotuning takes minutes, and the call's budget stops the peer"
 
 
 def main():

@@ -855,6 +855,7 @@ if has bench && start_part bench; then
     if grep -qs "^profile of " "$logs/bench_compiled.txt"; then
       echo "-- kernels a call of perf::optimize's rows and the eager recipe's graphs (bench_compiled.txt lists them)"
       grep -h "^profile of " "$logs/bench_compiled.txt"
+      grep -hE "^(launch check|order check)" "$logs/bench_compiled.txt" || true
       grep -hE "^(calls of |profile traces: )" "$logs/profile_calls.txt" 2>/dev/null || true
       grep -h -A2 "^diff of " "$logs/profile_calls.txt" 2>/dev/null | grep -v "^--$" || true
     fi

@@ -122,6 +122,10 @@ if ((graphs)); then
   exit 1
 fi
 row "package fp32 (batch 1)" 0.5
+echo "launch check of perf::optimize(example) at batch 1: the call returns after 30.0 us on the host with the device \
+idle, 31.0 us right behind its own previous call (median of 21; its table median 250.0 us)"
+echo "order check of perf::optimize(example) at batch 1: 0.250 ms in the table, 0.270 ms timed in the reverse order, \
+0.250 ms each behind eager fp32"
 echo "profile of perf::optimize(example) at batch 1: 61.0 cuda operations a call, 250.5 us of their time a call (10 calls)"
 echo "    40.00 us    1.0x  stand-in kernel"
 EOF
@@ -161,6 +165,8 @@ bench_compiled: stand-in failure in a package's graph) (log: bench_compiled-died
   <<<"$summary"
 check "and the profiled rows' kernels a call, one line each" test "$(grep -c "^profile of perf::optimize(example) at \
 batch 1: 61.0 cuda operations a call" <<<"$summary")" = 1
+check "and the launch and order checks of the same rows" test "$(grep -cE "^(launch|order) check of \
+perf::optimize\(example\) at batch 1: " <<<"$summary")" = 2
 check "and where their calls' time went, from the retry's traces alone" test \
   "$(grep "^calls of perf::optimize(example) at batch 1" <<<"$summary")" = "calls of perf::optimize(example) at batch \
 1: 260.0 us a call (median of 1): the device starts 10.0 us in (the call takes 40.0 us on the host), then spans \

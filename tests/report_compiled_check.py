@@ -100,6 +100,21 @@ def goal_lines(out, h100_rows):
             + judged(ms[(32, "C++ eager fp32")] / package["median_ms"], 1.2, "C++ eager fp32"))
     check(rc == 0 and want + "\n" in text and "perf::graph(package" not in text.split("goals:")[-1],
           f"exit {rc}: {want}\n{text}")
+    # Without a max-autotune row the line says why, from the run's command: gpu-check's --quick leaves the mode
+    # out; a call without it whose peer has no such row was stopped by its budget.
+    plain = [r for r in fresh if r["batch"] == 32 and r["config"] != "Python torch.compile max-autotune"]
+    for command, why in (("bash scripts/gpu-check.sh --part bench --quick --bench compiled",
+                          "(gpu-check's --quick leaves it out)"),
+                         ("bash scripts/gpu-check.sh --part build,bench --bench compiled",
+                          "(Python's peer ended before it: its autotuning takes minutes, and the call's budget stops "
+                          "the peer)")):
+        stamped = os.path.join(out, "goals-no-autotune.jsonl")
+        write(stamped, [dict(r, run=dict(machine="the VM", commit="0000000", date="2026-11-29", torch="2.11.0",
+                                          command=command)) if r["lang"] == "cpp" else r for r in plain])
+        rc, log = report(out, stamped, "--name", "goals-no-autotune")
+        text = section(read(os.path.join(out, "goals-no-autotune.md")), 32)
+        check(rc == 0 and f"Python torch.compile max-autotune: no row in this run {why}\n" in text,
+              f"exit {rc}, {command}: {why}\n{text}")
     # Without the main row nothing is judged, and the section says so.
     partial = os.path.join(out, "goals-partial.jsonl")
     write(partial, [r for r in fresh if r["config"] != "C++ eager fp32"])
