@@ -1261,6 +1261,54 @@ TEST(OptimFlat, OnGpuAnLstmKeepsCudnnsWeightBuffer) {
     EXPECT_EQ(w.find("not part of single contiguous chunk"), std::string::npos) << w;
 }
 
+// The same LSTM under a graphed perf::TrainStep (a GradScaler, clipping, two micro-batches): the captured step runs
+// cuDNN's kernels on the weights in cuDNN's buffer and the flat update of them in place, and trains as the same
+// step run eagerly with the plain fused path; the weights never leave the buffer.
+TEST(OptimFlat, OnGpuTrainStepCapturesAnLstmInCudnnsWeightBuffer) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  std::vector<torch::Tensor> weights[2], losses[2];
+  CollectWarnings warnings;
+  for (const bool graphed_flat : {true, false}) {
+    torch::manual_seed(3);
+    PackedLm lm;
+    lm->to(torch::kCUDA);
+    const auto lstm_params = lm->lstm->parameters();
+    ASSERT_TRUE(lstm_params[7].is_alias_of(lstm_params[0])) << "LibTorch no longer flattens an LSTM on CUDA";
+    const auto first_weight = lstm_params[0].data_ptr();
+    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0).growth_interval(3));
+    perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).flat(graphed_flat));
+    const auto batch = [](int k) {
+      torch::manual_seed(static_cast<uint64_t>(50 + k));
+      return std::make_pair(torch::randint(0, 40, {6, 4}).cuda(), torch::randint(0, 40, {6, 4}).cuda());
+    };
+    const auto first = batch(0);
+    perf::TrainStep step(
+        lm,
+        [&](const torch::Tensor& tokens, const torch::Tensor& next) {
+          return torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next.reshape({-1}));
+        },
+        opt, first.first, first.second,
+        perf::TrainStepOptions().scaler(&scaler).max_grad_norm(0.5).accumulation_steps(2).graph(graphed_flat));
+    for (int k = 0; k < 10; ++k) {
+      const auto b = batch(k);
+      losses[graphed_flat ? 0 : 1].push_back(step.step(b.first, b.second).detach().cpu().to(torch::kDouble));
+    }
+    EXPECT_EQ(step.graphed(), graphed_flat);
+    EXPECT_EQ(lm->lstm->parameters()[0].data_ptr(), first_weight) << "the weights left cuDNN's buffer";
+    if (graphed_flat) {
+      EXPECT_EQ(opt.kernels(),
+                std::vector<std::string>{"cuda:0 Float: fused, flat (2 tensors for 11 parameters, 8 of them in place "
+                                         "in a buffer they share)"});
+    }
+    for (const auto& p : lm->parameters()) weights[graphed_flat ? 0 : 1].push_back(p.detach().cpu().to(torch::kDouble));
+  }
+  for (const auto& w : warnings.messages)
+    EXPECT_EQ(w.find("not part of single contiguous chunk"), std::string::npos) << w;
+  EXPECT_LE(max_diff(losses[0], losses[1]), 1e-5) << "each step's loss, graphed and flat against eager and fused";
+  EXPECT_LE(max_diff(weights[0], weights[1]), 1e-5);
+}
+
 // A flat CUDA bucket goes to the fused kernel in SM-sized calls (the device's
 // size: elements_per_call). The cutting itself, on the CPU: entries whose
 // tensors are dense with one layout are cut in memory order, the others go
