@@ -1121,6 +1121,31 @@ void lm_step(PackedLm& lm, torch::optim::Optimizer& opt, int k) {
   opt.step();
 }
 
+// Ten steps of `lm` under perf::TrainStep with a GradScaler, clipping and two micro-batches (the batches on the
+// model's device, graphed or not): each step's loss, and whether the step was graphed.
+std::pair<std::vector<torch::Tensor>, bool> lm_train_steps(PackedLm& lm, perf::optim::AdamW& opt, bool graph) {
+  const auto device = lm->out->weight.device();
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0).growth_interval(3));
+  const auto batch = [&](int k) {
+    torch::manual_seed(static_cast<uint64_t>(50 + k));
+    return std::make_pair(torch::randint(0, 40, {6, 4}).to(device), torch::randint(0, 40, {6, 4}).to(device));
+  };
+  const auto first = batch(0);
+  perf::TrainStep step(
+      lm,
+      [&](const torch::Tensor& tokens, const torch::Tensor& next) {
+        return torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next.reshape({-1}));
+      },
+      opt, first.first, first.second,
+      perf::TrainStepOptions().scaler(&scaler).max_grad_norm(0.5).accumulation_steps(2).graph(graph));
+  std::vector<torch::Tensor> losses;
+  for (int k = 0; k < 10; ++k) {
+    const auto b = batch(k);
+    losses.push_back(step.step(b.first, b.second).detach().cpu().to(torch::kDouble));
+  }
+  return {losses, step.graphed()};
+}
+
 }  // namespace
 
 // Parameters that already share one storage without gaps (cuDNN's RNN weight buffer) stay where they are: moving
@@ -1174,30 +1199,14 @@ TEST(OptimFlat, ParametersSharingAStorageWithoutGapsStayWhereTheyAre) {
 // train exactly as the plain fused path trains them (the gradient buffer is one tensor for the scaler's inf check
 // and the norm, the weights' run one tensor for the update).
 TEST(OptimFlat, TrainStepOverWeightsLeftInPlaceTrainsAsTheFusedPath) {
-  std::vector<torch::Tensor> result[2];
+  std::vector<torch::Tensor> result[2], losses[2];
   for (const bool flat : {true, false}) {
     torch::manual_seed(3);
     PackedLm lm;
     if (flat) lm->pack();
     const auto first_weight = lm->lstm->parameters()[0].data_ptr();
-    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0).growth_interval(3));
     perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
-    const auto batch = [](int k) {
-      torch::manual_seed(static_cast<uint64_t>(50 + k));
-      return std::make_pair(torch::randint(0, 40, {6, 4}), torch::randint(0, 40, {6, 4}));
-    };
-    const auto first = batch(0);
-    perf::TrainStep step(
-        lm,
-        [&](const torch::Tensor& tokens, const torch::Tensor& next) {
-          return torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next.reshape({-1}));
-        },
-        opt, first.first, first.second,
-        perf::TrainStepOptions().scaler(&scaler).max_grad_norm(0.5).accumulation_steps(2));
-    for (int k = 0; k < 10; ++k) {
-      const auto b = batch(k);
-      step.step(b.first, b.second);
-    }
+    losses[flat ? 0 : 1] = lm_train_steps(lm, opt, /*graph=*/true).first;
     EXPECT_EQ(lm->lstm->parameters()[0].data_ptr(), first_weight);
     if (flat) {
       EXPECT_EQ(opt.kernels(), std::vector<std::string>{"cpu Float: fused, flat (2 tensors for 11 parameters, 8 of "
@@ -1205,6 +1214,7 @@ TEST(OptimFlat, TrainStepOverWeightsLeftInPlaceTrainsAsTheFusedPath) {
     }
     for (const auto& p : lm->parameters()) result[flat ? 0 : 1].push_back(p.detach().to(torch::kDouble).clone());
   }
+  EXPECT_LE(max_diff(losses[0], losses[1]), 1e-6);
   EXPECT_LE(max_diff(result[0], result[1]), 1e-6);
 }
 
@@ -1276,25 +1286,10 @@ TEST(OptimFlat, OnGpuTrainStepCapturesAnLstmInCudnnsWeightBuffer) {
     const auto lstm_params = lm->lstm->parameters();
     ASSERT_TRUE(lstm_params[7].is_alias_of(lstm_params[0])) << "LibTorch no longer flattens an LSTM on CUDA";
     const auto first_weight = lstm_params[0].data_ptr();
-    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0).growth_interval(3));
     perf::optim::AdamW opt(lm->parameters(), perf::optim::AdamWOptions(1e-2).flat(graphed_flat));
-    const auto batch = [](int k) {
-      torch::manual_seed(static_cast<uint64_t>(50 + k));
-      return std::make_pair(torch::randint(0, 40, {6, 4}).cuda(), torch::randint(0, 40, {6, 4}).cuda());
-    };
-    const auto first = batch(0);
-    perf::TrainStep step(
-        lm,
-        [&](const torch::Tensor& tokens, const torch::Tensor& next) {
-          return torch::nn::functional::cross_entropy(lm(tokens).reshape({-1, 40}), next.reshape({-1}));
-        },
-        opt, first.first, first.second,
-        perf::TrainStepOptions().scaler(&scaler).max_grad_norm(0.5).accumulation_steps(2).graph(graphed_flat));
-    for (int k = 0; k < 10; ++k) {
-      const auto b = batch(k);
-      losses[graphed_flat ? 0 : 1].push_back(step.step(b.first, b.second).detach().cpu().to(torch::kDouble));
-    }
-    EXPECT_EQ(step.graphed(), graphed_flat);
+    bool graphed = false;
+    std::tie(losses[graphed_flat ? 0 : 1], graphed) = lm_train_steps(lm, opt, /*graph=*/graphed_flat);
+    EXPECT_EQ(graphed, graphed_flat);
     EXPECT_EQ(lm->lstm->parameters()[0].data_ptr(), first_weight) << "the weights left cuDNN's buffer";
     if (graphed_flat) {
       EXPECT_EQ(opt.kernels(),
