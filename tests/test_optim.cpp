@@ -969,11 +969,68 @@ TEST(OptimFlat, GradScalerSkipsAnInfStepAndClipsTheWholeBuffer) {
   }
 }
 
+// A tensor registered under two names (weights tied by registering one tensor in two modules): LibTorch's
+// Module::parameters() lists it once per name, Python's module.parameters() once. perf's optimizers update it once
+// a step, flat or not, as Python's would from module.parameters(); torch::optim would update it twice. A tensor in
+// two groups is refused, as Python refuses it, before anything changes.
+TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
+  struct Tied : torch::nn::Module {
+    Tied() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {
+      register_parameter("a_weight_again", a->weight);
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
+    torch::nn::Linear a, b;
+  };
+  for (const bool flat : {false, true}) {
+    torch::manual_seed(5);
+    auto net = std::make_shared<Tied>();
+    auto twin = std::make_shared<Tied>();
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < net->parameters().size(); ++i) twin->parameters()[i].copy_(net->parameters()[i]);
+    }
+    ASSERT_EQ(net->parameters().size(), 5u) << "LibTorch lists the tied weight twice";
+    perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.1).flat(flat));
+    EXPECT_EQ(opt.param_groups()[0].params().size(), 4u) << "flat " << flat;
+    std::vector<torch::Tensor> once;  // the reference gets each tensor once, in the same order
+    for (const auto& p : twin->parameters()) {
+      if (std::none_of(once.begin(), once.end(), [&](const auto& q) { return q.is_same(p); })) once.push_back(p);
+    }
+    torch::optim::AdamW ref(once, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    for (int k = 0; k < 10; ++k) {
+      torch::manual_seed(static_cast<uint64_t>(70 + k));
+      const auto x = torch::randn({5, 6});
+      opt.zero_grad();
+      net->forward(x).pow(2).mean().backward();
+      opt.step();
+      ref.zero_grad();
+      twin->forward(x).pow(2).mean().backward();
+      ref.step();
+    }
+    EXPECT_LE(max_diff(net->parameters(), twin->parameters()), 1e-6) << "flat " << flat;
+    EXPECT_TRUE(opt.param_groups()[0].params()[0].is_same(net->a->weight)) << "the tensor itself, where listed first";
+  }
+  // In two groups: refused by the constructor and by add_param_group, which leaves the groups as they were.
+  auto w = torch::randn({3}, torch::requires_grad()), v = torch::randn({3}, torch::requires_grad());
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{v, w});
+  groups.emplace_back(std::vector<torch::Tensor>{w});
+  PERF_EXPECT_THROW_MSG(perf::optim::SGD(groups, perf::optim::SGDOptions(0.1)),
+                        "perf::optim::SGD: parameter 0 of group 1 is parameter 1 of group 0: some parameters appear in "
+                        "more than one parameter group");
+  perf::optim::Adam adam(std::vector<torch::Tensor>{v, w}, perf::optim::AdamOptions(1e-3));
+  PERF_EXPECT_THROW_MSG(adam.add_param_group(torch::optim::OptimizerParamGroup({torch::randn({2}), w})),
+                        "perf::optim::Adam: parameter 1 of group 1 is parameter 1 of group 0");
+  EXPECT_EQ(adam.param_groups().size(), 1u) << "nothing added";
+  auto u = torch::randn({2}, torch::requires_grad());
+  adam.add_param_group(torch::optim::OptimizerParamGroup({u, u}));
+  ASSERT_EQ(adam.param_groups().size(), 2u);
+  EXPECT_EQ(adam.param_groups()[1].params().size(), 1u) << "a tensor listed twice in the new group, kept once";
+}
+
 TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
   using perf::optim::AdamWOptions;
   auto a = torch::randn({4}, torch::requires_grad());
-  PERF_EXPECT_THROW_MSG(perf::optim::AdamW({a, a}, AdamWOptions().flat(true)),
-                        "parameter 1 of group 0 is the same tensor as parameter 0 of group 0");
   // Two parameters whose elements overlap (tied through a view): flattening would untie them. Named in
   // parameter order whatever the memory order; a transposed view of a weight is the usual way to tie.
   const auto base = torch::randn({8});

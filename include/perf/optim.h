@@ -610,8 +610,12 @@ const Options& group_options(const torch::optim::OptimizerOptions& o, size_t g, 
   return *typed;
 }
 
-// Checks shared by the constructors: floating parameters, one device per group.
-PERF_INLINE void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name);
+// Checks shared by the constructors: floating parameters, one device per group, no tensor in two groups (as
+// Python's optimizers refuse). Returns the groups with a tensor listed twice in one group kept once: LibTorch's
+// Module::parameters() lists a tensor registered under two names (tied weights) once per name, where Python's
+// module.parameters() lists it once, and updating it twice a step is never what is meant.
+PERF_INLINE std::vector<torch::optim::OptimizerParamGroup> checked_params(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name);
 
 PERF_INLINE void check_grad(const at::Tensor& p, size_t g, const char* name);
 
@@ -688,8 +692,7 @@ AdamT<D>::AdamT(const std::vector<torch::optim::OptimizerParamGroup>& param_grou
     : SerializableFusedOptimizer<AdamParamState, Options>(
           [&] {
             detail::check_adam_options(defaults, "");
-            detail::check_params(param_groups, detail::adam_name<D>());
-            return param_groups;
+            return detail::checked_params(param_groups, detail::adam_name<D>());
           }(),
           std::make_unique<Options>(defaults)) {
   this->keep_group_options(param_groups);

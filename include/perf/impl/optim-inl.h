@@ -261,9 +261,15 @@ PERF_INLINE std::string kernel_line(const Bucket& b, bool fused) {
   return line;
 }
 
-PERF_INLINE void check_params(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name) {
+PERF_INLINE std::vector<torch::optim::OptimizerParamGroup> checked_params(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name) {
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  out.reserve(groups.size());
+  std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // tensor -> (group, index) as given
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& params = groups[g].params();
+    std::vector<at::Tensor> kept;
+    kept.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       TORCH_CHECK(params[i].defined(), name, ": parameter ", i, " of group ", g, " is undefined");
       TORCH_CHECK(at::isFloatingType(params[i].scalar_type()), name, ": parameter ", i, " of group ", g, " has dtype ",
@@ -271,8 +277,20 @@ PERF_INLINE void check_params(const std::vector<torch::optim::OptimizerParamGrou
       TORCH_CHECK(params[i].device() == params[0].device(), name, ": parameters of group ", g,
                   " are on different devices (", params[0].device(), " and ", params[i].device(), " at index ", i,
                   "); put each device's parameters in its own group");
+      const auto [it, fresh] = where.emplace(params[i].unsafeGetTensorImpl(), std::make_pair(g, i));
+      if (fresh) {
+        kept.push_back(params[i]);
+        continue;
+      }
+      TORCH_CHECK(it->second.first == g, name, ": parameter ", i, " of group ", g, " is parameter ", it->second.second,
+                  " of group ", it->second.first,
+                  ": some parameters appear in more than one parameter group (as Python's optimizers, perf refuses "
+                  "this); give each parameter one group");
     }
+    out.emplace_back(std::move(kept));
+    if (groups[g].has_options()) out.back().set_options(groups[g].options().clone());
   }
+  return out;
 }
 
 PERF_INLINE void check_grad(const at::Tensor& p, size_t g, const char* name) {
@@ -387,7 +405,13 @@ PERF_INLINE void FusedOptimizer::step_scaled(const std::optional<torch::Tensor>&
 }
 
 PERF_INLINE void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
-  torch::optim::Optimizer::add_param_group(param_group);
+  // Checked as the constructors check their groups, before anything is added: a tensor already in a group is
+  // refused, one listed twice in the new group kept once.
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.reserve(param_groups_.size() + 1);
+  for (const auto& g : param_groups_) groups.emplace_back(g.params());
+  groups.push_back(param_group);
+  torch::optim::Optimizer::add_param_group(detail::checked_params(groups, name_).back());
   if (param_group.has_options()) param_groups_.back().set_options(kept_options(param_group.options()));
   groups_kept_ = param_groups_.size();
 }
@@ -888,8 +912,7 @@ PERF_INLINE SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& param
     : SerializableFusedOptimizer<SGDParamState, SGDOptions>(
           [&] {
             detail::check_sgd_options(defaults, "");
-            detail::check_params(param_groups, "perf::optim::SGD");
-            return param_groups;
+            return detail::checked_params(param_groups, "perf::optim::SGD");
           }(),
           std::make_unique<SGDOptions>(defaults)) {
   keep_group_options(param_groups);
