@@ -282,6 +282,13 @@ struct DdpNamedImpl : DdpNetImpl {
 };
 TORCH_MODULE(DdpNamed);
 
+// A tensor registered under two names (weights tied by registering one tensor in two modules): LibTorch's
+// parameters() lists it twice.
+struct DdpTiedImpl : DdpNetImpl {
+  DdpTiedImpl() { register_parameter("l1_weight_again", l1->weight); }
+};
+TORCH_MODULE(DdpTied);
+
 // An output type perf's DDP cannot look into.
 struct OpaqueOutput {
   at::Tensor logits;
@@ -582,6 +589,35 @@ TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
     }
     perf::DistributedDataParallel ddp(opaque, pg);  // neither: the Reducer needs no output
     EXPECT_NO_THROW(ddp(torch::randn({4, 8})).logits.sum().backward());
+  }
+  // A tied weight is one parameter to synchronise, as Python's DDP keeps a shared parameter once: it trains as the
+  // model alone (the Reducer would otherwise see the same tensor's gradient ready twice, or reduce it twice).
+  for (const bool as_view : {false, true}) {
+    torch::manual_seed(2);
+    DdpTied tied, alone;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < tied->parameters().size(); ++i) alone->parameters()[i].copy_(tied->parameters()[i]);
+    }
+    ASSERT_EQ(tied->parameters().size(), 7u) << "LibTorch lists the tied weight twice";
+    perf::DistributedDataParallel ddp(tied, pg,
+                                      perf::DDPOptions().bucket_cap_mb(0.0005).gradient_as_bucket_view(as_view));
+    EXPECT_EQ(ddp.parameters().size(), 6u);
+    EXPECT_TRUE(ddp.parameters()[0].is_same(tied->l1->weight));
+    perf::optim::SGD opt(tied->parameters(), perf::optim::SGDOptions(0.05).momentum(0.9));
+    perf::optim::SGD opt_alone(alone->parameters(), perf::optim::SGDOptions(0.05).momentum(0.9));
+    for (int k = 0; k < 4; ++k) {
+      torch::manual_seed(static_cast<uint64_t>(30 + k));
+      const auto x = torch::randn({6, 8});
+      const auto y = torch::randint(0, 4, {6});
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(ddp(x), y).backward();
+      opt.step();
+      opt_alone.zero_grad();
+      torch::nn::functional::cross_entropy(alone(x), y).backward();
+      opt_alone.step();
+    }
+    EXPECT_LE(max_diff(*tied, *alone), 1e-6) << "gradient_as_bucket_view " << as_view;
   }
   // World size 1: DDP trains exactly as the model alone.
   run_case<DdpNet>(pg, {"world size 1", perf::DDPOptions(), OptKind::adamw});

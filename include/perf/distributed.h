@@ -70,6 +70,7 @@
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -368,7 +369,11 @@ DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<Mod
 
   std::unordered_map<size_t, std::string> names;
   std::vector<at::Tensor> state;
+  // A tensor registered under two names (tied weights) is one parameter, as Python's DDP keeps a shared parameter
+  // once: LibTorch's named_parameters() lists it once per name, and the Reducer would reduce it once per entry.
+  std::unordered_set<const void*> seen;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     state.push_back(item.value());
     if (!item.value().requires_grad()) continue;
     names[params_.size()] = item.key();
@@ -384,7 +389,7 @@ DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<Mod
                 "' is sparse; only dense parameters are supported");
   }
   for (const auto& b : module_->buffers(/*recurse=*/true)) {
-    if (b.defined()) buffers_.push_back(b);
+    if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers_.push_back(b);
   }
   state.insert(state.end(), buffers_.begin(), buffers_.end());
 
