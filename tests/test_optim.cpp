@@ -1028,6 +1028,29 @@ TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
   EXPECT_EQ(adam.param_groups()[1].params().size(), 1u) << "a tensor listed twice in the new group, kept once";
 }
 
+// The same list given to perf::clip_grad_norm_ and, through a torch::optim optimizer, to GradScaler::unscale_: the
+// tied tensor's gradient counts once in the norm and is scaled once, as with Python's module.parameters().
+TEST(Optim, ClipGradNormAndUnscaleTakeATensorListedTwiceOnce) {
+  auto w = torch::randn({3}, torch::requires_grad()), v = torch::randn({2}, torch::requires_grad());
+  const std::vector<torch::Tensor> listed = {w, v, w};  // as LibTorch's parameters() lists a tied weight
+  const auto grads = [&] {
+    w.mutable_grad() = torch::tensor({3.0, 0.0, 4.0}, torch::kFloat);
+    v.mutable_grad() = torch::tensor({0.0, 12.0}, torch::kFloat);
+  };
+  grads();
+  const auto norm = perf::clip_grad_norm_(listed, 6.5);
+  EXPECT_NEAR(norm.item<double>(), 13.0, 1e-5) << "sqrt(9 + 16 + 144), w counted once";
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::tensor({1.5f, 0.0f, 2.0f}), 1e-5, 1e-6)) << w.grad();
+  EXPECT_TRUE(torch::allclose(v.grad(), torch::tensor({0.0f, 6.0f}), 1e-5, 1e-6)) << v.grad();
+  torch::optim::SGD sgd(listed, torch::optim::SGDOptions(0.1));
+  sgd.zero_grad();
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(4.0));
+  scaler.scale((w * torch::tensor({3.0f, 0.0f, 4.0f})).sum() + (v * torch::tensor({0.0f, 12.0f})).sum()).backward();
+  scaler.unscale_(sgd);
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::tensor({3.0f, 0.0f, 4.0f}))) << "unscaled once: " << w.grad();
+  EXPECT_TRUE(torch::allclose(v.grad(), torch::tensor({0.0f, 12.0f}))) << v.grad();
+}
+
 TEST(OptimFlat, RefusesWhatCannotBeFlatBeforeChangingAnything) {
   using perf::optim::AdamWOptions;
   auto a = torch::randn({4}, torch::requires_grad());

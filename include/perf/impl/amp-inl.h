@@ -370,9 +370,12 @@ PERF_INLINE std::vector<torch::Tensor> GradScaler::unscale_grads(torch::optim::O
   at::NoGradGuard no_grad;
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<torch::Tensor>> groups;
   std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> per_device;  // found_inf, inv_scale
+  // A parameter listed twice (a torch::optim optimizer given LibTorch's parameters() of a model with a tensor
+  // registered under two names) is unscaled once.
+  std::unordered_set<const void*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
       TORCH_CHECK(allow_fp16 || p.grad().scalar_type() != at::kHalf,
                   "perf::GradScaler::unscale_: attempting to unscale FP16 gradients; keep fp32 master parameters "
                   "(autocast casts the compute, not the parameters)");

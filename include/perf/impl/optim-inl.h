@@ -1034,8 +1034,11 @@ PERF_INLINE torch::Tensor clip_grad_norm_(const std::vector<torch::Tensor>& para
   at::NoGradGuard no_grad;
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> groups;
   std::optional<c10::Device> first;
+  // A tensor listed twice (LibTorch's parameters() of a model with a tensor registered under two names) counts once
+  // in the norm and is scaled once, as Python's module.parameters() lists it once.
+  std::unordered_set<const void*> seen;
   for (const auto& p : parameters) {
-    if (!p.defined() || !p.grad().defined()) continue;
+    if (!p.defined() || !p.grad().defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
     const auto& g = p.grad();
     TORCH_CHECK(!g.is_sparse(), "perf::clip_grad_norm_: sparse gradients are not supported");
     if (!first) first = g.device();
