@@ -451,6 +451,30 @@ TEST(CompiledTrain, MismatchedModelsPackagesAndStateAreClearErrors) {
   } bigger;
   PERF_EXPECT_THROW_MSG(perf::CompiledTrainStep(package("mlp_train.pt2"), bigger, opt),
                         "the module's parameter 'extra' is not in the package");
+  // A parameter registered under a second name (tied weights): the package, exported from Python, names the tensor
+  // once; the step binds it through that name and trains the module as the plain one.
+  struct Aliased : Mlp {
+    Aliased() { register_parameter("fc1_weight_again", fc1->weight); }
+  };
+  {
+    torch::manual_seed(4);
+    Aliased aliased;
+    Mlp plain;
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : plain.named_parameters()) p.value().copy_(aliased.named_parameters()[p.key()]);
+    }
+    perf::optim::AdamW aopt(aliased.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::optim::AdamW popt(plain.parameters(), perf::optim::AdamWOptions(kLr));
+    perf::CompiledTrainStep astep(package("mlp_train.pt2"), aliased, aopt),
+        pstep(package("mlp_train.pt2"), plain, popt);
+    for (int k = 0; k < 3; ++k) {
+      const auto x = at::randn({8, 16});
+      const auto y = at::randint(0, 4, {8});
+      EXPECT_TRUE(torch::equal(astep.step(x, y), pstep.step(x, y))) << "step " << k;
+    }
+    EXPECT_TRUE(torch::equal(aliased.fc1->weight, plain.fc1->weight));
+  }
   // Same names, other shapes.
   struct Wider : torch::nn::Module {
     Wider() {

@@ -72,7 +72,12 @@ PERF_INLINE void CompiledTrainStep::bind_state() {
                 detail::sizes_string(s.sizes), " in the package (export the package from this model again)");
     state_.push_back(std::move(s));
   }
+  // A tensor the module registers under a second name (weights tied by registering one tensor twice) is bound
+  // through the name the package has: Python's export names a shared tensor once.
+  std::unordered_set<const void*> bound;
+  for (const auto& s : state_) bound.insert(s.live.unsafeGetTensorImpl());
   for (const auto& entry : own) {
+    if (!named.count(entry.first) && bound.count(entry.second.first.unsafeGetTensorImpl())) continue;
     TORCH_CHECK(named.count(entry.first), who, ": the module's ", entry.second.second ? "parameter" : "buffer", " '",
                 entry.first,
                 "' is not in the package, so the compiled step would never update it (the package was "
