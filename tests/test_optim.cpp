@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "test_util.h"
 
@@ -1026,6 +1027,145 @@ TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
   adam.add_param_group(torch::optim::OptimizerParamGroup({u, u}));
   ASSERT_EQ(adam.param_groups().size(), 2u);
   EXPECT_EQ(adam.param_groups()[1].params().size(), 1u) << "a tensor listed twice in the new group, kept once";
+}
+
+// LibTorch's Module::parameters() lists a tied weight twice, so a torch::optim optimizer over it writes its key twice
+// in a checkpoint, where a perf optimizer keeps the tensor once: perf reads a key written twice as one parameter.
+// LibTorch's own loader moves that parameter's saved state out twice and leaves it null, so torch::optim cannot
+// resume its own checkpoint of such a model (a null dereference at the next step); perf's checkpoint, each tensor
+// once, loads into a torch::optim optimizer over the list without the repeat.
+TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
+  struct Tied : torch::nn::Module {
+    Tied() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {
+      register_parameter("a_weight_again", a->weight);
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
+    torch::nn::Linear a, b;
+  };
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto path = (dir / ("perf_opt_tied" + std::to_string(::getpid()) + ".pt")).string();
+  const auto path2 = (dir / ("perf_opt_tied2" + std::to_string(::getpid()) + ".pt")).string();
+  const auto train = [](Tied& net, torch::optim::Optimizer& opt, int steps) {
+    for (int k = 0; k < steps; ++k) {
+      opt.zero_grad();
+      net.forward(torch::randn({5, 6})).pow(2).mean().backward();
+      opt.step();
+    }
+  };
+  // Each distinct parameter's Adam state in one optimizer against the other's, value for value.
+  const auto same_state = [](torch::optim::Optimizer& x, torch::optim::Optimizer& y, const Tied& net,
+                             const std::string& what) {
+    for (const auto& p : net.parameters()) {
+      auto* key = p.unsafeGetTensorImpl();
+      ASSERT_TRUE(x.state().count(key) && y.state().count(key)) << what;
+      std::vector<torch::Tensor> sx, sy;
+      double step_x = 0, step_y = 0;
+      for (auto [opt, s, step] : {std::tuple{&x, &sx, &step_x}, std::tuple{&y, &sy, &step_y}}) {
+        auto& st = *opt->state().at(key);
+        if (auto* perf_st = dynamic_cast<perf::optim::AdamParamState*>(&st)) {
+          *s = {perf_st->exp_avg(), perf_st->exp_avg_sq()};
+          *step = perf_st->step().item<double>();
+        } else if (auto* torch_st = dynamic_cast<torch::optim::AdamWParamState*>(&st)) {
+          *s = {torch_st->exp_avg(), torch_st->exp_avg_sq()};
+          *step = static_cast<double>(torch_st->step());
+        } else {
+          FAIL() << what << ": state of type " << c10::demangle(typeid(st).name());
+        }
+      }
+      EXPECT_EQ(step_x, step_y) << what;
+      for (size_t k = 0; k < 2; ++k) EXPECT_TRUE(torch::equal(sx[k], sy[k])) << what << " state " << k;
+    }
+  };
+  for (const bool flat : {false, true}) {
+    const std::string tag = flat ? "flat" : "not flat";
+    torch::manual_seed(3);
+    Tied net;
+    ASSERT_EQ(net.parameters().size(), 5u) << "LibTorch lists the tied weight twice";
+    torch::optim::AdamW ref(net.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    train(net, ref, 3);
+    torch::save(ref, path);
+    perf::optim::AdamW opt(net.parameters(), perf::optim::AdamWOptions(1e-3).flat(flat));
+    ASSERT_NO_THROW(torch::load(opt, path)) << tag;
+    EXPECT_DOUBLE_EQ(opt.param_groups()[0].options().get_lr(), 1e-2) << tag;
+    EXPECT_EQ(opt.state().size(), 4u) << tag;
+    same_state(opt, ref, net, "torch::optim -> perf, " + tag);
+    train(net, opt, 2);  // flat: the loaded state goes into the buffers
+    torch::save(opt, path2);
+    std::vector<torch::Tensor> once;  // the list without the repeat
+    for (const auto& p : net.parameters()) {
+      if (std::none_of(once.begin(), once.end(), [&](const auto& q) { return q.is_same(p); })) once.push_back(p);
+    }
+    ASSERT_EQ(once.size(), 4u);
+    torch::optim::AdamW back(once, torch::optim::AdamWOptions(1.0));
+    ASSERT_NO_THROW(torch::load(back, path2)) << tag;
+    EXPECT_DOUBLE_EQ(back.param_groups()[0].options().get_lr(), 1e-2) << tag;
+    same_state(back, opt, net, "perf -> torch::optim, " + tag);
+    perf::optim::AdamW again(net.parameters(), perf::optim::AdamWOptions(5.0).flat(flat));
+    torch::load(again, path2);
+    same_state(again, opt, net, "perf -> perf, " + tag);
+    perf::optim::AdamW listed_once(once, perf::optim::AdamWOptions(5.0).flat(flat));
+    torch::load(listed_once, path);
+    same_state(listed_once, ref, net, "torch::optim -> perf over the list once, " + tag);
+  }
+  // What the README says of LibTorch's loader (if this fails, LibTorch changed: update README's "Fused optimizers").
+  torch::manual_seed(3);
+  Tied net;
+  torch::optim::AdamW ref(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  train(net, ref, 1);
+  torch::save(ref, path);
+  torch::optim::AdamW resumed(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::load(resumed, path);
+  EXPECT_EQ(resumed.state().at(net.a->weight.unsafeGetTensorImpl()), nullptr) << "LibTorch's loader fixed?";
+  torch::optim::AdamW from_perf(net.parameters(), torch::optim::AdamWOptions(1e-2));
+  EXPECT_THROW(torch::load(from_perf, path2), c10::Error) << "a group of 4 into one of 5";
+  std::filesystem::remove(path);
+  std::filesystem::remove(path2);
+}
+
+// LibTorch's loader applies each param group as it checks it, and keeps the state of a parameter the checkpoint
+// has none for; perf refuses a checkpoint that does not match before anything changes, and replaces the state (as
+// Python's load_state_dict does).
+TEST(Optim, ACheckpointThatDoesNotMatchChangesNothingAndStateIsReplaced) {
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("perf_opt_groups" + std::to_string(::getpid()) + ".pt")).string();
+  auto a = torch::ones({3}, torch::requires_grad()), b = torch::ones({2}, torch::requires_grad());
+  auto c = torch::ones({4}, torch::requires_grad()), d = torch::ones({1}, torch::requires_grad());
+  const auto groups = [](std::vector<std::vector<torch::Tensor>> lists, std::vector<double> lrs) {
+    std::vector<torch::optim::OptimizerParamGroup> out;
+    for (size_t g = 0; g < lists.size(); ++g) {
+      out.emplace_back(lists[g],
+                       std::make_unique<perf::optim::SGDOptions>(perf::optim::SGDOptions(lrs[g]).momentum(0.9)));
+    }
+    return out;
+  };
+  perf::optim::SGD fresh(groups({{a, b}, {c}}, {0.1, 0.2}), perf::optim::SGDOptions(0.1).momentum(0.9));
+  torch::save(fresh, path);  // before any step: no state
+  for (auto* t : {&a, &b, &c, &d}) t->mutable_grad() = torch::ones_like(*t);
+  for (const bool flat : {false, true}) {
+    perf::optim::SGD other(groups({{a, b}, {c, d}}, {0.5, 0.6}), perf::optim::SGDOptions(0.5).momentum(0.9).flat(flat));
+    other.step();
+    ASSERT_EQ(other.state().size(), 4u);
+    PERF_EXPECT_THROW_MSG(torch::load(other, path),
+                          "perf::optim::SGD: param group 1 of the checkpoint has 1 parameters and the optimizer's 2");
+    EXPECT_DOUBLE_EQ(other.param_groups()[0].options().get_lr(), 0.5) << "group 0 matched, and is left as it was";
+    EXPECT_EQ(other.state().size(), 4u) << "flat " << flat;
+    perf::optim::SGD one(std::vector<torch::Tensor>{a, b, c}, perf::optim::SGDOptions(0.5).momentum(0.9).flat(flat));
+    PERF_EXPECT_THROW_MSG(torch::load(one, path),
+                          "perf::optim::SGD: the checkpoint has 2 param groups and the optimizer 1");
+    perf::optim::SGD same(groups({{a, b}, {c}}, {0.5, 0.6}), perf::optim::SGDOptions(0.5).momentum(0.9).flat(flat));
+    same.step();
+    ASSERT_EQ(same.state().size(), 3u);
+    torch::load(same, path);
+    EXPECT_TRUE(same.state().empty()) << "the checkpoint's state, none (torch::optim keeps the old); flat " << flat;
+    EXPECT_DOUBLE_EQ(same.param_groups()[1].options().get_lr(), 0.2);
+    const auto before = a.detach().clone();
+    same.step();
+    EXPECT_TRUE(torch::allclose(a.detach(), before - 0.1)) << "momentum starts afresh: " << a;
+  }
+  torch::save(torch::nn::Linear(2, 2), path);
+  perf::optim::SGD sgd(std::vector<torch::Tensor>{a}, perf::optim::SGDOptions(0.1));
+  PERF_EXPECT_THROW_MSG(torch::load(sgd, path), "perf::optim::SGD: not an optimizer checkpoint");
+  std::filesystem::remove(path);
 }
 
 // The same list given to perf::clip_grad_norm_ and, through a torch::optim optimizer, to GradScaler::unscale_: the

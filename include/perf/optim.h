@@ -267,10 +267,15 @@ class FusedOptimizer : public torch::optim::Optimizer {
       const torch::optim::OptimizerOptions& given) const = 0;
   // After torch::optim::Optimizer's constructor: the groups' own options back in place (see add_param_group).
   void keep_group_options(const std::vector<torch::optim::OptimizerParamGroup>& given);
+  // For torch::load, before anything changes: group g's parameter i is entry at[g][i] of the checkpoint's group
+  // g (`saved_keys`: each group's keys as written). A key written twice (a torch::optim optimizer over a list
+  // with a tied weight listed twice) is one parameter. A checkpoint whose groups do not match is refused.
+  std::vector<std::vector<size_t>> match_saved_groups(const std::vector<std::vector<std::string>>& saved_keys) const;
   // Checks group g's options: their type (a group built with torch::optim's
   // options class would be misread) and values. Before anything moves.
   virtual void check_options(const torch::optim::OptimizerOptions& o, size_t g) const = 0;
   void check_groups() const;
+  const char* optimizer_name() const noexcept { return name_; }
   // Appends group g's step constants (options `o`, checked) to `out`.
   virtual void add_step_constants(const torch::optim::OptimizerOptions& o, size_t g,
                                   std::vector<StepConstant>& out) const = 0;
@@ -310,7 +315,13 @@ class FusedOptimizer : public torch::optim::Optimizer {
 };
 
 /// A FusedOptimizer whose state and options serialize as ParamState / Options,
-/// in LibTorch's format (torch::save / torch::load).
+/// in LibTorch's format (torch::save / torch::load), either way with
+/// torch::optim's optimizers of the same kind. Unlike LibTorch's loader, a
+/// checkpoint that does not match is refused before anything changes, a
+/// parameter whose key the checkpoint lists twice (a torch::optim optimizer
+/// over a model with tied weights) is read once, and the loaded state replaces
+/// the optimizer's (as Python's load_state_dict): a parameter without state in
+/// the checkpoint starts afresh.
 template <typename ParamState, typename Options>
 class SerializableFusedOptimizer : public FusedOptimizer {
  public:
@@ -318,10 +329,7 @@ class SerializableFusedOptimizer : public FusedOptimizer {
   void save(torch::serialize::OutputArchive& archive) const override {
     torch::optim::serialize<ParamState, Options>(archive, *this);
   }
-  void load(torch::serialize::InputArchive& archive) override {
-    torch::optim::serialize<ParamState, Options>(archive, *this);
-    this->invalidate_flat();  // flat: the loaded state is copied into the buffers at the next step
-  }
+  void load(torch::serialize::InputArchive& archive) override;
 };
 
 /// Adam (Decoupled=false) and AdamW (Decoupled=true).
@@ -671,6 +679,46 @@ void AdamOptionsT<D>::serialize(torch::serialize::InputArchive& archive) {
 namespace detail {
 PERF_INLINE bool capturing_cuda_graph();
 }  // namespace detail
+
+// LibTorch's loader checks each group as it applies it, so a group that does not match is refused after those
+// before it took their state and options; and it keeps the state of parameters the checkpoint has none for.
+template <typename ParamState, typename Options>
+void SerializableFusedOptimizer<ParamState, Options>::load(torch::serialize::InputArchive& archive) {
+  c10::IValue version;
+  torch::serialize::InputArchive state_archive, groups_archive;
+  TORCH_CHECK(archive.try_read("pytorch_version", version) && version.isString() && version.toStringRef() == "1.5.0" &&
+                  archive.try_read("state", state_archive) && archive.try_read("param_groups", groups_archive),
+              this->optimizer_name(),
+              ": not an optimizer checkpoint (torch::save of a torch::optim or perf::optim optimizer writes "
+              "\"pytorch_version\" 1.5.0, \"state\" and \"param_groups\")");
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> saved_state;
+  torch::optim::detail::serialize<ParamState>(state_archive, saved_state);
+  std::vector<std::pair<std::vector<std::string>, std::unique_ptr<torch::optim::OptimizerOptions>>> saved_groups;
+  torch::optim::detail::serialize<Options>(groups_archive, saved_groups);
+  std::vector<std::vector<std::string>> keys;
+  keys.reserve(saved_groups.size());
+  for (const auto& group : saved_groups) keys.push_back(group.first);
+  const auto at = this->match_saved_groups(keys);  // refuses a mismatch before anything changes
+  auto& groups = this->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    this->check_options(groups[g].options(), g);  // its type: the cast below
+    this->check_options(*saved_groups[g].second, g);
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      auto* impl = groups[g].params()[i].unsafeGetTensorImpl();
+      // NOLINTNEXTLINE(performance-no-int-to-ptr): LibTorch's keys are the saving process's TensorImpl addresses
+      const auto found = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][at[g][i]])));
+      if (found != saved_state.end() && found->second) {
+        this->state()[impl] = std::move(found->second);
+      } else {
+        this->state().erase(impl);
+      }
+    }
+    static_cast<Options&>(groups[g].options()) = static_cast<const Options&>(*saved_groups[g].second);
+  }
+  this->invalidate_flat();  // flat: the loaded state is copied into the buffers at the next step
+}
 
 // --------------------------------------------------------------------------- Adam / AdamW
 

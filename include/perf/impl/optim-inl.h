@@ -426,6 +426,32 @@ PERF_INLINE void FusedOptimizer::keep_group_options(const std::vector<torch::opt
   groups_kept_ = param_groups_.size();
 }
 
+PERF_INLINE std::vector<std::vector<size_t>> FusedOptimizer::match_saved_groups(
+    const std::vector<std::vector<std::string>>& saved_keys) const {
+  TORCH_CHECK(saved_keys.size() == param_groups_.size(), name_, ": the checkpoint has ", saved_keys.size(),
+              " param group", saved_keys.size() == 1 ? "" : "s", " and the optimizer ", param_groups_.size(),
+              "; build the optimizer with the param groups it was saved with (add_param_group), then load");
+  std::vector<std::vector<size_t>> at(saved_keys.size());
+  for (size_t g = 0; g < saved_keys.size(); ++g) {
+    std::unordered_map<std::string, size_t> first;  // a key written twice is one parameter listed twice
+    for (size_t i = 0; i < saved_keys[g].size(); ++i) {
+      if (first.emplace(saved_keys[g][i], i).second) at[g].push_back(i);
+    }
+    const size_t have = param_groups_[g].params().size();
+    TORCH_CHECK(at[g].size() == have, name_, ": param group ", g, " of the checkpoint has ", at[g].size(),
+                " parameters", at[g].size() == saved_keys[g].size() ? "" : " (some listed twice, counted once)",
+                " and the optimizer's ", have,
+                "; build the optimizer over the same parameters, in the same order, as the one saved; nothing was "
+                "loaded");
+    for (const auto& key : saved_keys[g]) {
+      TORCH_CHECK(!key.empty() && key.size() < 20 && key.find_first_not_of("0123456789") == std::string::npos, name_,
+                  ": param group ", g, " of the checkpoint has the parameter key \"", key,
+                  "\", not a number: not a checkpoint torch::save of an optimizer wrote");
+    }
+  }
+  return at;
+}
+
 PERF_INLINE void FusedOptimizer::check_groups() const {
   // A group torch::optim::Optimizer::add_param_group added (through a torch::optim::Optimizer&): since LibTorch
   // 2.12 its options are a copy of the defaults, whatever it was given. Said once per such group.
