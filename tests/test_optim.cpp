@@ -974,18 +974,23 @@ TEST(OptimFlat, GradScalerSkipsAnInfStepAndClipsTheWholeBuffer) {
 // Module::parameters() lists it once per name, Python's module.parameters() once. perf's optimizers update it once
 // a step, flat or not, as Python's would from module.parameters(); torch::optim would update it twice. A tensor in
 // two groups is refused, as Python refuses it, before anything changes.
+namespace {
+// Two linear layers, the first's weight registered a second time under another name: LibTorch's
+// Module::parameters() lists it twice (Python's module.parameters() once).
+struct TiedLinears : torch::nn::Module {
+  TiedLinears() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {
+    register_parameter("a_weight_again", a->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
+  torch::nn::Linear a, b;
+};
+}  // namespace
+
 TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
-  struct Tied : torch::nn::Module {
-    Tied() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {
-      register_parameter("a_weight_again", a->weight);
-    }
-    torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
-    torch::nn::Linear a, b;
-  };
   for (const bool flat : {false, true}) {
     torch::manual_seed(5);
-    auto net = std::make_shared<Tied>();
-    auto twin = std::make_shared<Tied>();
+    auto net = std::make_shared<TiedLinears>();
+    auto twin = std::make_shared<TiedLinears>();
     {
       torch::NoGradGuard ng;
       for (size_t i = 0; i < net->parameters().size(); ++i) twin->parameters()[i].copy_(net->parameters()[i]);
@@ -1035,17 +1040,10 @@ TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
 // resume its own checkpoint of such a model (a null dereference at the next step); perf's checkpoint, each tensor
 // once, loads into a torch::optim optimizer over the list without the repeat.
 TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
-  struct Tied : torch::nn::Module {
-    Tied() : a(register_module("a", torch::nn::Linear(6, 6))), b(register_module("b", torch::nn::Linear(6, 6))) {
-      register_parameter("a_weight_again", a->weight);
-    }
-    torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(x))); }
-    torch::nn::Linear a, b;
-  };
   const auto dir = std::filesystem::temp_directory_path();
   const auto path = (dir / ("perf_opt_tied" + std::to_string(::getpid()) + ".pt")).string();
   const auto path2 = (dir / ("perf_opt_tied2" + std::to_string(::getpid()) + ".pt")).string();
-  const auto train = [](Tied& net, torch::optim::Optimizer& opt, int steps) {
+  const auto train = [](TiedLinears& net, torch::optim::Optimizer& opt, int steps) {
     for (int k = 0; k < steps; ++k) {
       opt.zero_grad();
       net.forward(torch::randn({5, 6})).pow(2).mean().backward();
@@ -1053,7 +1051,7 @@ TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
     }
   };
   // Each distinct parameter's Adam state in one optimizer against the other's, value for value.
-  const auto same_state = [](torch::optim::Optimizer& x, torch::optim::Optimizer& y, const Tied& net,
+  const auto same_state = [](torch::optim::Optimizer& x, torch::optim::Optimizer& y, const TiedLinears& net,
                              const std::string& what) {
     for (const auto& p : net.parameters()) {
       auto* key = p.unsafeGetTensorImpl();
@@ -1079,7 +1077,7 @@ TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
   for (const bool flat : {false, true}) {
     const std::string tag = flat ? "flat" : "not flat";
     torch::manual_seed(3);
-    Tied net;
+    TiedLinears net;
     ASSERT_EQ(net.parameters().size(), 5u) << "LibTorch lists the tied weight twice";
     torch::optim::AdamW ref(net.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     train(net, ref, 3);
@@ -1109,7 +1107,7 @@ TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
   }
   // What the README says of LibTorch's loader (if this fails, LibTorch changed: update README's "Fused optimizers").
   torch::manual_seed(3);
-  Tied net;
+  TiedLinears net;
   torch::optim::AdamW ref(net.parameters(), torch::optim::AdamWOptions(1e-2));
   train(net, ref, 1);
   torch::save(ref, path);
