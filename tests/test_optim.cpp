@@ -1166,6 +1166,59 @@ TEST(Optim, ACheckpointThatDoesNotMatchChangesNothingAndStateIsReplaced) {
   std::filesystem::remove(path);
 }
 
+// As Python's load_state_dict: the loaded state takes its parameter's dtype and device (a float32 run resumed in
+// bfloat16 or float64; the fused kernels take one dtype per call), the step counter float32. A checkpoint of other
+// shapes is refused at load, naming the parameter, where it would otherwise fail in the kernel at the next step.
+TEST(Optim, LoadedStateTakesItsParametersDtypeAndOtherShapesAreRefused) {
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("perf_opt_dtype" + std::to_string(::getpid()) + ".pt")).string();
+  torch::manual_seed(11);
+  auto w = torch::randn({4, 3}, torch::requires_grad()), v = torch::randn({3}, torch::requires_grad());
+  perf::optim::Adam saved({w, v}, perf::optim::AdamOptions(1e-2).amsgrad(true));
+  for (int k = 0; k < 3; ++k) {
+    w.mutable_grad() = torch::randn({4, 3});
+    v.mutable_grad() = torch::randn({3});
+    saved.step();
+  }
+  torch::save(saved, path);
+  const auto& ws = static_cast<const perf::optim::AdamParamState&>(*saved.state().at(w.unsafeGetTensorImpl()));
+  for (const bool flat : {false, true}) {
+    for (const auto dtype : {torch::kFloat64, torch::kBFloat16}) {
+      const std::string tag = std::string(flat ? "flat " : "") + c10::toString(dtype);
+      auto w2 = w.detach().to(dtype).requires_grad_(true), v2 = v.detach().to(dtype).requires_grad_(true);
+      perf::optim::Adam opt({w2, v2}, perf::optim::AdamOptions(1e-2).amsgrad(true).flat(flat));
+      ASSERT_NO_THROW(torch::load(opt, path)) << tag;
+      const auto& st = static_cast<const perf::optim::AdamParamState&>(*opt.state().at(w2.unsafeGetTensorImpl()));
+      EXPECT_EQ(st.exp_avg().scalar_type(), dtype) << tag;
+      EXPECT_TRUE(torch::equal(st.exp_avg(), ws.exp_avg().to(dtype))) << tag;
+      EXPECT_TRUE(torch::equal(st.max_exp_avg_sq(), ws.max_exp_avg_sq().to(dtype))) << tag;
+      EXPECT_EQ(st.step().scalar_type(), torch::kFloat) << tag;
+      EXPECT_EQ(st.step().item<float>(), 3.0f) << tag;
+      w2.mutable_grad() = torch::randn({4, 3}).to(dtype);
+      v2.mutable_grad() = torch::randn({3}).to(dtype);
+      const auto before = w2.detach().clone();
+      ASSERT_NO_THROW(opt.step()) << tag << ": the fused kernel takes one dtype";
+      EXPECT_FALSE(torch::equal(w2.detach(), before)) << tag;
+      EXPECT_EQ(opt.kernels().at(0).rfind(std::string("cpu ") + c10::toString(dtype) + ": fused", 0), 0u)
+          << tag << ": " << opt.kernels().at(0);
+    }
+  }
+  auto wt = torch::randn({3, 4}, torch::requires_grad()), vt = torch::randn({3}, torch::requires_grad());
+  perf::optim::Adam other({wt, vt}, perf::optim::AdamOptions(0.5).amsgrad(true));
+  wt.mutable_grad() = torch::ones({3, 4});
+  other.step();
+  PERF_EXPECT_THROW_MSG(torch::load(other, path),
+                        "perf::optim::Adam: the checkpoint's state for parameter 0 of param group 0 has shape [4, 3] "
+                        "where the parameter has [3, 4]");
+  EXPECT_DOUBLE_EQ(other.param_groups()[0].options().get_lr(), 0.5) << "nothing loaded";
+  EXPECT_EQ(other.state().size(), 1u);
+  EXPECT_TRUE(torch::equal(
+      static_cast<const perf::optim::AdamParamState&>(*other.state().at(wt.unsafeGetTensorImpl())).exp_avg(),
+      torch::full({3, 4}, 0.1)))
+      << "its own state, (1 - 0.9) x 1";
+  std::filesystem::remove(path);
+}
+
 // The same list given to perf::clip_grad_norm_ and, through a torch::optim optimizer, to GradScaler::unscale_: the
 // tied tensor's gradient counts once in the norm and is scaled once, as with Python's module.parameters().
 TEST(Optim, ClipGradNormAndUnscaleTakeATensorListedTwiceOnce) {

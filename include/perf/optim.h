@@ -271,6 +271,12 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // g (`saved_keys`: each group's keys as written). A key written twice (a torch::optim optimizer over a list
   // with a tied weight listed twice) is one parameter. A checkpoint whose groups do not match is refused.
   std::vector<std::vector<size_t>> match_saved_groups(const std::vector<std::vector<std::string>>& saved_keys) const;
+  // For torch::load, before anything changes: the checkpoint's state `s` for parameter i of group g has tensors of
+  // the parameter's shape (a checkpoint of another model would otherwise fail at the next step, in the kernel).
+  void check_loaded_state(torch::optim::OptimizerParamState& s, const at::Tensor& p, size_t g, size_t i) const;
+  // Loaded state as Python's load_state_dict leaves it: on the parameter's device, in its dtype (a checkpoint of
+  // the model in float32 resumed in bfloat16), the step counter in float32.
+  void fit_loaded_state(torch::optim::OptimizerParamState& s, const at::Tensor& p) const;
   // Checks group g's options: their type (a group built with torch::optim's
   // options class would be misread) and values. Before anything moves.
   virtual void check_options(const torch::optim::OptimizerOptions& o, size_t g) const = 0;
@@ -319,9 +325,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
 /// torch::optim's optimizers of the same kind. Unlike LibTorch's loader, a
 /// checkpoint that does not match is refused before anything changes, a
 /// parameter whose key the checkpoint lists twice (a torch::optim optimizer
-/// over a model with tied weights) is read once, and the loaded state replaces
-/// the optimizer's (as Python's load_state_dict): a parameter without state in
-/// the checkpoint starts afresh.
+/// over a model with tied weights) is read once, state of another shape than
+/// its parameter is refused, and, as Python's load_state_dict, the loaded state
+/// replaces the optimizer's (a parameter without state in the checkpoint starts
+/// afresh) and takes its parameter's device and dtype.
 template <typename ParamState, typename Options>
 class SerializableFusedOptimizer : public FusedOptimizer {
  public:
@@ -700,20 +707,29 @@ void SerializableFusedOptimizer<ParamState, Options>::load(torch::serialize::Inp
   for (const auto& group : saved_groups) keys.push_back(group.first);
   const auto at = this->match_saved_groups(keys);  // refuses a mismatch before anything changes
   auto& groups = this->param_groups();
+  std::unique_ptr<torch::optim::OptimizerParamState> none;
+  const auto saved_for = [&](size_t g, size_t i) -> std::unique_ptr<torch::optim::OptimizerParamState>& {
+    // NOLINTNEXTLINE(performance-no-int-to-ptr): LibTorch's keys are the saving process's TensorImpl addresses
+    const auto found = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][at[g][i]])));
+    return found == saved_state.end() ? none : found->second;
+  };
   for (size_t g = 0; g < groups.size(); ++g) {
     this->check_options(groups[g].options(), g);  // its type: the cast below
     this->check_options(*saved_groups[g].second, g);
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      if (const auto& s = saved_for(g, i)) this->check_loaded_state(*s, groups[g].params()[i], g, i);
+    }
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t i = 0; i < groups[g].params().size(); ++i) {
-      auto* impl = groups[g].params()[i].unsafeGetTensorImpl();
-      // NOLINTNEXTLINE(performance-no-int-to-ptr): LibTorch's keys are the saving process's TensorImpl addresses
-      const auto found = saved_state.find(reinterpret_cast<void*>(std::stoull(keys[g][at[g][i]])));
-      if (found != saved_state.end() && found->second) {
-        this->state()[impl] = std::move(found->second);
-      } else {
-        this->state().erase(impl);
+      const auto& p = groups[g].params()[i];
+      auto& s = saved_for(g, i);
+      if (!s) {
+        this->state().erase(p.unsafeGetTensorImpl());
+        continue;
       }
+      this->fit_loaded_state(*s, p);
+      this->state()[p.unsafeGetTensorImpl()] = std::move(s);
     }
     static_cast<Options&>(groups[g].options()) = static_cast<const Options&>(*saved_groups[g].second);
   }

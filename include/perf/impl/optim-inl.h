@@ -452,6 +452,23 @@ PERF_INLINE std::vector<std::vector<size_t>> FusedOptimizer::match_saved_groups(
   return at;
 }
 
+PERF_INLINE void FusedOptimizer::check_loaded_state(torch::optim::OptimizerParamState& s, const at::Tensor& p, size_t g,
+                                                    size_t i) const {
+  for (const auto* t : state_tensors(s)) {
+    TORCH_CHECK(t == nullptr || !t->defined() || t->sizes() == p.sizes(), name_,
+                ": the checkpoint's state for parameter ", i, " of param group ", g, " has shape ", t->sizes(),
+                " where the parameter has ", p.sizes(),
+                ": a checkpoint of another model, or of its parameters in another order; nothing was loaded");
+  }
+}
+
+PERF_INLINE void FusedOptimizer::fit_loaded_state(torch::optim::OptimizerParamState& s, const at::Tensor& p) const {
+  for (auto* t : state_tensors(s)) {
+    if (t != nullptr && t->defined()) *t = t->to(p.device(), p.scalar_type());
+  }
+  if (auto* step = state_step(s); step != nullptr && step->defined()) *step = step->to(p.device(), at::kFloat);
+}
+
 PERF_INLINE void FusedOptimizer::check_groups() const {
   // A group torch::optim::Optimizer::add_param_group added (through a torch::optim::Optimizer&): since LibTorch
   // 2.12 its options are a copy of the defaults, whatever it was given. Said once per such group.
