@@ -532,7 +532,6 @@ TEST(GradScaler, SaveLoadRoundTrip) {
   torch::save(a, path);
   perf::GradScaler b;
   torch::load(b, path);
-  std::filesystem::remove(path);
   EXPECT_EQ(b.get_scale(), 512.0);
   EXPECT_EQ(b.growth_tracker(), 1);
   EXPECT_EQ(b.options().backoff_factor(), 0.25);
@@ -542,9 +541,35 @@ TEST(GradScaler, SaveLoadRoundTrip) {
   b.step(opt);
   b.update();
   EXPECT_EQ(b.get_scale(), 1024.0) << "resumes the growth count";
+  // A disabled scaler saves nothing and loads nothing, as Python's state_dict() / load_state_dict(), so a program
+  // that saves its scaler with AMP on or off needs no branch; its empty archive in an enabled scaler is refused.
   perf::GradScaler disabled(perf::GradScalerOptions().enabled(false));
-  torch::serialize::OutputArchive archive;
-  PERF_EXPECT_THROW_MSG(disabled.save(archive), "disabled GradScaler");
+  ASSERT_NO_THROW(torch::save(disabled, path));
+  perf::GradScaler off(perf::GradScalerOptions().enabled(false));
+  ASSERT_NO_THROW(torch::load(off, path));
+  EXPECT_EQ(off.get_scale(), 1.0);
+  perf::GradScaler on(perf::GradScalerOptions().init_scale(8.0));
+  PERF_EXPECT_THROW_MSG(torch::load(on, path), "the archive has no scaler state (saved from a disabled GradScaler?)");
+  // A value the constructor would refuse is refused with nothing loaded.
+  torch::serialize::OutputArchive bad;
+  bad.write("scale", c10::IValue(512.0));
+  bad.write("growth_factor", c10::IValue(0.5));
+  bad.write("backoff_factor", c10::IValue(0.25));
+  bad.write("growth_interval", c10::IValue(int64_t{2}));
+  bad.write("_growth_tracker", c10::IValue(int64_t{1}));
+  bad.save_to(path);
+  on.scale(p.sum());  // the scale tensor exists: a load would fill it
+  PERF_EXPECT_THROW_MSG(torch::load(on, path),
+                        "perf::GradScaler::load: the archive holds a value a GradScaler refuses "
+                        "(perf::GradScalerOptions::growth_factor: must be > 1.0, got 0.5); nothing was loaded");
+  EXPECT_EQ(on.get_scale(), 8.0);
+  EXPECT_EQ(on.options().backoff_factor(), 0.5);
+  torch::serialize::OutputArchive partial;
+  partial.write("scale", c10::IValue(512.0));
+  partial.save_to(path);
+  PERF_EXPECT_THROW_MSG(torch::load(on, path), "the archive's \"growth_factor\" is missing or not a number");
+  EXPECT_EQ(on.get_scale(), 8.0) << "nothing loaded";
+  std::filesystem::remove(path);
 }
 
 // --------------------------------------------------------------------------- channels-last

@@ -478,7 +478,7 @@ PERF_INLINE int64_t GradScaler::growth_tracker() const {
 }
 
 PERF_INLINE void GradScaler::save(torch::serialize::OutputArchive& archive) const {
-  TORCH_CHECK(is_enabled(), "perf::GradScaler::save: a disabled GradScaler has no state to save");
+  if (!is_enabled()) return;  // Python's state_dict() of a disabled scaler is empty
   archive.write("scale", c10::IValue(get_scale()));
   archive.write("growth_factor", c10::IValue(options_.growth_factor()));
   archive.write("backoff_factor", c10::IValue(options_.backoff_factor()));
@@ -487,21 +487,36 @@ PERF_INLINE void GradScaler::save(torch::serialize::OutputArchive& archive) cons
 }
 
 PERF_INLINE void GradScaler::load(torch::serialize::InputArchive& archive) {
-  if (!is_enabled()) return;
+  if (!is_enabled()) return;  // as Python's load_state_dict
   c10::IValue v;
   TORCH_CHECK(archive.try_read("scale", v),
               "perf::GradScaler::load: the archive has no scaler state (saved from a disabled GradScaler?)");
-  options_.init_scale(v.toDouble());
-  if (scale_.defined()) scale_.fill_(v.toDouble());
-  archive.read("growth_factor", v);
-  options_.growth_factor(v.toDouble());
-  archive.read("backoff_factor", v);
-  options_.backoff_factor(v.toDouble());
-  archive.read("growth_interval", v);
-  options_.growth_interval(v.toInt());
-  archive.read("_growth_tracker", v);
-  init_growth_tracker_ = v.toInt();
-  if (growth_tracker_.defined()) growth_tracker_.fill_(init_growth_tracker_);
+  // Everything read and checked before anything changes.
+  const auto number = [&](const char* key, bool integer) {
+    TORCH_CHECK(archive.try_read(key, v) && (integer ? v.isInt() : v.isDouble() || v.isInt()),
+                "perf::GradScaler::load: the archive's \"", key, "\" is missing or not ",
+                integer ? "an integer" : "a number", ": not a GradScaler's state");
+    return v;
+  };
+  const double scale = number("scale", false).toScalar().toDouble();
+  GradScalerOptions loaded = options_;
+  loaded.init_scale(scale);
+  loaded.growth_factor(number("growth_factor", false).toScalar().toDouble());
+  loaded.backoff_factor(number("backoff_factor", false).toScalar().toDouble());
+  loaded.growth_interval(number("growth_interval", true).toInt());
+  const int64_t tracker = number("_growth_tracker", true).toInt();
+  TORCH_CHECK(tracker >= 0, "perf::GradScaler::load: the archive's \"_growth_tracker\" must be >= 0, got ", tracker);
+  try {
+    GradScalerOptions check = loaded;
+    static_cast<void>(GradScaler(check.device(std::nullopt)));  // the constructor's checks, each naming its value
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "perf::GradScaler::load: the archive holds a value a GradScaler refuses (",
+                e.what_without_backtrace(), "); nothing was loaded");
+  }
+  options_ = loaded;
+  if (scale_.defined()) scale_.fill_(scale);
+  init_growth_tracker_ = tracker;
+  if (growth_tracker_.defined()) growth_tracker_.fill_(tracker);
 }
 
 PERF_INLINE torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
