@@ -218,6 +218,17 @@ std::cout << mon.summary();   // per GPU: SM util mean/max, memory util, memory 
 
   // clang-format on
 }
+template <typename Batch>
+void train_step(const Batch&) {}
+void block_profile_schedule() {
+  auto loader = torch::data::make_data_loader(mnist(), 64);
+  // clang-format off
+perf::Profile p("trace.json", perf::ProfileOptions().schedule(
+                                  perf::ProfileSchedule().skip_first(10).wait(1).warmup(1).active(3).repeat(2)));
+for (auto& batch : *loader) { train_step(batch); p.step(); }  // trace-1.json: steps 12-14, trace-2.json: 17-19
+
+  // clang-format on
+}
 void train_step() {}
 void block14() {
   // clang-format off

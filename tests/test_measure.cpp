@@ -349,6 +349,73 @@ TEST(Profile, OnGpuSummarizesKernelsAndCopies) {
 #endif
 }
 
+// torch.profiler.schedule's arithmetic and transitions: steps skipped, waited, warmed up (profiled, discarded) and
+// recorded, one trace per cycle; a cycle cut short by the end is written too.
+TEST(Profile, AScheduleRecordsTheStepsItSelectsOneTracePerCycle) {
+  const auto stem = (std::filesystem::temp_directory_path() / ("perf_sched_" + std::to_string(::getpid()))).string();
+  const auto labels = [](const std::string& trace) {
+    return test_util::python("import json; d=json.load(open('" + trace +
+                             "')); n=sorted({e.get('name','') for e in d['traceEvents']}); "
+                             "print(' '.join(x for x in n if x.startswith(('work', 'ProfilerStep#'))))");
+  };
+  PERF_EXPECT_THROW_MSG(
+      perf::Profile(stem + ".json", perf::ProfileOptions().schedule(perf::ProfileSchedule().active(0))),
+      "perf::ProfileSchedule::active: must be >= 1 (steps recorded a cycle), got 0");
+  PERF_EXPECT_THROW_MSG(
+      perf::Profile(stem + ".json", perf::ProfileOptions().schedule(perf::ProfileSchedule().wait(-1))),
+      "perf::ProfileSchedule::wait: must be >= 0, got -1");
+  const auto run = [](perf::Profile& p, int from, int to) {
+    auto a = at::randn({16, 16});
+    for (int k = from; k < to; ++k) {
+      {
+        perf::Range r("work" + std::to_string(k));
+        a = at::mm(a, a).tanh();
+      }
+      p.step();
+    }
+  };
+  std::ostringstream table;
+  {
+    perf::Profile p(stem + ".json", perf::ProfileOptions().out(&table).schedule(
+                                        perf::ProfileSchedule().skip_first(1).wait(1).warmup(1).active(2).repeat(2)));
+    run(p, 0, 12);
+    EXPECT_EQ(p.step_num(), 12);
+    ASSERT_EQ(p.traces(), (std::vector<std::string>{stem + "-1.json", stem + "-2.json"}));
+  }
+  // Step 0 skipped, 1 waited, 2 warmed up, 3 and 4 recorded; 5 waited, 6 warmed up, 7 and 8 recorded; then none.
+  EXPECT_EQ(labels(stem + "-1.json"), "ProfilerStep#3 ProfilerStep#4 work3 work4");
+  EXPECT_EQ(labels(stem + "-2.json"), "ProfilerStep#7 ProfilerStep#8 work7 work8");
+  EXPECT_FALSE(std::filesystem::exists(stem + "-3.json"));
+  EXPECT_NE(table.str().find("trace written to " + stem + "-2.json"), std::string::npos) << table.str();
+  {
+    // One cycle (repeat 1) writes `path` itself; the end of the profile cuts it short and writes what it has.
+    perf::Profile p(stem + ".json",
+                    perf::ProfileOptions().top(0).schedule(perf::ProfileSchedule().warmup(1).active(3).repeat(1)));
+    run(p, 0, 3);
+    EXPECT_TRUE(p.traces().empty()) << "the cycle has a step to go";
+    p.stop();
+    ASSERT_EQ(p.traces(), std::vector<std::string>{stem + ".json"});
+    PERF_EXPECT_THROW_MSG(p.step(), "perf::Profile::step: the profile has stopped");
+  }
+  // As in Python, the step under way when the profile stops (3, begun by the last step()) is in the trace too.
+  EXPECT_EQ(labels(stem + ".json"), "ProfilerStep#1 ProfilerStep#2 ProfilerStep#3 work1 work2");
+  {
+    // Ended while warming up: nothing written, and the profiler is free again.
+    perf::Profile p(stem + "-w.json",
+                    perf::ProfileOptions().top(0).schedule(perf::ProfileSchedule().wait(1).warmup(2)));
+    run(p, 0, 2);
+  }
+  EXPECT_FALSE(std::filesystem::exists(stem + "-w.json"));
+  EXPECT_FALSE(torch::autograd::profiler::isProfilerEnabledInMainThread());
+  {
+    // Without a schedule every step is recorded, each labelled.
+    perf::Profile p(stem + ".json", perf::ProfileOptions().top(0));
+    run(p, 0, 2);
+  }
+  EXPECT_EQ(labels(stem + ".json"), "ProfilerStep#0 ProfilerStep#1 ProfilerStep#2 work0 work1");
+  for (const auto& f : {stem + ".json", stem + "-1.json", stem + "-2.json"}) std::filesystem::remove(f);
+}
+
 TEST(Profile, WritesAChromeTraceWithRangesAndOperators) {
   const auto path = (std::filesystem::temp_directory_path() / ("perf_trace_" + std::to_string(::getpid()) + ".json"));
   std::filesystem::remove(path);

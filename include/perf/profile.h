@@ -7,6 +7,13 @@
 //
 // perf::Range labels a region in the trace (a user-scope record function) and,
 // when CUDA is present, in Nsight Systems (NVTX).
+//
+// Training loops profile a few steps past the first ones, as with Python's
+// torch.profiler.schedule: step() ends each step.
+//
+//   perf::Profile p("trace.json", perf::ProfileOptions().schedule(
+//                                     perf::ProfileSchedule().wait(1).warmup(1).active(3).repeat(1)));
+//   for (auto& batch : *loader) { train_step(batch); p.step(); }   // steps 2-4 in trace.json
 #pragma once
 
 #include <ATen/record_function.h>
@@ -26,12 +33,25 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 namespace perf {
+
+/// torch.profiler.schedule: after skip_first steps, cycles of `wait` steps
+/// unprofiled, `warmup` steps profiled but discarded (the profiler's start-up
+/// cost stays out of the trace), `active` steps recorded and written; `repeat`
+/// cycles, 0 for as many as the profile lasts.
+struct ProfileSchedule {
+  TORCH_ARG(int64_t, wait) = 0;
+  TORCH_ARG(int64_t, warmup) = 0;
+  TORCH_ARG(int64_t, active) = 1;
+  TORCH_ARG(int64_t, repeat) = 0;
+  TORCH_ARG(int64_t, skip_first) = 0;
+};
 
 struct ProfileOptions {
   /// Also trace CUDA kernels and copies (when a CUDA device is present).
@@ -43,6 +63,9 @@ struct ProfileOptions {
   TORCH_ARG(int, top) = 15;
   /// Where the table goes; nullptr = nowhere (summary() still has it).
   TORCH_ARG(OstreamPtr, out) = &std::cout;
+  /// Profile only the steps it selects (Profile::step() ends a step); each
+  /// cycle writes its own trace and table. Unset: everything until stop().
+  TORCH_ARG(std::optional<ProfileSchedule>, schedule);
 };
 
 /// One operator (or kernel) aggregated over the profile.
@@ -61,21 +84,44 @@ struct ProfileSummary {
 };
 
 /// Profiles from construction to stop() (or destruction) and writes a Chrome
-/// trace to `path`. One profile at a time per process, as in LibTorch.
+/// trace to `path`; with a schedule, the steps it selects, one trace per cycle
+/// (`path`, or with repeat other than 1 its stem + "-<cycle>" + its extension:
+/// trace-1.json, trace-2.json). One profile at a time per process, as in LibTorch.
 class Profile {
  public:
   explicit Profile(std::string path, const ProfileOptions& options = ProfileOptions());
   ~Profile();
   Profile(const Profile&) = delete;
   Profile& operator=(const Profile&) = delete;
-  /// Ends profiling, writes the trace, prints the table; idempotent.
+  /// Ends a step, as Python's prof.step(): the schedule moves on, and each
+  /// recorded step is labelled "ProfilerStep#N" in the trace.
+  void step();
+  /// Ends profiling, writes the trace (a cycle cut short by it too), prints the
+  /// table; idempotent. The summary of the last trace written.
   const ProfileSummary& stop();
   const std::string& path() const noexcept { return path_; }
+  /// Steps ended so far.
+  int64_t step_num() const noexcept { return step_num_; }
+  /// The traces written so far, in order.
+  const std::vector<std::string>& traces() const noexcept { return traces_; }
 
  private:
+  enum class Action { none, warmup, record, record_and_save };
+  Action action_at(int64_t step) const;
+  void transit(Action from, Action to, bool ending);
+  void prepare();
+  void start();
+  void finish(bool write);  // ends the profiler; writes the trace and table if `write`
+  void label_step();
+
   std::string path_;
   ProfileOptions options_;
-  bool running_ = false;
+  bool running_ = false;  // not stopped
+  bool prepared_ = false, recording_ = false;
+  int64_t step_num_ = 0, cycle_ = 0;
+  Action action_ = Action::record;
+  std::unique_ptr<at::RecordFunction> step_label_;
+  std::vector<std::string> traces_;
   ProfileSummary summary_;
 };
 

@@ -64,33 +64,132 @@ PERF_INLINE std::string ProfileSummary::table(int top) const {
   return os.str();
 }
 
+namespace detail {
+
+PERF_INLINE torch::profiler::impl::ProfilerConfig profiler_config(const ProfileOptions& o) {
+  return torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::KINETO, o.record_shapes(),
+                                               o.profile_memory(), o.with_stack());
+}
+
+PERF_INLINE std::set<torch::profiler::impl::ActivityType> profiler_activities(const ProfileOptions& o) {
+  std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU};
+#if PERF_WITH_CUDA
+  if (o.cuda() && c10::cuda::device_count() > 0) activities.insert(torch::profiler::impl::ActivityType::CUDA);
+#else
+  (void)o;
+#endif
+  return activities;
+}
+
+// "dir/trace.json", 2 -> "dir/trace-2.json".
+PERF_INLINE std::string cycle_path(const std::string& path, int64_t cycle) {
+  const auto dot = path.find_last_of('.');
+  const auto slash = path.find_last_of('/');
+  const bool has_ext = dot != std::string::npos && dot > 0 && (slash == std::string::npos || dot > slash + 1);
+  const auto stem_end = has_ext ? dot : path.size();
+  return path.substr(0, stem_end) + "-" + std::to_string(cycle) + (has_ext ? path.substr(dot) : "");
+}
+
+}  // namespace detail
+
 PERF_INLINE Profile::Profile(std::string path, const ProfileOptions& options)
     : path_(std::move(path)), options_(options) {
-  using namespace torch::profiler::impl;
   TORCH_CHECK(!path_.empty(), "perf::Profile: empty trace path");
   TORCH_CHECK(options_.top() >= 0, "perf::ProfileOptions::top: must be >= 0 (0: no table), got ", options_.top());
+  if (const auto& s = options_.schedule()) {
+    TORCH_CHECK(s->wait() >= 0, "perf::ProfileSchedule::wait: must be >= 0, got ", s->wait());
+    TORCH_CHECK(s->warmup() >= 0, "perf::ProfileSchedule::warmup: must be >= 0, got ", s->warmup());
+    TORCH_CHECK(s->active() >= 1, "perf::ProfileSchedule::active: must be >= 1 (steps recorded a cycle), got ",
+                s->active());
+    TORCH_CHECK(s->repeat() >= 0,
+                "perf::ProfileSchedule::repeat: must be >= 0 (0: cycles until the profile ends), got ", s->repeat());
+    TORCH_CHECK(s->skip_first() >= 0, "perf::ProfileSchedule::skip_first: must be >= 0, got ", s->skip_first());
+  }
   TORCH_CHECK(!torch::autograd::profiler::isProfilerEnabledInMainThread(),
               "perf::Profile: a profiler is already running in this process; end it first");
-  std::set<ActivityType> activities{ActivityType::CPU};
-#if PERF_WITH_CUDA
-  if (options_.cuda() && c10::cuda::device_count() > 0) activities.insert(ActivityType::CUDA);
-#endif
-  const ProfilerConfig config(ProfilerState::KINETO, options_.record_shapes(), options_.profile_memory(),
-                              options_.with_stack());
-  torch::autograd::profiler::prepareProfiler(config, activities);
-  torch::autograd::profiler::enableProfiler(config, activities);
   running_ = true;
+  action_ = action_at(0);
+  transit(Action::none, action_, /*ending=*/false);
+  label_step();
+}
+
+// torch.profiler.schedule's arithmetic.
+PERF_INLINE Profile::Action Profile::action_at(int64_t step) const {
+  if (!options_.schedule()) return Action::record;
+  const auto& s = *options_.schedule();
+  if (step < s.skip_first()) return Action::none;
+  step -= s.skip_first();
+  const int64_t cycle = s.wait() + s.warmup() + s.active();
+  if (s.repeat() > 0 && step / cycle >= s.repeat()) return Action::none;
+  const int64_t at = step % cycle;
+  if (at < s.wait()) return Action::none;
+  if (at < s.wait() + s.warmup()) return Action::warmup;
+  return at < cycle - 1 ? Action::record : Action::record_and_save;
+}
+
+// torch.profiler.profile's transitions between the actions of two steps (or of the last step and the end).
+PERF_INLINE void Profile::transit(Action from, Action to, bool ending) {
+  const bool was_recording = from == Action::record || from == Action::record_and_save;
+  const bool records = !ending && (to == Action::record || to == Action::record_and_save);
+  const bool warms_up = !ending && to == Action::warmup;
+  // A cycle ends after its last recorded step, or where recording stops early (the profile ends).
+  if (was_recording && (from == Action::record_and_save || !records)) finish(/*write=*/true);
+  if (from == Action::warmup && !records && !warms_up) {  // prepared, never recorded: torn down, nothing written
+    start();
+    finish(/*write=*/false);
+  }
+  if ((records || warms_up) && !prepared_) prepare();
+  if (records && !recording_) start();
+}
+
+PERF_INLINE void Profile::prepare() {
+  torch::autograd::profiler::prepareProfiler(detail::profiler_config(options_), detail::profiler_activities(options_));
+  prepared_ = true;
+}
+
+PERF_INLINE void Profile::start() {
+  if (!prepared_) prepare();
+  torch::autograd::profiler::enableProfiler(detail::profiler_config(options_), detail::profiler_activities(options_));
+  recording_ = true;
+}
+
+PERF_INLINE void Profile::finish(bool write) {
+  step_label_.reset();
+  prepared_ = recording_ = false;
+  auto result = torch::autograd::profiler::disableProfiler();
+  if (!write) return;
+  ++cycle_;
+  const bool one_trace = !options_.schedule() || options_.schedule()->repeat() == 1;
+  const std::string path = one_trace ? path_ : detail::cycle_path(path_, cycle_);
+  result->save(path);
+  traces_.push_back(path);
+  summary_ = detail::summarize(result->events());
+  if (options_.out() && options_.top() > 0) {
+    *options_.out() << "perf::Profile: trace written to " << path << "\n" << summary_.table(options_.top());
+  }
+}
+
+PERF_INLINE void Profile::label_step() {
+  if (!recording_) return;
+  step_label_ = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (step_label_->isActive()) step_label_->before("ProfilerStep#" + std::to_string(step_num_));
+}
+
+PERF_INLINE void Profile::step() {
+  TORCH_CHECK(running_, "perf::Profile::step: the profile has stopped");
+  step_label_.reset();
+  ++step_num_;
+  const Action next = action_at(step_num_);
+  transit(action_, next, /*ending=*/false);
+  action_ = next;
+  label_step();
 }
 
 PERF_INLINE const ProfileSummary& Profile::stop() {
   if (!running_) return summary_;
   running_ = false;
-  auto result = torch::autograd::profiler::disableProfiler();
-  result->save(path_);
-  summary_ = detail::summarize(result->events());
-  if (options_.out() && options_.top() > 0) {
-    *options_.out() << "perf::Profile: trace written to " << path_ << "\n" << summary_.table(options_.top());
-  }
+  step_label_.reset();
+  transit(action_, Action::none, /*ending=*/true);
   return summary_;
 }
 
