@@ -349,6 +349,45 @@ TEST(Profile, OnGpuSummarizesKernelsAndCopies) {
 #endif
 }
 
+// A schedule on CUDA: the kernels of the recorded steps only (Kineto's CUDA tracing prepared at the warm-up step,
+// enabled for the active ones), one host copy per step.
+TEST(Profile, OnGpuAScheduleTracesTheKernelsOfTheRecordedStepsOnly) {
+#if PERF_WITH_CUDA
+  if (!perf_has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("perf_gpu_sched_" + std::to_string(::getpid()) + ".json")).string();
+  std::filesystem::remove(path);
+  auto a = at::randn({256, 256}, at::kCUDA) / 16;
+  c10::cuda::device_synchronize();
+  perf::ProfileSummary summary;
+  {
+    perf::Profile p(path, perf::ProfileOptions().out(nullptr).schedule(
+                              perf::ProfileSchedule().wait(2).warmup(1).active(2).repeat(1)));
+    for (int step = 0; step < 8; ++step) {
+      a = at::mm(a, a).tanh();
+      EXPECT_TRUE(a.cpu().isfinite().all().item<bool>());
+      p.step();
+    }
+    summary = p.stop();
+    ASSERT_EQ(p.traces(), std::vector<std::string>{path});
+  }
+  int64_t mm = 0, copies = 0;
+  for (const auto& o : summary.ops) {
+    if (o.name == "aten::mm") mm += o.calls;
+    if (o.device == "cuda" && o.name.rfind("Memcpy DtoH", 0) == 0) copies += o.calls;
+  }
+  EXPECT_EQ(mm, 2) << "steps 3 and 4:\n" << summary.table(20);
+  EXPECT_EQ(copies, 2) << summary.table(20);
+  const std::string py = test_util::python("import json; d=json.load(open('" + path +
+                                           "')); c=[e.get('cat') for e in d['traceEvents']]; "
+                                           "print(c.count('kernel') >= 4, c.count('gpu_memcpy'))");
+  EXPECT_EQ(py, "True 2");
+  std::filesystem::remove(path);
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
 // torch.profiler.schedule's arithmetic and transitions: steps skipped, waited, warmed up (profiled, discarded) and
 // recorded, one trace per cycle; a cycle cut short by the end is written too.
 TEST(Profile, AScheduleRecordsTheStepsItSelectsOneTracePerCycle) {
