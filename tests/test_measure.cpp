@@ -417,6 +417,7 @@ TEST(Profile, AScheduleRecordsTheStepsItSelectsOneTracePerCycle) {
   {
     perf::Profile p(stem + ".json", perf::ProfileOptions().out(&table).schedule(
                                         perf::ProfileSchedule().skip_first(1).wait(1).warmup(1).active(2).repeat(2)));
+    PERF_EXPECT_THROW_MSG(perf::Profile(stem + "-x.json"), "another perf::Profile is running in this process");
     run(p, 0, 12);
     EXPECT_EQ(p.step_num(), 12);
     ASSERT_EQ(p.traces(), (std::vector<std::string>{stem + "-1.json", stem + "-2.json"}));

@@ -81,6 +81,13 @@ PERF_INLINE std::set<torch::profiler::impl::ActivityType> profiler_activities(co
   return activities;
 }
 
+// Whether a perf::Profile is between its construction and stop(): one whose schedule waits has no profiler running
+// that LibTorch would see.
+PERF_INLINE std::atomic<bool>& profile_running() {
+  static std::atomic<bool> running{false};
+  return running;
+}
+
 // "dir/trace.json", 2 -> "dir/trace-2.json".
 PERF_INLINE std::string cycle_path(const std::string& path, int64_t cycle) {
   const auto dot = path.find_last_of('.');
@@ -107,10 +114,19 @@ PERF_INLINE Profile::Profile(std::string path, const ProfileOptions& options)
   }
   TORCH_CHECK(!torch::autograd::profiler::isProfilerEnabledInMainThread(),
               "perf::Profile: a profiler is already running in this process; end it first");
+  TORCH_CHECK(!detail::profile_running().exchange(true),
+              "perf::Profile: another perf::Profile is running in this process (its schedule may be between "
+              "recordings); end it first");
   running_ = true;
-  action_ = action_at(0);
-  transit(Action::none, action_, /*ending=*/false);
-  label_step();
+  try {
+    action_ = action_at(0);
+    transit(Action::none, action_, /*ending=*/false);
+    label_step();
+  } catch (...) {
+    running_ = false;
+    detail::profile_running() = false;
+    throw;
+  }
 }
 
 // torch.profiler.schedule's arithmetic.
@@ -189,6 +205,9 @@ PERF_INLINE const ProfileSummary& Profile::stop() {
   if (!running_) return summary_;
   running_ = false;
   step_label_.reset();
+  struct Release {  // the next profile may start, even where writing this one's trace failed
+    ~Release() { detail::profile_running() = false; }
+  } release;
   transit(action_, Action::none, /*ending=*/true);
   return summary_;
 }
