@@ -403,6 +403,9 @@ TEST(Profile, AScheduleRecordsTheStepsItSelectsOneTracePerCycle) {
   PERF_EXPECT_THROW_MSG(
       perf::Profile(stem + ".json", perf::ProfileOptions().schedule(perf::ProfileSchedule().wait(-1))),
       "perf::ProfileSchedule::wait: must be >= 0, got -1");
+  // Kineto would log its failure to open the file at the end and drop the trace.
+  PERF_EXPECT_THROW_MSG(perf::Profile(stem + "-missing/trace.json"),
+                        "perf::Profile: the trace's directory '" + stem + "-missing' does not exist; create it first");
   const auto run = [](perf::Profile& p, int from, int to) {
     auto a = at::randn({16, 16});
     for (int k = from; k < to; ++k) {

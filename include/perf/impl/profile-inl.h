@@ -5,6 +5,8 @@
 
 #include <perf/profile.h>
 
+#include <filesystem>
+
 namespace perf {
 
 namespace detail {
@@ -102,6 +104,10 @@ PERF_INLINE std::string cycle_path(const std::string& path, int64_t cycle) {
 PERF_INLINE Profile::Profile(std::string path, const ProfileOptions& options)
     : path_(std::move(path)), options_(options) {
   TORCH_CHECK(!path_.empty(), "perf::Profile: empty trace path");
+  // Kineto drops a trace it cannot write with a log line, at the end of the run: said here, before anything runs.
+  const auto dir = std::filesystem::path(path_).parent_path();
+  TORCH_CHECK(dir.empty() || std::filesystem::is_directory(dir), "perf::Profile: the trace's directory '", dir.string(),
+              "' does not exist; create it first");
   TORCH_CHECK(options_.top() >= 0, "perf::ProfileOptions::top: must be >= 0 (0: no table), got ", options_.top());
   if (const auto& s = options_.schedule()) {
     TORCH_CHECK(s->wait() >= 0, "perf::ProfileSchedule::wait: must be >= 0, got ", s->wait());
@@ -124,6 +130,13 @@ PERF_INLINE Profile::Profile(std::string path, const ProfileOptions& options)
     label_step();
   } catch (...) {
     running_ = false;
+    step_label_.reset();
+    if (recording_) {
+      try {
+        torch::autograd::profiler::disableProfiler();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+      }
+    }
     detail::profile_running() = false;
     throw;
   }
@@ -171,6 +184,7 @@ PERF_INLINE void Profile::start() {
 
 PERF_INLINE void Profile::finish(bool write) {
   step_label_.reset();
+  if (!recording_) return;  // a transition that threw before its start()
   prepared_ = recording_ = false;
   auto result = torch::autograd::profiler::disableProfiler();
   if (!write) return;
@@ -178,6 +192,8 @@ PERF_INLINE void Profile::finish(bool write) {
   const bool one_trace = !options_.schedule() || options_.schedule()->repeat() == 1;
   const std::string path = one_trace ? path_ : detail::cycle_path(path_, cycle_);
   result->save(path);
+  TORCH_CHECK(std::filesystem::exists(path), "perf::Profile: the profiler could not write the trace to '", path,
+              "' (its own message is above)");
   traces_.push_back(path);
   summary_ = detail::summarize(result->events());
   if (options_.out() && options_.top() > 0) {
@@ -195,9 +211,9 @@ PERF_INLINE void Profile::step() {
   TORCH_CHECK(running_, "perf::Profile::step: the profile has stopped");
   step_label_.reset();
   ++step_num_;
-  const Action next = action_at(step_num_);
-  transit(action_, next, /*ending=*/false);
-  action_ = next;
+  const Action from = action_;
+  action_ = action_at(step_num_);  // where a transition throws (a trace that cannot be written), the next goes on
+  transit(from, action_, /*ending=*/false);
   label_step();
 }
 
