@@ -717,19 +717,21 @@ void SerializableFusedOptimizer<ParamState, Options>::load(torch::serialize::Inp
     this->check_options(groups[g].options(), g);  // its type: the cast below
     this->check_options(*saved_groups[g].second, g);
     for (size_t i = 0; i < groups[g].params().size(); ++i) {
-      if (const auto& s = saved_for(g, i)) this->check_loaded_state(*s, groups[g].params()[i], g, i);
+      if (const auto& s = saved_for(g, i)) {
+        this->check_loaded_state(*s, groups[g].params()[i], g, i);
+        this->fit_loaded_state(*s, groups[g].params()[i]);  // the checkpoint's copy: a failed move changes nothing
+      }
     }
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t i = 0; i < groups[g].params().size(); ++i) {
       const auto& p = groups[g].params()[i];
       auto& s = saved_for(g, i);
-      if (!s) {
+      if (s) {
+        this->state()[p.unsafeGetTensorImpl()] = std::move(s);
+      } else {
         this->state().erase(p.unsafeGetTensorImpl());
-        continue;
       }
-      this->fit_loaded_state(*s, p);
-      this->state()[p.unsafeGetTensorImpl()] = std::move(s);
     }
     static_cast<Options&>(groups[g].options()) = static_cast<const Options&>(*saved_groups[g].second);
   }
