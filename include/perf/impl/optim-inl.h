@@ -435,7 +435,11 @@ PERF_INLINE std::vector<std::vector<size_t>> FusedOptimizer::match_saved_groups(
   for (size_t g = 0; g < saved_keys.size(); ++g) {
     std::unordered_map<std::string, size_t> first;  // a key written twice is one parameter listed twice
     for (size_t i = 0; i < saved_keys[g].size(); ++i) {
-      if (first.emplace(saved_keys[g][i], i).second) at[g].push_back(i);
+      const auto& key = saved_keys[g][i];
+      TORCH_CHECK(!key.empty() && key.size() < 20 && key.find_first_not_of("0123456789") == std::string::npos, name_,
+                  ": param group ", g, " of the checkpoint has the parameter key \"", key,
+                  "\", not a number: not a checkpoint torch::save of an optimizer wrote");
+      if (first.emplace(key, i).second) at[g].push_back(i);
     }
     const size_t have = param_groups_[g].params().size();
     TORCH_CHECK(at[g].size() == have, name_, ": param group ", g, " of the checkpoint has ", at[g].size(),
@@ -443,11 +447,6 @@ PERF_INLINE std::vector<std::vector<size_t>> FusedOptimizer::match_saved_groups(
                 " and the optimizer's ", have,
                 "; build the optimizer over the same parameters, in the same order, as the one saved; nothing was "
                 "loaded");
-    for (const auto& key : saved_keys[g]) {
-      TORCH_CHECK(!key.empty() && key.size() < 20 && key.find_first_not_of("0123456789") == std::string::npos, name_,
-                  ": param group ", g, " of the checkpoint has the parameter key \"", key,
-                  "\", not a number: not a checkpoint torch::save of an optimizer wrote");
-    }
   }
   return at;
 }

@@ -3,6 +3,7 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <c10/util/ScopeExit.h>
 #include <perf/profile.h>
 
 #include <filesystem>
@@ -221,9 +222,8 @@ PERF_INLINE const ProfileSummary& Profile::stop() {
   if (!running_) return summary_;
   running_ = false;
   step_label_.reset();
-  struct Release {  // the next profile may start, even where writing this one's trace failed
-    ~Release() { detail::profile_running() = false; }
-  } release;
+  // The next profile may start, even where writing this one's trace failed.
+  const auto release = c10::make_scope_exit([] { detail::profile_running() = false; });
   transit(action_, Action::none, /*ending=*/true);
   return summary_;
 }
