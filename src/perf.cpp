@@ -22,3 +22,4 @@
 #include <perf/impl/profile-inl.h>
 #include <perf/impl/progress-inl.h>
 #include <perf/impl/setup-inl.h>
+#include <perf/impl/state_dict-inl.h>

@@ -10,6 +10,7 @@
 // it comes first, and the flags are the header checks' own until the pragmas below.
 #include <perf/compiled.h>
 #include <perf/perf.h>  // or the one header you need
+#include <perf/state_dict.h>
 #include <torch/torch.h>
 
 #include <fstream>
@@ -177,11 +178,27 @@ std::cout << model;
 void block10() {
   Net model;
   // clang-format off
-c10::Dict<std::string, at::Tensor> state;
-for (const auto& p : model->named_parameters()) state.insert(p.key(), p.value().detach());
-for (const auto& b : model->named_buffers()) state.insert(b.key(), b.value());
-auto bytes = torch::pickle_save(state);
-std::ofstream("weights.pt", std::ios::binary).write(bytes.data(), bytes.size());
+perf::save(perf::state_dict(model), "weights.pt");   // perf/state_dict.h, above
+
+  // clang-format on
+}
+void block10_state_dict() {
+  Net model;
+  int64_t epoch = 0;
+  // clang-format off
+// trained or downloaded in Python: torch.save(model.state_dict(), "pretrained.pt")
+perf::load_state_dict(model, perf::load("pretrained.pt"));
+// and back: in Python, twin.load_state_dict(torch.load("trained.pt"))
+perf::save(perf::state_dict(model), "trained.pt");
+
+// a checkpoint of several things, read by Python's torch.load as a dict
+auto ckpt = perf::dict();                      // string -> any value
+ckpt.insert("model", perf::state_dict(model));
+ckpt.insert("epoch", epoch);
+perf::save(ckpt, "ckpt.pt");
+auto loaded = perf::load("ckpt.pt").toGenericDict();
+perf::load_state_dict(model, loaded.at("model"));
+epoch = loaded.at("epoch").toInt();
 
   // clang-format on
 }

@@ -6,6 +6,7 @@
 #include <perf/compiled.h>
 #include <perf/cuda_graph.h>
 #include <perf/setup.h>
+#include <perf/state_dict.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <torch/nn/modules/linear.h>
@@ -730,23 +731,16 @@ TEST(Compiled, ExporterLinksTheSharedCppRuntimeWhereTheCompilerWouldNot) {
 // The README's route for a model that exists only in C++: its Python twin
 // (same parameter names) loads the C++ weights, written with torch::pickle_save,
 // and is exported from there. Checked end to end: C++ forward == twin forward.
-TEST(Compiled, CppWeightsReachThePythonTwinThroughPickleSave) {
+TEST(Compiled, CppWeightsReachThePythonTwinThroughPerfSave) {
   torch::manual_seed(3);
   auto mlp = std::make_shared<compiled_models::Mlp>();
-  c10::Dict<std::string, at::Tensor> state;
-  for (const auto& p : mlp->named_parameters()) state.insert(p.key(), p.value().detach());
-  for (const auto& b : mlp->named_buffers()) state.insert(b.key(), b.value());
   TempDir dir;
   const auto weights = dir / "mlp_weights.pt";
-  {
-    const auto bytes = torch::pickle_save(c10::IValue(state));
-    std::ofstream(weights, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  }
+  perf::save(perf::state_dict(mlp), weights);
   const std::string src = test_util::source_dir();
-  const auto out = test_util::python("import sys,torch,torch.jit._pickle as tp; sys.path.insert(0,'" + src +
+  const auto out = test_util::python("import sys,torch; sys.path.insert(0,'" + src +
                                      "/tests/compiled'); "
                                      "import models; m=models.make_mlp(); "
-                                     "sg=torch.serialization.safe_globals([tp.restore_type_tag]); sg.__enter__(); "
                                      "m.load_state_dict(torch.load('" +
                                      weights +
                                      "')); "

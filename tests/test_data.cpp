@@ -1,9 +1,14 @@
-// Tests for perf/data.h: loader options, the prefetcher, the worker autotuner.
+// Tests for perf/data.h (loader options, the prefetcher, the worker autotuner) and perf/state_dict.h
+// (weights and checkpoints to and from Python's torch.save files).
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <perf/data.h>
+#include <perf/state_dict.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -370,4 +375,386 @@ TEST(TuneWorkers, MeasuresEachCandidateAndReturnsTheBest) {
   perf::tune_workers(make, {0, 1, 2}, std::chrono::milliseconds(1), &short_log);  // one batch takes 1.2 ms
   EXPECT_NE(short_log.str().find("budget spent, skipping workers=2"), std::string::npos) << short_log.str();
   PERF_EXPECT_THROW_MSG(perf::tune_workers(make, {1}, std::chrono::seconds(0), nullptr), "budget must be > 0");
+}
+
+// ---------------------------------------------------------------------------
+// perf/state_dict.h
+
+namespace {
+
+// A module with parameters and buffers of its own beside its children's, and its Python twin (TWIN_PY).
+struct TwinNetImpl : torch::nn::Module {
+  TwinNetImpl() {
+    scale = register_parameter("scale", torch::ones({1}));
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).bias(false)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(4));
+    steps = register_buffer("steps", torch::zeros({}, torch::kLong));
+    head = register_module("head", torch::nn::Linear(64, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(torch::relu(bn(conv(x))).flatten(1)) * scale; }
+  at::Tensor scale, steps;
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(TwinNet);
+
+const char* const TWIN_PY =
+    "import torch, torch.nn as nn\n"
+    "class TwinNet(nn.Module):\n"
+    "    def __init__(s):\n"
+    "        super().__init__()\n"
+    "        s.scale = nn.Parameter(torch.ones(1))\n"
+    "        s.conv = nn.Conv2d(3, 4, 3, bias=False)\n"
+    "        s.bn = nn.BatchNorm2d(4)\n"
+    "        s.register_buffer('steps', torch.zeros((), dtype=torch.long))\n"
+    "        s.head = nn.Linear(64, 5)\n"
+    "    def forward(s, x):\n"
+    "        return s.head(torch.relu(s.bn(s.conv(x))).flatten(1)) * s.scale\n"
+    "x = torch.linspace(-1, 1, 2 * 3 * 6 * 6).reshape(2, 3, 6, 6)\n";
+
+at::Tensor twin_input() { return torch::linspace(-1, 1, 2 * 3 * 6 * 6).reshape({2, 3, 6, 6}); }
+
+at::Tensor eval_output(TwinNet& net) {
+  torch::NoGradGuard no_grad;
+  net->eval();
+  return net->forward(twin_input());
+}
+
+// A zip archive as torch.save lays it out, with this pickle and these storage records.
+void write_archive(const std::string& path, const std::string& pickle,
+                   const std::vector<std::pair<std::string, std::string>>& records = {}) {
+  caffe2::serialize::PyTorchStreamWriter w(path);
+  w.writeRecord("data.pkl", pickle.data(), pickle.size());
+  for (const auto& r : records) w.writeRecord(r.first, r.second.data(), r.second.size());
+  w.writeEndOfFile();
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string data_pkl(const std::string& path) {
+  caffe2::serialize::PyTorchStreamReader r(path);
+  auto [ptr, n] = r.getRecord("data.pkl");
+  return std::string(static_cast<const char*>(ptr.get()), n);
+}
+
+}  // namespace
+
+TEST(StateDict, APythonStateDictLoadsIntoTheLibTorchTwinAndBack) {
+  test_util::TempDir dir;
+  const auto from_python = dir / "from_python.pt", from_cpp = dir / "from_cpp.pt";
+  // Python trains BatchNorm's statistics one step, saves the state_dict (an OrderedDict, which LibTorch's
+  // own torch::pickle_load cannot read), and prints its keys and its eval() output.
+  const auto out = test_util::lines(
+      test_util::python(std::string(TWIN_PY) +
+                        "torch.manual_seed(5)\nm = TwinNet()\nm(x * 3 + 1)\nm.steps.fill_(7)\n"
+                        "torch.save(m.state_dict(), '" +
+                        from_python +
+                        "')\n"
+                        "print(' '.join(m.state_dict().keys()))\nm.eval()\nprint(*m(x).flatten().tolist())\n"));
+  ASSERT_EQ(out.size(), 2u) << test_util::python(std::string(TWIN_PY));
+  TwinNet net;
+  std::string keys;
+  for (const auto& kv : perf::state_dict(net)) keys += (keys.empty() ? "" : " ") + kv.key();
+  EXPECT_EQ(keys, out[0]) << "perf::state_dict's names and order are Python's";
+
+  const auto loaded = perf::load_state_dict(net, perf::load(from_python));
+  EXPECT_TRUE(loaded.missing_keys.empty() && loaded.unexpected_keys.empty()) << loaded;
+  const auto want = torch::tensor(test_util::parse_numbers(out[1])).reshape({2, 5});
+  EXPECT_LE(test_util::max_diff(eval_output(net), want), 1e-6);
+  EXPECT_EQ(net->steps.item<int64_t>(), 7);
+  EXPECT_EQ(net->bn->num_batches_tracked.item<int64_t>(), 1);
+
+  // Changed in C++, saved, and loaded by Python's torch.load with its defaults (weights_only) and with mmap.
+  {
+    torch::NoGradGuard no_grad;
+    net->scale.mul_(2);
+    net->head->bias.add_(0.5);
+  }
+  perf::save(perf::state_dict(net), from_cpp);
+  const auto cpp_out = eval_output(net);
+  const auto back = test_util::lines(
+      test_util::python(std::string(TWIN_PY) + "m = TwinNet()\nprint(m.load_state_dict(torch.load('" + from_cpp +
+                        "')))\nm.eval()\nprint(*m(x).flatten().tolist())\n"
+                        "sd = torch.load('" +
+                        from_cpp +
+                        "', mmap=True)\n"
+                        "print(all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items()), sd['steps'].dtype)\n"));
+  ASSERT_EQ(back.size(), 3u);
+  EXPECT_EQ(back[0], "<All keys matched successfully>");
+  EXPECT_LE(test_util::max_diff(cpp_out, torch::tensor(test_util::parse_numbers(back[1])).reshape({2, 5})), 1e-6);
+  EXPECT_EQ(back[2], "True torch.int64");
+
+  // A checkpoint of several things, as the README writes one.
+  auto ckpt = perf::dict();
+  ckpt.insert("model", perf::state_dict(net));
+  ckpt.insert("epoch", 4);
+  perf::save(ckpt, dir / "ckpt.pt");
+  EXPECT_EQ(test_util::python(std::string(TWIN_PY) + "c = torch.load('" + dir / "ckpt.pt" +
+                              "')\nprint(TwinNet().load_state_dict(c['model']), c['epoch'])\n"),
+            "<All keys matched successfully> 4");
+}
+
+TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
+  test_util::TempDir dir;
+  const auto py_file = dir / "ckpt.pt", cpp_file = dir / "again.pt";
+  const std::string make =
+      "import torch, collections\n"
+      "base = torch.arange(10.)\n"
+      "def ckpt():\n"
+      "    return {'epoch': 3, 'lr': 0.1, 'name': 'r\\u00e9sum\\u00e9', 'flags': [True, False, None],\n"
+      "            'ints': (2**40, -5, -2**63, 255, 65535, 65536, -1), 'size': torch.Size([2, 3]),\n"
+      "            'device': torch.device('cpu'), 'dtype': torch.bfloat16,\n"
+      "            'half': torch.tensor([1.5, -2.0], dtype=torch.half), 'bf16': torch.tensor([3.0], "
+      "dtype=torch.bfloat16),\n"
+      "            'i8': torch.tensor([-3, 4], dtype=torch.int8), 'mask': torch.tensor([True, False]),\n"
+      "            'cplx': torch.tensor([1 + 2j]), 'f8': torch.tensor([0.5, 2.0]).to(torch.float8_e4m3fn),\n"
+      "            'u16': torch.tensor([7, 65535], dtype=torch.uint16), 'scalar': torch.tensor(2.5, "
+      "dtype=torch.float64),\n"
+      "            'base': base, 'view': base[2:8:2], 'tposed': torch.arange(6.).reshape(2, 3).t(),\n"
+      "            'param': torch.nn.Parameter(torch.ones(2)),\n"
+      "            'nested': collections.OrderedDict([('a', {'b': [torch.zeros(1)], 'c': {}})]), 'empty': []}\n"
+      "def same(a, b):\n"
+      "    if isinstance(a, torch.Tensor):\n"
+      "        f = lambda t: t.float() if t.dtype == torch.float8_e4m3fn else t\n"
+      "        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape\n"
+      "                and a.stride() == b.stride() and torch.equal(f(a), f(b)))\n"
+      "    if isinstance(a, dict):\n"
+      "        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)\n"
+      "    if isinstance(a, (list, tuple)):\n"
+      "        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))\n"
+      "    return a == b\n";
+  test_util::python(make + "torch.save(ckpt(), '" + py_file + "')\n");
+  const auto c = perf::load(py_file);
+  ASSERT_TRUE(c.isGenericDict());
+  const auto d = c.toGenericDict();
+  std::vector<std::string> keys;
+  for (const auto& kv : d) keys.push_back(kv.key().toStringRef());
+  EXPECT_EQ(keys.front(), "epoch");
+  EXPECT_EQ(keys.back(), "empty");
+  EXPECT_EQ(d.at("epoch").toInt(), 3);
+  EXPECT_EQ(d.at("lr").toDouble(), 0.1);
+  EXPECT_EQ(d.at("name").toStringRef(), "r\xc3\xa9sum\xc3\xa9");
+  const auto flags = d.at("flags").toListRef();
+  ASSERT_EQ(flags.size(), 3u);
+  EXPECT_TRUE(flags[0].toBool());
+  EXPECT_FALSE(flags[1].toBool());
+  EXPECT_TRUE(flags[2].isNone());
+  std::vector<int64_t> ints;
+  for (const auto& v : d.at("ints").toTupleRef().elements()) ints.push_back(v.toInt());
+  EXPECT_EQ(ints, (std::vector<int64_t>{int64_t{1} << 40, -5, INT64_MIN, 255, 65535, 65536, -1}));
+  EXPECT_EQ(d.at("size").toTupleRef().elements().size(), 2u);
+  EXPECT_EQ(d.at("device").toDevice(), c10::Device(c10::kCPU));
+  EXPECT_EQ(d.at("dtype").toScalarType(), c10::kBFloat16);
+  const auto t = [&](const char* k) { return d.at(k).toTensor(); };
+  EXPECT_TRUE(t("half").equal(torch::tensor({1.5, -2.0}, torch::kHalf)));
+  EXPECT_EQ(t("bf16").scalar_type(), c10::kBFloat16);
+  EXPECT_TRUE(t("i8").equal(torch::tensor({-3, 4}, torch::kInt8)));
+  EXPECT_TRUE(t("mask").equal(torch::tensor({true, false})));
+  EXPECT_EQ(t("cplx").scalar_type(), c10::kComplexFloat);
+  EXPECT_EQ(t("f8").scalar_type(), c10::kFloat8_e4m3fn);
+  EXPECT_TRUE(t("f8").to(torch::kFloat).equal(torch::tensor({0.5f, 2.0f})));
+  EXPECT_EQ(t("u16").scalar_type(), c10::kUInt16);
+  EXPECT_EQ(t("scalar").dim(), 0);
+  EXPECT_EQ(t("scalar").item<double>(), 2.5);
+  EXPECT_TRUE(t("view").equal(torch::tensor({2.f, 4.f, 6.f})));
+  EXPECT_EQ(t("view").storage().unsafeGetStorageImpl(), t("base").storage().unsafeGetStorageImpl())
+      << "a view shares its base's storage, as in Python";
+  EXPECT_EQ(t("tposed").strides(), (std::vector<int64_t>{1, 3}));
+  EXPECT_TRUE(t("param").requires_grad());
+  EXPECT_FALSE(t("base").requires_grad());
+  EXPECT_EQ(d.at("nested").toGenericDict().at("a").toGenericDict().at("b").toListRef().size(), 1u);
+  EXPECT_TRUE(d.at("empty").toListRef().empty());
+
+  // Written back by perf::save, read by Python (weights_only): the same values, the view still shares its storage.
+  perf::save(c, cpp_file);
+  const auto back = test_util::lines(
+      test_util::python(make + "a, b = ckpt(), torch.load('" + cpp_file +
+                        "')\n"
+                        "print([k for k in a if not same(a[k], b[k])], b['dtype'] == " +
+                        std::to_string(static_cast<int>(c10::kBFloat16)) +
+                        ")\n"
+                        "print(b['view'].untyped_storage().data_ptr() == b['base'].untyped_storage().data_ptr(), "
+                        "b['param'].requires_grad)\n"));
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[0], "['dtype'] True") << "a dtype reads back as its number (c10::ScalarType), the rest as written";
+  EXPECT_EQ(back[1], "True True");
+}
+
+TEST(StateDict, AStateThatDoesNotFitIsRefusedWholeAndStrictFalseLoadsWhatFits) {
+  torch::manual_seed(1);
+  TwinNet source, net;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : source->parameters()) p.add_(1);  // every value differs from net's
+  }
+  const auto before = perf::state_dict(net);
+  const auto unchanged = [&] {
+    for (const auto& kv : perf::state_dict(net)) {
+      if (!kv.value().equal(before.at(kv.key()))) return kv.key() + " changed";
+    }
+    return std::string("unchanged");
+  };
+  // Copies: perf::state_dict's tensors are the module's own (detached), and the cases below edit the dict.
+  const auto state = [&] {
+    c10::Dict<std::string, at::Tensor> s;
+    for (const auto& kv : perf::state_dict(source)) s.insert(kv.key(), kv.value().clone());
+    return s;
+  };
+
+  auto missing_and_extra = state();
+  EXPECT_EQ(missing_and_extra.erase("scale"), 1u);
+  missing_and_extra.insert("extra", torch::ones({1}));
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(net, missing_and_extra), "Missing key(s) in state_dict: \"scale\"");
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(net, missing_and_extra), "Unexpected key(s) in state_dict: \"extra\"");
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(net, missing_and_extra), "nothing loaded");
+  EXPECT_EQ(unchanged(), "unchanged");
+
+  // Python's strict=False: the names both have are loaded, the others returned.
+  const auto keys = perf::load_state_dict(net, missing_and_extra, /*strict=*/false);
+  EXPECT_EQ(keys.missing_keys, std::vector<std::string>{"scale"});
+  EXPECT_EQ(keys.unexpected_keys, std::vector<std::string>{"extra"});
+  EXPECT_TRUE(net->head->weight.equal(source->head->weight));
+  EXPECT_FALSE(net->scale.equal(source->scale));
+  std::ostringstream os;
+  os << keys;
+  EXPECT_EQ(os.str(), "missing keys: [\"scale\"], unexpected keys: [\"extra\"]");
+
+  // A shape or a value that cannot be copied is refused, strict or not, and nothing of the rest is loaded
+  // (Python copies the tensors before the bad one, then raises).
+  TwinNet fresh;
+  const auto fresh_before = perf::state_dict(fresh);
+  auto wrong_shape = state();
+  wrong_shape.insert_or_assign("head.weight", torch::zeros({5, 63}));
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(fresh, wrong_shape, /*strict=*/false),
+                        "size mismatch for head.weight: copying a param with shape [5, 63] from checkpoint, the "
+                        "shape in current model is [5, 64]");
+  for (const auto& kv : perf::state_dict(fresh)) EXPECT_TRUE(kv.value().equal(fresh_before.at(kv.key()))) << kv.key();
+  c10::impl::GenericDict not_a_tensor(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& kv : state()) not_a_tensor.insert(kv.key(), kv.value());
+  not_a_tensor.insert_or_assign("conv.weight", int64_t{3});
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(fresh, not_a_tensor),
+                        "\"conv.weight\" is a Int in the state, not a tensor");
+  PERF_EXPECT_THROW_MSG(perf::load_state_dict(fresh, c10::IValue(int64_t{3})), "not a dict of name -> tensor");
+
+  // Another dtype is converted into the module's, as Python's copy_ does.
+  auto doubles = state();
+  for (const auto& kv : state()) {
+    if (kv.value().is_floating_point()) doubles.insert_or_assign(kv.key(), kv.value().to(torch::kDouble));
+  }
+  perf::load_state_dict(fresh, doubles);
+  EXPECT_EQ(fresh->head->weight.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(fresh->head->weight.equal(source->head->weight));
+}
+
+TEST(StateDict, FilesItCannotReadAreRefusedByNameAndDamagedOnesNeverCrash) {
+  test_util::TempDir dir;
+  const auto namespace_file = dir / "namespace.pt", legacy = dir / "legacy.pt", good = dir / "good.pt";
+  test_util::python(
+      "import torch, argparse\n"
+      "torch.save({'args': argparse.Namespace(lr=1)}, '" +
+      namespace_file +
+      "')\n"
+      "torch.save(torch.ones(2), '" +
+      legacy + "', _use_new_zipfile_serialization=False)\n");
+  PERF_EXPECT_THROW_MSG(perf::load(namespace_file), "a Python object of class argparse.Namespace");
+  PERF_EXPECT_THROW_MSG(perf::load(legacy), "is not a zip archive as torch.save has written since PyTorch 1.6");
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "none.pt"), "is not a file");
+  // LibTorch's own archive of a module (torch::save) is not a torch.save file.
+  TwinNet net;
+  torch::save(net, dir / "libtorch.pt");
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "libtorch.pt"), "an archive of LibTorch's torch::save");
+
+  // A view reaching past its storage, as a damaged file might say: refused before any memory is read.
+  using namespace std::string_literals;  // the pickle has NUL bytes
+  const std::string past_end = "\x80\x02"s + "ctorch._utils\n_rebuild_tensor_v2\n(" +
+                               "(X\x07\0\0\0storagectorch\nFloatStorage\nX\x01\0\0\0"s + "0X\x03\0\0\0cpuK\x04tQ"s +
+                               "K\x00(K\x64tK\x01\x85\x89"s + "ccollections\nOrderedDict\n)Rt" + "R.";
+  write_archive(dir / "past_end.pt", past_end, {{"data/0", std::string(16, '\0')}});
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "past_end.pt"), "a view past the end of its storage (element 99 of 4)");
+  write_archive(dir / "short.pt", past_end, {{"data/0", std::string(15, '\0')}});
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "short.pt"), "holds 4 elements of Float, but its record has 15 bytes");
+
+  // Every truncation and every one-byte change of a real state_dict's pickle: an answer or a c10::Error,
+  // never a crash (the sanitizer builds run this too).
+  perf::save(perf::state_dict(net), good);
+  const std::string pkl = data_pkl(good);
+  std::vector<std::pair<std::string, std::string>> storages;
+  {
+    caffe2::serialize::PyTorchStreamReader r(good);
+    for (const auto& name : r.getAllRecords()) {
+      if (name.rfind("data/", 0) == 0) {
+        auto [ptr, n] = r.getRecord(name);
+        storages.emplace_back(name, std::string(static_cast<const char*>(ptr.get()), n));
+      }
+    }
+  }
+  ASSERT_EQ(storages.size(), perf::state_dict(net).size());
+  size_t refused = 0, read = 0;
+  const auto damaged = dir / "damaged.pt";
+  const auto attempt = [&](const std::string& bytes) {
+    write_archive(damaged, bytes, storages);
+    try {
+      perf::load(damaged);
+      ++read;
+    } catch (const c10::Error& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("perf::load: "), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  };
+  for (size_t n = 0; n < pkl.size(); ++n) attempt(pkl.substr(0, n));
+  EXPECT_EQ(refused, pkl.size()) << "every truncation is refused";
+  for (size_t i = 0; i < pkl.size(); i += 3) {
+    std::string bytes = pkl;
+    bytes[i] = static_cast<char>(bytes[i] ^ 0x5a);
+    attempt(bytes);
+  }
+  EXPECT_GT(refused, pkl.size());
+  EXPECT_EQ(perf::load(good).toGenericDict().size(), perf::state_dict(net).size());
+}
+
+TEST(StateDict, AFailedSaveLeavesTheEarlierFile) {
+  test_util::TempDir dir;
+  const auto path = dir / "ckpt.pt";
+  TwinNet net;
+  perf::save(perf::state_dict(net), path);
+  const auto first = read_bytes(path);
+  c10::impl::GenericDict bad(c10::StringType::get(), c10::AnyType::get());
+  bad.insert("model", perf::state_dict(net));
+  bad.insert("stream", c10::IValue(c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::kCPU))));
+  PERF_EXPECT_THROW_MSG(perf::save(bad, path), "perf::save: 'stream' is a Stream");
+  EXPECT_EQ(read_bytes(path), first);
+  size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) files += e.is_regular_file() ? 1u : 0u;
+  EXPECT_EQ(files, 1u) << "nothing left beside it";
+  PERF_EXPECT_THROW_MSG(perf::save(perf::state_dict(net), dir / "no/such/dir/ckpt.pt"),
+                        "the directory of '" + dir.path + "/no/such/dir/ckpt.pt' does not exist");
+}
+
+TEST(StateDict, OnGpuACudaModelSavesItsDeviceAndLoadsBackIntoOneOnTheGpu) {
+  if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  test_util::TempDir dir;
+  const auto path = dir / "cuda.pt";
+  torch::manual_seed(2);
+  TwinNet net;
+  net->to(torch::kCUDA);
+  perf::save(perf::state_dict(net), path);
+  // Python's torch.load puts them back on the GPU, as for its own file of a CUDA model.
+  const auto out = test_util::python(std::string(TWIN_PY) + "sd = torch.load('" + path +
+                                     "')\n"
+                                     "print(sorted({str(v.device) for v in sd.values()}))\n");
+  EXPECT_EQ(out, "['cuda:0']");
+  const auto loaded = perf::load(path).toGenericDict();
+  EXPECT_TRUE(loaded.at("head.weight").toTensor().device().is_cpu()) << "perf::load reads onto the CPU";
+  TwinNet again;
+  again->to(torch::kCUDA);
+  perf::load_state_dict(again, loaded);
+  EXPECT_TRUE(again->head->weight.is_cuda());
+  for (const auto& kv : perf::state_dict(net)) {
+    EXPECT_TRUE(kv.value().equal(perf::state_dict(again).at(kv.key()))) << kv.key();
+  }
 }

@@ -5,6 +5,7 @@
 #include <perf/memory_format.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
+#include <perf/state_dict.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -1422,6 +1423,52 @@ std::pair<std::vector<torch::Tensor>, bool> lm_train_steps(PackedLm& lm, perf::o
 // Parameters that already share one storage without gaps (cuDNN's RNN weight buffer) stay where they are: moving
 // them would make cuDNN copy the weights into a buffer at every call, with LibTorch's warning each time. Their
 // gradients and state are still the optimizer's buffers, and a step covers them in one run.
+// A flat model's parameters are views of one buffer: perf::save writes it once, as Python's torch.save writes
+// a storage shared by several tensors, Python reads each parameter right, and loading back copies into the
+// views, which stay the optimizer's buffer.
+TEST(OptimFlat, AFlatModelsStateDictIsOneStorageThatPythonReadsAndLoadsBackIntoTheViews) {
+  torch::manual_seed(4);
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})),
+                            torch::nn::Linear(16, 4));
+  perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
+  const auto x = torch::linspace(-1, 1, 3 * 8).reshape({3, 8});
+  net->forward(x).square().sum().backward();
+  opt.step();
+  ASSERT_TRUE(net->parameters()[1].is_alias_of(net->parameters()[0]));
+  test_util::TempDir dir;
+  const auto path = dir / "flat.pt";
+  perf::save(perf::state_dict(net), path);
+  const auto saved = [&] {
+    torch::NoGradGuard no_grad;
+    return net->forward(x);
+  }();
+  const auto out =
+      test_util::lines(test_util::python("import torch, torch.nn as nn\n"
+                                         "sd = torch.load('" +
+                                         path +
+                                         "')\n"
+                                         "print(len({v.untyped_storage().data_ptr() for v in sd.values()}))\n"
+                                         "m = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))\n"
+                                         "m.load_state_dict(sd)\n"
+                                         "print(*m(torch.linspace(-1, 1, 3 * 8).reshape(3, 8)).flatten().tolist())\n"));
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0], "1") << "one storage for the six parameters";
+  EXPECT_LE(test_util::max_diff(saved, torch::tensor(test_util::parse_numbers(out[1])).reshape({3, 4})), 1e-6);
+
+  net->forward(x).sum().backward();
+  opt.step();
+  perf::load_state_dict(net, perf::load(path));
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(net->forward(x).equal(saved));
+  }
+  const auto params = net->parameters();
+  for (const auto& p : params) EXPECT_TRUE(p.is_alias_of(params[0])) << "still views of the flat buffer";
+  net->forward(x).sum().backward();
+  opt.step();  // and the optimizer goes on over them
+  EXPECT_FALSE(params[0].equal(perf::load(path).toGenericDict().at("0.weight").toTensor()));
+}
+
 TEST(OptimFlat, ParametersSharingAStorageWithoutGapsStayWhereTheyAre) {
   torch::manual_seed(11);
   PackedLm lm, twin;

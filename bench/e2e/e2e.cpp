@@ -22,6 +22,7 @@
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>
+#include <perf/state_dict.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -30,7 +31,6 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <iterator>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -39,29 +39,9 @@
 
 namespace {
 
-c10::impl::GenericDict load_dict(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  TORCH_CHECK(f.good(), "e2e: cannot open ", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  return torch::pickle_load(bytes).toGenericDict();
-}
-
-// Copies a state dict saved by Python (a dict of tensors) into the module, every name accounted for.
-void load_state(torch::nn::Module& module, const std::string& path) {
-  auto dict = load_dict(path);
-  torch::NoGradGuard no_grad;
-  size_t matched = 0;
-  auto copy = [&](const std::string& name, at::Tensor& t) {
-    TORCH_CHECK(dict.contains(name), "e2e: ", path, " has no '", name, "' (the Python twin differs)");
-    const auto src = dict.at(name).toTensor();
-    TORCH_CHECK(src.sizes() == t.sizes(), "e2e: '", name, "' is ", src.sizes(), " in ", path, ", ", t.sizes(), " here");
-    t.copy_(src);
-    ++matched;
-  };
-  for (auto& p : module.named_parameters()) copy(p.key(), p.value());
-  for (auto& b : module.named_buffers()) copy(b.key(), b.value());
-  TORCH_CHECK(matched == dict.size(), "e2e: ", path, " holds ", dict.size(), " tensors, the C++ model ", matched);
-}
+// Files Python's torch.save wrote (run.py): the batches, and the initial weights, which must name every
+// parameter and buffer of the C++ model (perf::load_state_dict, strict).
+c10::impl::GenericDict load_dict(const std::string& path) { return perf::load(path).toGenericDict(); }
 
 struct PairDataset : torch::data::datasets::Dataset<PairDataset> {
   PairDataset(at::Tensor inputs, at::Tensor targets) : x(std::move(inputs)), y(std::move(targets)) {}
@@ -197,7 +177,7 @@ void train(Loader&& batches_of_epoch, Step&& step, const Args& a, const c10::Dev
 template <typename Holder>
 void run(Holder model, const Args& a, const at::Tensor& x, const at::Tensor& y) {
   const c10::Device device(a.device);
-  load_state(*model, a.init);
+  perf::load_state_dict(*model, perf::load(a.init));
   const auto batch = static_cast<size_t>(a.size.at("batch"));
   auto dataset = PairDataset(x, y).map(torch::data::transforms::Stack<>());
   if (a.config == "stock") {

@@ -17,3 +17,4 @@
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>
+#include <perf/state_dict.h>

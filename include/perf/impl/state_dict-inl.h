@@ -1,0 +1,804 @@
+// perf/impl/state_dict-inl.h — the out-of-line definitions of perf/state_dict.h.
+// Included by perf/state_dict.h (header-only, the default), or compiled once into
+// perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
+#pragma once
+
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/irange.h>
+#include <caffe2/serialize/inline_container.h>
+#include <perf/state_dict.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <ostream>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+namespace perf {
+
+namespace detail {
+
+// Python's pickle opcodes that torch.save writes (protocol 2, its default) and a few of protocol 4's.
+namespace op {
+constexpr uint8_t kProto = 0x80, kFrame = 0x95, kStop = '.', kMark = '(', kPop = '0', kPopMark = '1', kDup = '2',
+                  kNone = 'N', kTrue = 0x88, kFalse = 0x89, kBinInt = 'J', kBinInt1 = 'K', kBinInt2 = 'M',
+                  kLong1 = 0x8a, kLong4 = 0x8b, kBinFloat = 'G', kBinUnicode = 'X', kShortBinUnicode = 0x8c,
+                  kBinUnicode8 = 0x8d, kEmptyList = ']', kAppend = 'a', kAppends = 'e', kEmptyDict = '}',
+                  kSetItem = 's', kSetItems = 'u', kEmptyTuple = ')', kTuple = 't', kTuple1 = 0x85, kTuple2 = 0x86,
+                  kTuple3 = 0x87, kBinPut = 'q', kLongBinPut = 'r', kMemoize = 0x94, kBinGet = 'h', kLongBinGet = 'j',
+                  kGlobal = 'c', kStackGlobal = 0x93, kReduce = 'R', kBuild = 'b', kNewObj = 0x81, kBinPersId = 'Q';
+}  // namespace op
+
+// The legacy storage class torch.save names for a dtype ("FloatStorage"), as torch/storage.py's
+// _dtype_to_storage_type_map; dtypes without one are written as an UntypedStorage and the dtype
+// (_rebuild_tensor_v3), as Python writes them.
+PERF_INLINE std::string legacy_storage_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kDouble:
+      return "DoubleStorage";
+    case c10::kFloat:
+      return "FloatStorage";
+    case c10::kHalf:
+      return "HalfStorage";
+    case c10::kLong:
+      return "LongStorage";
+    case c10::kInt:
+      return "IntStorage";
+    case c10::kShort:
+      return "ShortStorage";
+    case c10::kChar:
+      return "CharStorage";
+    case c10::kByte:
+      return "ByteStorage";
+    case c10::kBool:
+      return "BoolStorage";
+    case c10::kBFloat16:
+      return "BFloat16Storage";
+    case c10::kComplexDouble:
+      return "ComplexDoubleStorage";
+    case c10::kComplexFloat:
+      return "ComplexFloatStorage";
+    default:
+      return "";
+  }
+}
+
+PERF_INLINE std::optional<c10::ScalarType> dtype_of_python_name(const std::string& name) {
+  const auto& names = c10::getStringToDtypeMap();
+  auto it = names.find(name);
+  if (it != names.end()) return it->second;
+  return std::nullopt;
+}
+
+// A pickle of a value, the way Python's pickler writes it at protocol 2, and the storages its tensors need.
+class PickleWriter {
+ public:
+  std::string bytes;
+  // Each distinct (storage, dtype): its key in the archive and the tensor whose storage it is.
+  std::vector<std::pair<std::string, at::Tensor>> storages;
+
+  void value(const c10::IValue& v, const std::string& where) {
+    if (v.isNone()) {
+      put(op::kNone);
+    } else if (v.isBool()) {
+      put(v.toBool() ? op::kTrue : op::kFalse);
+    } else if (v.isInt()) {
+      integer(v.toInt());
+    } else if (v.isDouble()) {
+      put(op::kBinFloat);
+      const double d = v.toDouble();
+      uint64_t u = 0;
+      std::memcpy(&u, &d, sizeof u);
+      for (int i = 7; i >= 0; --i) put(static_cast<uint8_t>(u >> (8 * i)));  // big-endian, as pickle's
+    } else if (v.isString()) {
+      string(v.toStringRef());
+    } else if (v.isTensor()) {
+      tensor(v.toTensor(), where);
+    } else if (v.isDevice()) {
+      global("torch", "device");
+      put(op::kMark);
+      string(v.toDevice().str());
+      put(op::kTuple);
+      put(op::kReduce);
+    } else if (v.isGenericDict()) {
+      put(op::kEmptyDict);
+      const auto dict = v.toGenericDict();
+      if (dict.empty()) return;
+      put(op::kMark);
+      for (const auto& kv : dict) {
+        value(kv.key(), where);
+        value(kv.value(), where.empty() ? key_str(kv.key()) : where + "." + key_str(kv.key()));
+      }
+      put(op::kSetItems);
+    } else if (v.isList()) {
+      put(op::kEmptyList);
+      const auto list = v.toListRef();
+      if (list.empty()) return;
+      put(op::kMark);
+      for (const auto i : c10::irange(list.size())) value(list[i], where + "[" + std::to_string(i) + "]");
+      put(op::kAppends);
+    } else if (v.isTuple()) {
+      const auto& elems = v.toTupleRef().elements();
+      if (elems.empty()) {
+        put(op::kEmptyTuple);
+        return;
+      }
+      put(op::kMark);
+      for (const auto i : c10::irange(elems.size())) value(elems[i], where + "[" + std::to_string(i) + "]");
+      put(op::kTuple);
+    } else {
+      TORCH_CHECK(false, "perf::save: ", where.empty() ? std::string("the value") : "'" + where + "'", " is a ",
+                  v.tagKind(),
+                  "; a file Python's torch.load reads holds tensors, dicts, lists, tuples, int, double, bool, "
+                  "string, None and devices");
+    }
+  }
+
+ private:
+  void put(uint8_t b) { bytes.push_back(static_cast<char>(b)); }
+  void put_le(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) put(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  static std::string key_str(const c10::IValue& k) {
+    if (k.isString()) return k.toStringRef();
+    std::ostringstream os;
+    os << k;
+    return os.str();
+  }
+  void integer(int64_t i) {
+    if (i >= 0 && i < 256) {
+      put(op::kBinInt1);
+      put(static_cast<uint8_t>(i));
+    } else if (i >= 0 && i < 65536) {
+      put(op::kBinInt2);
+      put_le(static_cast<uint64_t>(i), 2);
+    } else if (i >= INT32_MIN && i <= INT32_MAX) {
+      put(op::kBinInt);
+      put_le(static_cast<uint64_t>(i), 4);
+    } else {
+      put(op::kLong1);
+      put(8);
+      put_le(static_cast<uint64_t>(i), 8);  // two's complement, little-endian
+    }
+  }
+  void string(const std::string& s) {
+    put(op::kBinUnicode);
+    put_le(s.size(), 4);
+    bytes += s;
+  }
+  void global(const char* module, const char* name) {
+    put(op::kGlobal);
+    bytes += module;
+    bytes += '\n';
+    bytes += name;
+    bytes += '\n';
+  }
+  void tensor(const at::Tensor& t, const std::string& where) {
+    TORCH_CHECK(t.defined(), "perf::save: '", where, "' is an undefined tensor");
+    TORCH_CHECK(t.layout() == c10::kStrided && !t.is_quantized(), "perf::save: '", where, "' is a ", t.layout(),
+                t.is_quantized() ? " quantized" : "", " tensor; perf writes dense (strided) tensors");
+    TORCH_CHECK(t.has_storage(), "perf::save: '", where, "' has no storage (", t.device(), ")");
+    const std::string legacy = legacy_storage_name(t.scalar_type());
+    const std::string dtype_name = c10::getDtypeNames(t.scalar_type()).first;
+    TORCH_CHECK(!legacy.empty() || dtype_of_python_name(dtype_name), "perf::save: '", where, "' has dtype ",
+                t.scalar_type(), ", which perf cannot name for Python");
+    // One record per storage and dtype, as Python (which refuses one storage under two dtypes).
+    const void* impl = t.storage().unsafeGetStorageImpl();
+    std::string key;
+    for (const auto& s : storages) {
+      if (s.second.storage().unsafeGetStorageImpl() == impl && s.second.scalar_type() == t.scalar_type()) {
+        key = s.first;
+      }
+    }
+    if (key.empty()) {
+      key = std::to_string(storages.size());
+      storages.emplace_back(key, t);
+    }
+    const int64_t itemsize = static_cast<int64_t>(c10::elementSize(t.scalar_type()));
+    const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
+    const bool v3 = legacy.empty();
+    global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
+    put(op::kMark);
+    // persistent id ('storage', storage class, key, location, numel): the bytes are the record data/<key>
+    put(op::kMark);
+    string("storage");
+    global(v3 ? "torch.storage" : "torch", v3 ? "UntypedStorage" : legacy.c_str());
+    string(key);
+    string(t.device().is_cpu() ? "cpu" : t.device().str());
+    integer(v3 ? nbytes : nbytes / itemsize);
+    put(op::kTuple);
+    put(op::kBinPersId);
+    integer(t.storage_offset());
+    put(op::kMark);
+    for (const auto s : t.sizes()) integer(s);
+    put(op::kTuple);
+    put(op::kMark);
+    for (const auto s : t.strides()) integer(s);
+    put(op::kTuple);
+    put(t.requires_grad() ? op::kTrue : op::kFalse);
+    global("collections", "OrderedDict");  // backward hooks: always empty, as Python writes them
+    put(op::kEmptyTuple);
+    put(op::kReduce);
+    if (v3) global("torch", dtype_name.c_str());
+    put(op::kTuple);
+    put(op::kReduce);
+  }
+};
+
+// One entry of the unpickler's stack: a value, or a Python callable named by GLOBAL (only ever called).
+struct PickleItem {
+  c10::IValue value;
+  std::string callable;  // "module.name"; empty for a value
+};
+
+// An unpickler for what torch.save writes and Python's weights_only loader accepts. LibTorch's own
+// (torch::jit::Unpickler) turns every OrderedDict into None, and a state_dict is one.
+class PickleReader {
+ public:
+  PickleReader(caffe2::serialize::PyTorchStreamReader& archive, std::string path)
+      : archive_(archive), path_(std::move(path)) {}
+
+  c10::IValue run(const std::string& pickle) {
+    data_ = &pickle;
+    pos_ = 0;
+    while (true) {
+      const uint8_t code = u8();
+      switch (code) {
+        case op::kProto:
+          u8();
+          break;
+        case op::kFrame:
+          le(8);
+          break;
+        case op::kStop:
+          check(stack_.size() == 1 && marks_.empty(), "ends with ", stack_.size(), " values on its stack");
+          return value_of(pop(), "the result");
+        case op::kMark:
+          marks_.push_back(stack_.size());
+          break;
+        case op::kPop:
+          pop();
+          break;
+        case op::kPopMark:
+          stack_.resize(mark());
+          break;
+        case op::kDup:
+          check(!stack_.empty(), "DUP on an empty stack");
+          stack_.push_back(stack_.back());
+          break;
+        case op::kNone:
+          push(c10::IValue());
+          break;
+        case op::kTrue:
+          push(true);
+          break;
+        case op::kFalse:
+          push(false);
+          break;
+        case op::kBinInt:
+          push(static_cast<int64_t>(static_cast<int32_t>(le(4))));
+          break;
+        case op::kBinInt1:
+          push(static_cast<int64_t>(u8()));
+          break;
+        case op::kBinInt2:
+          push(static_cast<int64_t>(le(2)));
+          break;
+        case op::kLong1:
+          push(long_int(u8()));
+          break;
+        case op::kLong4:
+          push(long_int(le(4)));
+          break;
+        case op::kBinFloat: {
+          uint64_t u = 0;
+          for (int i = 0; i < 8; ++i) u = (u << 8) | u8();
+          double d = 0;
+          std::memcpy(&d, &u, sizeof d);
+          push(d);
+          break;
+        }
+        case op::kBinUnicode:
+          push(bytes(le(4)));
+          break;
+        case op::kShortBinUnicode:
+          push(bytes(u8()));
+          break;
+        case op::kBinUnicode8:
+          push(bytes(le(8)));
+          break;
+        case op::kEmptyList:
+          push(c10::impl::GenericList(c10::AnyType::get()));
+          break;
+        case op::kAppend: {
+          auto v = value_of(pop(), "a list's item");
+          list_at(stack_.size() - 1).push_back(std::move(v));
+          break;
+        }
+        case op::kAppends: {
+          const size_t m = mark();
+          check(m > 0, "APPENDS without a list");
+          auto list = list_at(m - 1);
+          for (size_t i = m; i < stack_.size(); ++i) list.push_back(value_of(stack_[i], "a list's item"));
+          stack_.resize(m);
+          break;
+        }
+        case op::kEmptyDict:
+          push(perf::dict());
+          break;
+        case op::kSetItem: {
+          auto v = value_of(pop(), "a dict's value");
+          auto k = value_of(pop(), "a dict's key");
+          dict_at(stack_.size() - 1).insert_or_assign(std::move(k), std::move(v));
+          break;
+        }
+        case op::kSetItems: {
+          const size_t m = mark();
+          check(m > 0 && (stack_.size() - m) % 2 == 0, "SETITEMS without a dict or with an odd count");
+          auto dict = dict_at(m - 1);
+          for (size_t i = m; i < stack_.size(); i += 2) {
+            dict.insert_or_assign(value_of(stack_[i], "a dict's key"), value_of(stack_[i + 1], "a dict's value"));
+          }
+          stack_.resize(m);
+          break;
+        }
+        case op::kEmptyTuple:
+          push(c10::ivalue::Tuple::create({}));
+          break;
+        case op::kTuple: {
+          const size_t m = mark();
+          push_tuple(m);
+          break;
+        }
+        case op::kTuple1:
+        case op::kTuple2:
+        case op::kTuple3: {
+          const size_t n = code - op::kTuple1 + 1;
+          check(stack_.size() >= n, "TUPLE", n, " on a stack of ", stack_.size());
+          push_tuple(stack_.size() - n);
+          break;
+        }
+        case op::kBinPut:
+          memo(u8());
+          break;
+        case op::kLongBinPut:
+          memo(le(4));
+          break;
+        case op::kMemoize:
+          memo(memo_.size());
+          break;
+        case op::kBinGet:
+          recall(u8());
+          break;
+        case op::kLongBinGet:
+          recall(le(4));
+          break;
+        case op::kGlobal: {
+          std::string module = line();
+          std::string name = line();
+          global(module, name);
+          break;
+        }
+        case op::kStackGlobal: {
+          auto name = value_of(pop(), "a global's name");
+          auto module = value_of(pop(), "a global's module");
+          check(name.isString() && module.isString(), "STACK_GLOBAL without strings");
+          global(module.toStringRef(), name.toStringRef());
+          break;
+        }
+        case op::kReduce:
+        case op::kNewObj: {
+          auto args = value_of(pop(), "arguments");
+          auto fn = pop();
+          check(args.isTuple(), "calls ", fn.callable, " without an argument tuple");
+          push(call(fn, args.toTupleRef().elements()));
+          break;
+        }
+        case op::kBuild: {
+          auto state = pop();
+          check(!stack_.empty(), "BUILD on an empty stack");
+          // An OrderedDict's attributes (a state_dict's _metadata: each module's version) and a
+          // Parameter's Python attributes: nothing a C++ tensor or dict holds. Anything else is an object.
+          const auto& target = stack_.back().value;
+          check(stack_.back().callable.empty() && (target.isGenericDict() || target.isTensor()),
+                "sets the state of something that is not a dict or a tensor");
+          break;
+        }
+        case op::kBinPersId:
+          push(storage(value_of(pop(), "a persistent id")));
+          break;
+        default: {
+          std::ostringstream os;
+          os << "0x" << std::hex << static_cast<int>(code);
+          check(false, "has pickle opcode ", os.str(), " at byte ", pos_ - 1,
+                ", which torch.save does not write (a file of pickle protocol 2 to 4 from torch.save is expected)");
+        }
+      }
+    }
+  }
+
+ private:
+  template <typename... Args>
+  void check(bool ok, const Args&... what) const {
+    TORCH_CHECK(ok, "perf::load: ", path_, ": the pickle (data.pkl) ", what...);
+  }
+
+  uint8_t u8() {
+    check(pos_ < data_->size(), "ends early (truncated?)");
+    return static_cast<uint8_t>((*data_)[pos_++]);
+  }
+  uint64_t le(int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(u8()) << (8 * i);
+    return v;
+  }
+  std::string bytes(uint64_t n) {
+    check(n <= data_->size() - pos_, "ends early (truncated?)");
+    std::string s = data_->substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::string line() {
+    const size_t end = data_->find('\n', pos_);
+    check(end != std::string::npos, "ends early in a GLOBAL");
+    std::string s = data_->substr(pos_, end - pos_);
+    pos_ = end + 1;
+    return s;
+  }
+  int64_t long_int(uint64_t n) {
+    check(n <= 8, "holds an integer of ", n, " bytes (more than 64 bits)");
+    if (n == 0) return 0;
+    uint64_t v = le(static_cast<int>(n));
+    if (n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign-extend
+    return static_cast<int64_t>(v);
+  }
+
+  void push(c10::IValue v) { stack_.push_back(PickleItem{std::move(v), {}}); }
+  PickleItem pop() {
+    check(!stack_.empty() && (marks_.empty() || stack_.size() > marks_.back()), "pops an empty stack");
+    PickleItem it = std::move(stack_.back());
+    stack_.pop_back();
+    return it;
+  }
+  size_t mark() {
+    check(!marks_.empty(), "has no MARK where one is needed");
+    const size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+  c10::IValue value_of(const PickleItem& it, const char* what) const {
+    check(it.callable.empty(), "holds the Python callable ", it.callable, " as ", what,
+          ", which only Python can rebuild");
+    return it.value;
+  }
+  void push_tuple(size_t from) {
+    std::vector<c10::IValue> elems;
+    for (size_t i = from; i < stack_.size(); ++i) elems.push_back(value_of(stack_[i], "a tuple's item"));
+    stack_.resize(from);
+    push(c10::ivalue::Tuple::create(std::move(elems)));
+  }
+  c10::impl::GenericList list_at(size_t i) {
+    check(i < stack_.size() && stack_[i].callable.empty() && stack_[i].value.isList(), "appends to a non-list");
+    return stack_[i].value.toList();
+  }
+  c10::impl::GenericDict dict_at(size_t i) {
+    check(i < stack_.size() && stack_[i].callable.empty() && stack_[i].value.isGenericDict(),
+          "sets an item of a non-dict");
+    return stack_[i].value.toGenericDict();
+  }
+
+  void memo(uint64_t i) {
+    check(!stack_.empty(), "memoizes an empty stack");
+    check(i <= memo_.size() + (uint64_t{1} << 20), "memoizes at index ", i);
+    if (i >= memo_.size()) memo_.resize(i + 1);
+    memo_[i] = stack_.back();
+  }
+  void recall(uint64_t i) {
+    check(i < memo_.size(), "recalls memo ", i, ", never stored");
+    stack_.push_back(memo_[i]);
+  }
+
+  // GLOBAL: what Python's weights_only loader allows, and nothing more.
+  void global(const std::string& module, const std::string& name) {
+    const std::string full = module + "." + name;
+    if (full == "torch.storage.UntypedStorage" || full == "torch.UntypedStorage") {
+      return push(static_cast<int64_t>(c10::kByte));
+    }
+    if (module == "torch") {
+      // a storage class of the persistent id ("FloatStorage"), or a dtype (torch.float32)
+      for (const auto t : {c10::kDouble, c10::kFloat, c10::kHalf, c10::kLong, c10::kInt, c10::kShort, c10::kChar,
+                           c10::kByte, c10::kBool, c10::kBFloat16, c10::kComplexDouble, c10::kComplexFloat}) {
+        if (name == legacy_storage_name(t)) return push(static_cast<int64_t>(t));
+      }
+      if (auto t = dtype_of_python_name(name)) return push(*t);
+      if (name == "Size" || name == "device") return stack_.push_back(PickleItem{{}, full});
+    }
+    if (full == "collections.OrderedDict" || full == "torch._utils._rebuild_tensor_v2" ||
+        full == "torch._utils._rebuild_tensor_v3" || full == "torch._utils._rebuild_parameter" ||
+        full == "torch._utils._rebuild_parameter_with_state") {
+      return stack_.push_back(PickleItem{{}, full});
+    }
+    check(module.rfind("__torch__", 0) != 0, "holds TorchScript's class ", full,
+          ": this is an archive of LibTorch's torch::save or Python's torch.jit.save, which torch::load (C++) "
+          "and torch.jit.load (Python) read");
+    check(false, "holds a Python object of class ", full,
+          ", which only Python can rebuild (Python's torch.load refuses it too unless weights_only=False). Save "
+          "tensors, numbers, strings and dicts, lists or tuples of them, such as model.state_dict()");
+  }
+
+  c10::IValue call(const PickleItem& fn, const std::vector<c10::IValue>& args) {
+    const std::string& f = fn.callable;
+    check(!f.empty(), "calls a value that is not a Python callable");
+    if (f == "collections.OrderedDict") {
+      auto dict = perf::dict();
+      if (!args.empty()) {  // OrderedDict([(k, v), ...])
+        check(args.size() == 1 && args[0].isList(), "builds an OrderedDict from something not a list of pairs");
+        for (const auto& kv : args[0].toListRef()) {
+          check(kv.isTuple() && kv.toTupleRef().elements().size() == 2, "builds an OrderedDict from a non-pair");
+          dict.insert_or_assign(kv.toTupleRef().elements()[0], kv.toTupleRef().elements()[1]);
+        }
+      }
+      return dict;
+    }
+    if (f == "torch.Size") {
+      check(args.size() == 1 && (args[0].isTuple() || args[0].isList()), "builds a torch.Size from a non-tuple");
+      return args[0];
+    }
+    if (f == "torch.device") {
+      check(!args.empty() && args[0].isString(), "builds a torch.device without a string");
+      std::string s = args[0].toStringRef();
+      if (args.size() > 1 && args[1].isInt()) s += ":" + std::to_string(args[1].toInt());
+      return c10::Device(s);
+    }
+    if (f == "torch._utils._rebuild_parameter" || f == "torch._utils._rebuild_parameter_with_state") {
+      check(args.size() >= 2 && args[0].isTensor() && args[1].isBool(), "calls ", f, " with other arguments");
+      auto t = args[0].toTensor();
+      if (args[1].toBool()) t.requires_grad_(true);
+      return t;
+    }
+    // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata]);
+    // _rebuild_tensor_v3(..., hooks, dtype[, metadata])
+    const bool v3 = f == "torch._utils._rebuild_tensor_v3";
+    check(args.size() >= (v3 ? 7u : 6u) && args[0].isTensor() && args[1].isInt() &&
+              (args[2].isTuple() || args[2].isList()) && (args[3].isTuple() || args[3].isList()) && args[4].isBool(),
+          "calls ", f, " with other arguments than torch.save writes");
+    const auto ints = [&](const c10::IValue& v, const char* what) {
+      std::vector<int64_t> out;
+      const std::vector<c10::IValue> elems = v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec();
+      for (const auto& e : elems) {
+        check(e.isInt() && e.toInt() >= 0, "gives a tensor a ", what, " that is not a non-negative integer");
+        out.push_back(e.toInt());
+      }
+      return out;
+    };
+    at::Tensor storage = args[0].toTensor();
+    c10::ScalarType dtype = storage.scalar_type();
+    if (v3) {
+      dtype = scalar_type(args[6], "_rebuild_tensor_v3's dtype");
+    }
+    const int64_t offset = args[1].toInt();
+    const auto size = ints(args[2], "size");
+    const auto stride = ints(args[3], "stride");
+    check(size.size() == stride.size() && offset >= 0, "gives a tensor ", size.size(), " sizes and ", stride.size(),
+          " strides, offset ", offset);
+    // The last element the view reaches must lie in its storage: a damaged file fails here, not in memory.
+    const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t available = static_cast<int64_t>(storage.storage().nbytes()) / itemsize;
+    bool empty = false;
+    int64_t last = offset;
+    for (const auto i : c10::irange(size.size())) {
+      if (size[i] == 0) empty = true;
+      last += (size[i] - 1) * stride[i];
+    }
+    check(empty || last < available, "gives a tensor a view past the end of its storage (element ", last, " of ",
+          available, ")");
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
+    t.set_(storage.storage(), offset, size, stride);
+    if (args[4].toBool()) t.requires_grad_(true);
+    return t;
+  }
+
+  c10::ScalarType scalar_type(const c10::IValue& v, const char* what) const {
+    check(v.isInt() && v.toInt() >= 0 && v.toInt() < static_cast<int64_t>(c10::ScalarType::NumOptions), "has ", what,
+          " that is not a dtype");
+    return static_cast<c10::ScalarType>(v.toInt());
+  }
+
+  // BINPERSID ('storage', storage class or dtype, key, location, numel): the record data/<key>, read once.
+  c10::IValue storage(const c10::IValue& id) {
+    check(id.isTuple() && id.toTupleRef().elements().size() == 5, "has a persistent id torch.save does not write");
+    const std::vector<c10::IValue> e = id.toTupleRef().elements().vec();
+    check(e[0].isString() && e[0].toStringRef() == "storage" && e[1].isInt() && e[2].isString() && e[4].isInt(),
+          "has a persistent id torch.save does not write");
+    const auto dtype = scalar_type(e[1], "a storage's class");
+    const std::string& key = e[2].toStringRef();
+    auto it = storages_.find(key);
+    if (it == storages_.end()) {
+      const std::string record = "data/" + key;
+      check(archive_.hasRecord(record), "names a storage ", record, " that the archive does not hold");
+      auto [ptr, nbytes] = archive_.getRecord(record);
+      const size_t itemsize = c10::elementSize(dtype);
+      check(e[4].toInt() >= 0 && nbytes == static_cast<size_t>(e[4].toInt()) * itemsize, "says storage ", key,
+            " holds ", e[4].toInt(), " elements of ", dtype, ", but its record has ", nbytes, " bytes");
+      c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), /*allocator=*/nullptr,
+                     /*resizable=*/false);
+      at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
+      t.set_(s, 0, {static_cast<int64_t>(nbytes / itemsize)}, {1});
+      it = storages_.emplace(key, t).first;
+    }
+    return it->second;
+  }
+
+  caffe2::serialize::PyTorchStreamReader& archive_;
+  std::string path_;
+  const std::string* data_ = nullptr;
+  size_t pos_ = 0;
+  std::vector<PickleItem> stack_, memo_;
+  std::vector<size_t> marks_;
+  std::unordered_map<std::string, at::Tensor> storages_;
+};
+
+PERF_INLINE void state_dict_into(torch::nn::Module& module, const std::string& prefix,
+                                 c10::Dict<std::string, at::Tensor>& out) {
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    if (p.value().defined()) out.insert_or_assign(prefix + p.key(), p.value().detach());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    if (b.value().defined()) out.insert_or_assign(prefix + b.key(), b.value().detach());
+  }
+  for (const auto& c : module.named_children()) state_dict_into(*c.value(), prefix + c.key() + ".", out);
+}
+
+PERF_INLINE std::string quoted_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "\"" : ", \"") + n + "\"";
+  return s;
+}
+
+PERF_INLINE std::string shape_of(c10::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << sizes;
+  return os.str();
+}
+
+}  // namespace detail
+
+PERF_INLINE c10::Dict<std::string, at::Tensor> state_dict(ModuleRef module) {
+  c10::Dict<std::string, at::Tensor> out;
+  detail::state_dict_into(*module, "", out);
+  return out;
+}
+
+PERF_INLINE std::ostream& operator<<(std::ostream& os, const IncompatibleKeys& keys) {
+  return os << "missing keys: [" << detail::quoted_list(keys.missing_keys) << "], unexpected keys: ["
+            << detail::quoted_list(keys.unexpected_keys) << "]";
+}
+
+PERF_INLINE IncompatibleKeys load_state_dict(ModuleRef module, const c10::IValue& state, bool strict) {
+  const std::string who = "perf::load_state_dict(" + module->name() + ")";
+  TORCH_CHECK(state.isGenericDict(), who, ": the state is a ", state.tagKind(),
+              ", not a dict of name -> tensor (perf::load of a saved state_dict, or perf::state_dict)");
+  const auto dict = state.toGenericDict();
+  const auto own = state_dict(module);
+  IncompatibleKeys keys;
+  std::vector<std::string> errors;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (module's tensor, state's tensor)
+  std::unordered_set<std::string> seen;
+  for (const auto& kv : dict) {
+    TORCH_CHECK(kv.key().isString(), who, ": the state has a key that is not a string: ", kv.key());
+    const std::string& name = kv.key().toStringRef();
+    seen.insert(name);
+    auto it = own.find(name);
+    if (it == own.end()) {
+      keys.unexpected_keys.push_back(name);
+      continue;
+    }
+    if (!kv.value().isTensor() || !kv.value().toTensor().defined()) {
+      errors.push_back("\"" + name + "\" is a " + kv.value().tagKind() + " in the state, not a tensor");
+      continue;
+    }
+    const at::Tensor& src = kv.value().toTensor();
+    const at::Tensor& dst = it->value();
+    if (!src.sizes().equals(dst.sizes())) {
+      errors.push_back("size mismatch for " + name + ": copying a param with shape " + detail::shape_of(src.sizes()) +
+                       " from checkpoint, the shape in current model is " + detail::shape_of(dst.sizes()));
+      continue;
+    }
+    if (src.is_complex() != dst.is_complex()) {
+      errors.push_back("\"" + name + "\" is " + c10::toString(src.scalar_type()) + " in the state and " +
+                       c10::toString(dst.scalar_type()) + " in the module");
+      continue;
+    }
+    copies.emplace_back(dst, src);
+  }
+  for (const auto& kv : own) {
+    if (!seen.count(kv.key())) keys.missing_keys.push_back(kv.key());
+  }
+  if (strict && !keys.unexpected_keys.empty()) {
+    errors.insert(errors.begin(), "Unexpected key(s) in state_dict: " + detail::quoted_list(keys.unexpected_keys));
+  }
+  if (strict && !keys.missing_keys.empty()) {
+    errors.insert(errors.begin(), "Missing key(s) in state_dict: " + detail::quoted_list(keys.missing_keys));
+  }
+  if (!errors.empty()) {
+    std::string msg = who + ": error(s) in loading the state, nothing loaded:";
+    for (const auto& e : errors) msg += "\n\t" + e;
+    if (strict && (!keys.missing_keys.empty() || !keys.unexpected_keys.empty())) {
+      msg += "\n(strict=false loads the names both have and returns the others)";
+    }
+    TORCH_CHECK(false, msg);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& c : copies) c.first.copy_(c.second);
+  return keys;
+}
+
+PERF_INLINE c10::impl::GenericDict dict() { return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get()); }
+
+PERF_INLINE void save(const c10::IValue& value, const std::string& path) {
+  detail::PickleWriter w;
+  w.bytes.push_back(static_cast<char>(detail::op::kProto));
+  w.bytes.push_back(2);
+  w.value(value, "");
+  w.bytes.push_back(static_cast<char>(detail::op::kStop));
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  TORCH_CHECK(!target.filename().empty(), "perf::save: '", path, "' names no file");
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  TORCH_CHECK(fs::is_directory(dir), "perf::save: the directory of '", path, "' does not exist");
+  // Python names the archive's folder after the file; written beside it under another name, then renamed.
+  const fs::path tmp = dir / (target.filename().string() + ".perf-tmp");
+  try {
+    caffe2::serialize::PyTorchStreamWriter writer(tmp.string());
+    writer.writeRecord("data.pkl", w.bytes.data(), w.bytes.size());
+    writer.writeRecord("byteorder", "little", 6);  // no .format_version: Python then reads offsets from the zip
+    for (const auto& [key, t] : w.storages) {
+      const auto nbytes = static_cast<int64_t>(t.storage().nbytes());
+      at::Tensor bytes = at::empty({0}, t.options().dtype(c10::kByte));
+      bytes.set_(t.storage(), 0, {nbytes}, {1});
+      bytes = bytes.cpu();
+      writer.writeRecord("data/" + key, bytes.data_ptr(), static_cast<size_t>(nbytes));
+    }
+    writer.writeEndOfFile();
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+  std::error_code ec;
+  fs::rename(tmp, target, ec);
+  TORCH_CHECK(!ec, "perf::save: could not move the written file over '", path, "': ", ec.message());
+}
+
+PERF_INLINE c10::IValue load(const std::string& path) {
+  TORCH_CHECK(std::filesystem::is_regular_file(path), "perf::load: '", path, "' is not a file");
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
+  try {
+    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "perf::load: '", path,
+                "' is not a zip archive as torch.save has written since PyTorch 1.6 (a file saved with "
+                "_use_new_zipfile_serialization=False, or not by torch.save): ",
+                e.what_without_backtrace());
+  }
+  TORCH_CHECK(archive->hasRecord("data.pkl"), "perf::load: '", path,
+              "' holds no data.pkl: not a torch.save file (a TorchScript module or torch::save archive is read "
+              "by torch::load)");
+  if (archive->hasRecord("byteorder")) {
+    auto [ptr, n] = archive->getRecord("byteorder");
+    const std::string order(static_cast<const char*>(ptr.get()), n);
+    TORCH_CHECK(order == "little", "perf::load: '", path, "' was written on a ", order,
+                "-endian machine; perf reads little-endian files");
+  }
+  auto [ptr, n] = archive->getRecord("data.pkl");
+  const std::string pickle(static_cast<const char*>(ptr.get()), n);
+  return detail::PickleReader(*archive, path).run(pickle);
+}
+
+}  // namespace perf
