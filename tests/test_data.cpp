@@ -582,6 +582,13 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   ASSERT_EQ(back.size(), 2u);
   EXPECT_EQ(back[0], "['dtype'] True") << "a dtype reads back as its number (c10::ScalarType), the rest as written";
   EXPECT_EQ(back[1], "True True");
+
+  // A conjugate view is written as its values (the conjugate bit is not in torch.save's format).
+  auto conj = perf::dict();
+  const auto z = torch::complex(torch::ones({2}), torch::arange(2.f));
+  conj.insert("z", z.conj());
+  perf::save(conj, cpp_file);
+  EXPECT_TRUE(perf::load(cpp_file).toGenericDict().at("z").toTensor().equal(z.conj().resolve_conj()));
 }
 
 TEST(StateDict, AStateThatDoesNotFitIsRefusedWholeAndStrictFalseLoadsWhatFits) {

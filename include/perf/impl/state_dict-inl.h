@@ -184,6 +184,7 @@ class PickleWriter {
     TORCH_CHECK(t.layout() == c10::kStrided && !t.is_quantized(), "perf::save: '", where, "' is a ", t.layout(),
                 t.is_quantized() ? " quantized" : "", " tensor; perf writes dense (strided) tensors");
     TORCH_CHECK(t.has_storage(), "perf::save: '", where, "' has no storage (", t.device(), ")");
+    if (t.is_conj() || t.is_neg()) return tensor(t.resolve_conj().resolve_neg(), where);  // the values, not the bits
     const std::string legacy = legacy_storage_name(t.scalar_type());
     const std::string dtype_name = c10::getDtypeNames(t.scalar_type()).first;
     TORCH_CHECK(!legacy.empty() || dtype_of_python_name(dtype_name), "perf::save: '", where, "' has dtype ",
@@ -590,14 +591,19 @@ class PickleReader {
     // The last element the view reaches must lie in its storage: a damaged file fails here, not in memory.
     const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
     const int64_t available = static_cast<int64_t>(storage.storage().nbytes()) / itemsize;
-    bool empty = false;
+    bool empty = false, overflow = false;
     int64_t last = offset;
     for (const auto i : c10::irange(size.size())) {
       if (size[i] == 0) empty = true;
-      last += (size[i] - 1) * stride[i];
+      int64_t reach = 0;
+      overflow |= __builtin_mul_overflow(size[i] > 0 ? size[i] - 1 : 0, stride[i], &reach);
+      overflow |= __builtin_add_overflow(last, reach, &last);
     }
+    check(empty || !overflow, "gives a tensor sizes and strides beyond 64-bit indexing");
     check(empty || last < available, "gives a tensor a view past the end of its storage (element ", last, " of ",
           available, ")");
+    check(!args[4].toBool() || c10::isFloatingType(dtype) || c10::isComplexType(dtype), "asks for gradients of a ",
+          dtype, " tensor");
     at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
     t.set_(storage.storage(), offset, size, stride);
     if (args[4].toBool()) t.requires_grad_(true);
@@ -624,8 +630,10 @@ class PickleReader {
       check(archive_.hasRecord(record), "names a storage ", record, " that the archive does not hold");
       auto [ptr, nbytes] = archive_.getRecord(record);
       const size_t itemsize = c10::elementSize(dtype);
-      check(e[4].toInt() >= 0 && nbytes == static_cast<size_t>(e[4].toInt()) * itemsize, "says storage ", key,
-            " holds ", e[4].toInt(), " elements of ", dtype, ", but its record has ", nbytes, " bytes");
+      check(e[4].toInt() >= 0 && static_cast<size_t>(e[4].toInt()) <= nbytes &&
+                nbytes == static_cast<size_t>(e[4].toInt()) * itemsize,
+            "says storage ", key, " holds ", e[4].toInt(), " elements of ", dtype, ", but its record has ", nbytes,
+            " bytes");
       c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), /*allocator=*/nullptr,
                      /*resizable=*/false);
       at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
@@ -798,7 +806,14 @@ PERF_INLINE c10::IValue load(const std::string& path) {
   }
   auto [ptr, n] = archive->getRecord("data.pkl");
   const std::string pickle(static_cast<const char*>(ptr.get()), n);
-  return detail::PickleReader(*archive, path).run(pickle);
+  try {
+    return detail::PickleReader(*archive, path).run(pickle);
+  } catch (const c10::Error& e) {
+    // LibTorch's own refusals (a dtype it cannot make, a damaged zip record) get the file named too.
+    const std::string what = e.what_without_backtrace();
+    TORCH_CHECK(what.rfind("perf::load: ", 0) == 0, "perf::load: ", path, ": ", what);
+    throw;
+  }
 }
 
 }  // namespace perf
