@@ -211,24 +211,24 @@ def failed_run(e2e, out):
     kept = os.path.join(out, "failed-cpp-mlp-stock.log")
     check(f"FAILED cpp mlp stock (rc 1); its stderr without backtrace frames (all of it: {kept}):" in proc.stderr,
           proc.stderr[-3000:])
-    check("e2e failed: e2e: cannot open /nonexistent/e2e-data.pt" in proc.stderr, proc.stderr[-3000:])
+    check("e2e failed: perf::load: '/nonexistent/e2e-data.pt' is not a file" in proc.stderr, proc.stderr[-3000:])
     check("frame #" not in proc.stderr and "backtrace frame lines left out)" in proc.stderr, proc.stderr[-3000:])
     with open(kept) as f:
         whole = f.read()
-    check("frame #0: " in whole and whole.rstrip().endswith("e2e failed: e2e: cannot open /nonexistent/e2e-data.pt"),
+    check("frame #0: " in whole and whole.rstrip().endswith("e2e failed: perf::load: '/nonexistent/e2e-data.pt' is not a file"),
           f"the kept stderr, LibTorch's backtrace included, the message last:\n{whole[-2000:]}")
     check("profile mlp C++ stock LibTorch fp32: no profile (the run failed (rc 1))" in proc.stderr, proc.stderr[-3000:])
     with open(os.path.join(out, "results.jsonl")) as f:  # the failure, as a row that report.py shows
         rows = [json.loads(line) for line in f]
     check(len(rows) == 1 and rows[0]["config"] == "stock" and rows[0]["job"] == "mlp"
-          and rows[0]["failed"] == "rc 1: e2e failed: e2e: cannot open /nonexistent/e2e-data.pt"
+          and rows[0]["failed"] == "rc 1: e2e failed: perf::load: '/nonexistent/e2e-data.pt' is not a file"
           and "samples_per_s" not in rows[0], f"results.jsonl: {rows}")
     proc = subprocess.run([sys.executable, os.path.join(E2E, "report.py"), os.path.join(out, "results.jsonl"),
                            "--docs", out, "--name", "report-failed"], capture_output=True, text=True, timeout=120)
     with open(os.path.join(out, "report-failed.md")) as f:
         table = f.read()
     check(proc.returncode == 0 and "Every run of this job failed:" in table and "- C++ stock LibTorch fp32: rc 1: "
-          "e2e failed: e2e: cannot open /nonexistent/e2e-data.pt" in table and "| configuration |" not in table,
+          "e2e failed: perf::load: '/nonexistent/e2e-data.pt' is not a file" in table and "| configuration |" not in table,
           f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
 
 
@@ -318,7 +318,7 @@ def report_tables(out):
         table = f.read()
     check(proc.returncode == 0 and "| Python eager fp32 | " in table
           and "| C++ stock LibTorch fp32 | failed (below) | | | | |" in table
-          and "Failed: C++ stock LibTorch fp32: rc 1: e2e failed: e2e: cannot open /nonexistent/e2e-data.pt." in table
+          and "Failed: C++ stock LibTorch fp32: rc 1: e2e failed: perf::load: '/nonexistent/e2e-data.pt' is not a file." in table
           and "C++ stock run the same fp32 job" not in table, f"exit {proc.returncode} {proc.stderr[-2000:]}\n{table}")
 
 
