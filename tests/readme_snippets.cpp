@@ -182,6 +182,21 @@ perf::save(perf::state_dict(model), "weights.pt");   // perf/state_dict.h, above
 
   // clang-format on
 }
+void block_optimizer_state_dict() {
+  Net model;
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  // clang-format off
+// Python: torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, "run.pt")
+auto run = perf::load("run.pt").toGenericDict();
+perf::load_state_dict(model, run.at("model"));
+opt.load_state_dict(run.at("optim"));              // the run goes on in C++ ...
+auto back = perf::dict();
+back.insert("model", perf::state_dict(model));
+back.insert("optim", opt.state_dict());
+perf::save(back, "run.pt");                        // ... and back in Python, with load_state_dict
+
+  // clang-format on
+}
 void block10_state_dict() {
   Net model;
   int64_t epoch = 0;

@@ -1040,6 +1040,145 @@ TEST(Optim, ATensorListedTwiceInAGroupIsOneParameter) {
 // LibTorch's own loader moves that parameter's saved state out twice and leaves it null, so torch::optim cannot
 // resume its own checkpoint of such a model (a null dereference at the next step); perf's checkpoint, each tensor
 // once, loads into a torch::optim optimizer over the list without the repeat.
+namespace {
+// The same three-layer model in both languages, two param groups, six training steps on fixed batches.
+torch::nn::Sequential resume_model() {
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})),
+                               torch::nn::Linear(16, 4));
+}
+at::Tensor resume_batch(int k) { return torch::linspace(-1, 1, 4 * 8).reshape({4, 8}) * (k + 1); }
+template <typename Opt>
+void resume_train(torch::nn::Sequential& net, Opt& opt, int from, int to) {
+  for (int k = from; k < to; ++k) {
+    opt.zero_grad();
+    net->forward(resume_batch(k)).square().mean().backward();
+    opt.step();
+  }
+}
+const char* const RESUME_PY =
+    "import torch, torch.nn as nn\n"
+    "def model():\n"
+    "    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))\n"
+    "def batch(k):\n"
+    "    return torch.linspace(-1, 1, 4 * 8).reshape(4, 8) * (k + 1)\n"
+    "def train(m, o, ks):\n"
+    "    for k in ks:\n"
+    "        o.zero_grad()\n"
+    "        m(batch(k)).square().mean().backward()\n"
+    "        o.step()\n"
+    "def params(m):\n"
+    "    print(*torch.cat([p.detach().flatten() for p in m.parameters()]).tolist())\n";
+
+// Python trains 3 steps and saves model and optimizer; C++ resumes for 3 (against Python's own 3 more),
+// saves, and Python resumes that for 3 more (against C++'s own).
+template <typename Opt, typename Options>
+void check_resume(const std::string& python_optimizer, const std::function<Opt(torch::nn::Sequential&)>& make,
+                  const std::string& what) {
+  SCOPED_TRACE(what);
+  test_util::TempDir dir;
+  const auto from_python = dir / "python.pt", from_cpp = dir / "cpp.pt";
+  const std::string opt_py = "def optimizer(m):\n    ps = list(m.parameters())\n    return " + python_optimizer + "\n";
+  const auto python_run = test_util::lines(test_util::python(
+      std::string(RESUME_PY) + opt_py + "torch.manual_seed(0)\nm = model()\no = optimizer(m)\ntrain(m, o, range(3))\n" +
+      "torch.save({'model': m.state_dict(), 'optim': o.state_dict()}, '" + from_python + "')\n" +
+      "train(m, o, range(3, 6))\nparams(m)\n"));
+  ASSERT_EQ(python_run.size(), 1u);
+  auto net = resume_model();
+  Opt opt = make(net);
+  const auto ckpt = perf::load(from_python).toGenericDict();
+  perf::load_state_dict(net, ckpt.at("model"));
+  opt.load_state_dict(ckpt.at("optim"));
+  resume_train(net, opt, 3, 6);
+  const auto python_at_6 = torch::tensor(test_util::parse_numbers(python_run[0])).to(torch::kFloat);
+  EXPECT_LE(test_util::max_diff(test_util::cat_params(*net), python_at_6), 1e-6) << "Python's run resumed in C++";
+
+  auto out = perf::dict();
+  out.insert("model", perf::state_dict(net));
+  out.insert("optim", opt.state_dict());
+  perf::save(out, from_cpp);
+  const auto python_resumed = test_util::lines(test_util::python(
+      std::string(RESUME_PY) + opt_py + "m = model()\no = optimizer(m)\nc = torch.load('" + from_cpp + "')\n" +
+      "m.load_state_dict(c['model'])\no.load_state_dict(c['optim'])\ntrain(m, o, range(6, 9))\nparams(m)\n" +
+      "print(o.state_dict()['param_groups'][1]['lr'], len(o.state_dict()['state']))\n"));
+  ASSERT_EQ(python_resumed.size(), 2u);
+  resume_train(net, opt, 6, 9);
+  EXPECT_LE(test_util::max_diff(test_util::cat_params(*net),
+                                torch::tensor(test_util::parse_numbers(python_resumed[0])).to(torch::kFloat)),
+            1e-6)
+      << "C++'s run resumed in Python";
+  EXPECT_EQ(python_resumed[1], "0.005 6") << "the second group's options and every parameter's state";
+}
+}  // namespace
+
+TEST(Optim, APythonRunResumesInCppAndACppRunResumesInPython) {
+  const auto groups = [](torch::nn::Sequential& net, auto second) {
+    const auto ps = net->parameters();
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<at::Tensor>(ps.begin(), ps.begin() + 2));
+    g.emplace_back(std::vector<at::Tensor>(ps.begin() + 2, ps.end()), std::make_unique<decltype(second)>(second));
+    return g;
+  };
+  const std::string adamw_py =
+      "torch.optim.AdamW([{'params': ps[:2]}, {'params': ps[2:], 'lr': 5e-3, 'weight_decay': 0.0}], lr=1e-2, "
+      "weight_decay=0.1, amsgrad=True)";
+  for (const bool flat : {false, true}) {
+    check_resume<perf::optim::AdamW, perf::optim::AdamWOptions>(
+        adamw_py,
+        [&](torch::nn::Sequential& net) {
+          return perf::optim::AdamW(groups(net, perf::optim::AdamWOptions(5e-3).weight_decay(0.0).amsgrad(true)),
+                                    perf::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true).flat(flat));
+        },
+        flat ? "AdamW, flat" : "AdamW");
+  }
+  check_resume<perf::optim::SGD, perf::optim::SGDOptions>(
+      "torch.optim.SGD([{'params': ps[:2]}, {'params': ps[2:], 'lr': 5e-3}], lr=0.1, momentum=0.9, nesterov=True, "
+      "weight_decay=1e-3)",
+      [&](torch::nn::Sequential& net) {
+        return perf::optim::SGD(
+            groups(net, perf::optim::SGDOptions(5e-3).momentum(0.9).nesterov(true).weight_decay(1e-3)),
+            perf::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(1e-3));
+      },
+      "SGD");
+}
+
+TEST(Optim, APythonOptimizerStateThatDoesNotFitChangesNothing) {
+  test_util::TempDir dir;
+  const auto path = dir / "adam.pt";
+  test_util::python(std::string(RESUME_PY) +
+                    "m = model()\no = torch.optim.Adam(m.parameters(), lr=1e-2)\ntrain(m, o, range(2))\n"
+                    "torch.save(o.state_dict(), '" +
+                    path + "')\n");
+  const auto adam_state = perf::load(path);
+  auto net = resume_model();
+  perf::optim::AdamW adamw(net->parameters(), perf::optim::AdamWOptions(1e-3));
+  resume_train(net, adamw, 0, 1);
+  const auto before = adamw.state_addresses();
+  PERF_EXPECT_THROW_MSG(adamw.load_state_dict(adam_state),
+                        "the state is Adam's (decoupled_weight_decay=False in param group 0); load it into "
+                        "perf::optim::Adam");
+  perf::optim::SGD sgd(net->parameters(), perf::optim::SGDOptions(0.1).momentum(0.9));
+  PERF_EXPECT_THROW_MSG(sgd.load_state_dict(adam_state), "is an Adam or AdamW optimizer's");
+  auto small = resume_model();
+  const auto ps = small->parameters();
+  perf::optim::Adam two_groups({torch::optim::OptimizerParamGroup({ps[0], ps[1]}),
+                                torch::optim::OptimizerParamGroup({ps[2], ps[3], ps[4], ps[5]})},
+                               perf::optim::AdamOptions(1e-3));
+  PERF_EXPECT_THROW_MSG(two_groups.load_state_dict(adam_state), "the state has 1 param group(s), this optimizer 2");
+  perf::optim::Adam fewer(std::vector<at::Tensor>(ps.begin(), ps.begin() + 4), perf::optim::AdamOptions(1e-3));
+  PERF_EXPECT_THROW_MSG(fewer.load_state_dict(adam_state), "param group 0 has 6 parameters in the state and 4 here");
+  PERF_EXPECT_THROW_MSG(adamw.load_state_dict(perf::state_dict(net)), "not Python's optimizer state_dict()");
+  EXPECT_EQ(adamw.state_addresses(), before) << "nothing changed";
+  EXPECT_DOUBLE_EQ(adamw.param_groups()[0].options().get_lr(), 1e-3);
+  // The Adam state into perf's Adam: the lr and the moments are Python's.
+  perf::optim::Adam adam(net->parameters(), perf::optim::AdamOptions(1e-3));
+  adam.load_state_dict(adam_state);
+  EXPECT_DOUBLE_EQ(adam.param_groups()[0].options().get_lr(), 1e-2);
+  const auto& s =
+      static_cast<perf::optim::AdamParamState&>(*adam.state().at(net->parameters()[0].unsafeGetTensorImpl()));
+  EXPECT_FLOAT_EQ(s.step().item<float>(), 2.f);
+  EXPECT_EQ(s.exp_avg().sizes(), net->parameters()[0].sizes());
+}
+
 TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
   const auto dir = std::filesystem::temp_directory_path();
   const auto path = (dir / ("perf_opt_tied" + std::to_string(::getpid()) + ".pt")).string();

@@ -337,6 +337,23 @@ class SerializableFusedOptimizer : public FusedOptimizer {
     torch::optim::serialize<ParamState, Options>(archive, *this);
   }
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// Python's `optimizer.state_dict()`, laid out as torch.optim writes it:
+  /// {"state": {index: {"exp_avg": ..., "step": ...}}, "param_groups": [{"lr":
+  /// ..., "params": [index, ...]}]}, the parameters numbered in group order, the
+  /// step counters on the CPU. `perf::save(opt.state_dict(), path)`
+  /// (perf/state_dict.h) writes a file that Python's
+  /// `optimizer.load_state_dict(torch.load(path))` takes, to resume the run there.
+  c10::impl::GenericDict state_dict() const;
+  /// Python's `optimizer.load_state_dict(state)`: a torch.optim optimizer's
+  /// state of the same kind (Adam, AdamW, SGD; `perf::load` of its file), the
+  /// parameters matched by position, as Python matches them. Checked as load():
+  /// before anything changes (groups and their sizes, options, state shapes);
+  /// the state replaces this optimizer's and takes each parameter's device and
+  /// dtype. How memory is held stays this optimizer's (`fused`, `flat`; Python's
+  /// `foreach`, `capturable`, `differentiable` are not read); keys Python's LR
+  /// schedulers add (`initial_lr`) are ignored, as Python's optimizers ignore them.
+  void load_state_dict(const c10::IValue& state);
 };
 
 /// Adam (Decoupled=false) and AdamW (Decoupled=true).
@@ -420,6 +437,65 @@ template <bool Decoupled>
 constexpr const char* adam_name() {
   return Decoupled ? "perf::optim::AdamW" : "perf::optim::Adam";
 }
+
+// Python's optimizer state_dict() (torch/optim/adam.py, sgd.py in 2.11): each param group's keys and each
+// parameter's state, to (python_*) and from (from_python_*) perf's options and state. `who` and `where` name
+// the optimizer and the group or parameter in errors.
+PERF_INLINE c10::impl::GenericDict python_dict();
+PERF_INLINE double python_number(const c10::impl::GenericDict& d, const char* key, const std::string& who,
+                                 const std::string& where);
+PERF_INLINE bool python_bool(const c10::impl::GenericDict& d, const char* key, std::optional<bool> otherwise,
+                             const std::string& who, const std::string& where);
+PERF_INLINE at::Tensor python_tensor(const c10::impl::GenericDict& d, const char* key, bool required,
+                                     const std::string& who, const std::string& where);
+template <bool D>
+c10::impl::GenericDict python_group(const AdamOptionsT<D>& o) {
+  auto g = python_dict();
+  g.insert("lr", o.lr());
+  g.insert("betas",
+           c10::ivalue::Tuple::create(std::vector<c10::IValue>{std::get<0>(o.betas()), std::get<1>(o.betas())}));
+  g.insert("eps", o.eps());
+  g.insert("weight_decay", o.weight_decay());
+  g.insert("amsgrad", o.amsgrad());
+  g.insert("maximize", o.maximize());
+  g.insert("foreach", c10::IValue());
+  g.insert("capturable", false);
+  g.insert("differentiable", false);
+  g.insert("fused", o.fused() ? c10::IValue(*o.fused()) : c10::IValue());
+  g.insert("decoupled_weight_decay", D);
+  return g;
+}
+template <bool D>
+void from_python_group(const c10::impl::GenericDict& g, AdamOptionsT<D>& o, const std::string& who,
+                       const std::string& where) {
+  // AdamW is Adam with decoupled weight decay; a state without the key (PyTorch before 2.6) says nothing.
+  if (g.contains("decoupled_weight_decay")) {
+    const bool decoupled = python_bool(g, "decoupled_weight_decay", std::nullopt, who, where);
+    TORCH_CHECK(decoupled == D, who, ": the state is ", decoupled ? "AdamW" : "Adam",
+                "'s (decoupled_weight_decay=", decoupled ? "True" : "False", where,
+                "); load it into perf::optim::", decoupled ? "AdamW" : "Adam");
+  }
+  o.lr(python_number(g, "lr", who, where));
+  const auto betas = g.contains("betas") ? g.at("betas") : c10::IValue();
+  TORCH_CHECK(betas.isTuple() && betas.toTupleRef().elements().size() == 2 &&
+                  betas.toTupleRef().elements()[0].isScalar() && betas.toTupleRef().elements()[1].isScalar(),
+              who, ": \"betas\"", where, " is not a pair of numbers");
+  o.betas(
+      {betas.toTupleRef().elements()[0].toScalar().toDouble(), betas.toTupleRef().elements()[1].toScalar().toDouble()});
+  o.eps(python_number(g, "eps", who, where));
+  o.weight_decay(python_number(g, "weight_decay", who, where));
+  o.amsgrad(python_bool(g, "amsgrad", false, who, where));
+  o.maximize(python_bool(g, "maximize", false, who, where));
+}
+PERF_INLINE c10::impl::GenericDict python_group(const SGDOptions& o);
+PERF_INLINE void from_python_group(const c10::impl::GenericDict& g, SGDOptions& o, const std::string& who,
+                                   const std::string& where);
+PERF_INLINE c10::impl::GenericDict python_state(const AdamParamState& s);
+PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, AdamParamState& s, const std::string& who,
+                                   const std::string& where);
+PERF_INLINE c10::impl::GenericDict python_state(const SGDParamState& s);
+PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, SGDParamState& s, const std::string& who,
+                                   const std::string& where);
 
 // Tensors of one (device, dtype) group, in parameter order; in flat mode each
 // entry is a run of adjacent parameters.
@@ -736,6 +812,95 @@ void SerializableFusedOptimizer<ParamState, Options>::load(torch::serialize::Inp
     static_cast<Options&>(groups[g].options()) = static_cast<const Options&>(*saved_groups[g].second);
   }
   this->invalidate_flat();  // flat: the loaded state is copied into the buffers at the next step
+}
+
+template <typename ParamState, typename Options>
+c10::impl::GenericDict SerializableFusedOptimizer<ParamState, Options>::state_dict() const {
+  auto state = detail::python_dict();
+  c10::impl::GenericList groups(c10::AnyType::get());
+  int64_t index = 0;
+  for (const auto& group : this->param_groups()) {
+    auto g = detail::python_group(static_cast<const Options&>(group.options()));
+    c10::impl::GenericList params(c10::AnyType::get());
+    for (const auto& p : group.params()) {
+      const auto found = this->state().find(p.unsafeGetTensorImpl());
+      if (found != this->state().end() && found->second) {
+        state.insert(index, detail::python_state(static_cast<const ParamState&>(*found->second)));
+      }
+      params.push_back(index++);
+    }
+    g.insert("params", params);
+    groups.push_back(g);
+  }
+  auto out = detail::python_dict();
+  out.insert("state", state);
+  out.insert("param_groups", groups);
+  return out;
+}
+
+template <typename ParamState, typename Options>
+void SerializableFusedOptimizer<ParamState, Options>::load_state_dict(const c10::IValue& state) {
+  const std::string who = std::string(this->optimizer_name()) + "::load_state_dict";
+  const bool layout = state.isGenericDict() && state.toGenericDict().contains("state") &&
+                      state.toGenericDict().at("state").isGenericDict() &&
+                      state.toGenericDict().contains("param_groups") &&
+                      state.toGenericDict().at("param_groups").isList();
+  TORCH_CHECK(layout, who,
+              ": not Python's optimizer state_dict() (a dict of \"state\": {index: {...}} and \"param_groups\": "
+              "[{..., \"params\": [index, ...]}]); a LibTorch archive of an optimizer is read by torch::load");
+  const auto saved_state = state.toGenericDict().at("state").toGenericDict();
+  const auto saved_groups = state.toGenericDict().at("param_groups").toList();
+  auto& groups = this->param_groups();
+  TORCH_CHECK(saved_groups.size() == groups.size(), who, ": the state has ", saved_groups.size(),
+              " param group(s), this optimizer ", groups.size());
+  std::vector<Options> options;
+  std::vector<std::vector<std::unique_ptr<torch::optim::OptimizerParamState>>> states(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string where = " in param group " + std::to_string(g);
+    const c10::IValue saved = saved_groups.get(g);
+    TORCH_CHECK(saved.isGenericDict() && saved.toGenericDict().contains("params") &&
+                    saved.toGenericDict().at("params").isList(),
+                who, ": param group ", g, " of the state is not a dict with \"params\"");
+    const auto group = saved.toGenericDict();
+    const auto indices = group.at("params").toList();
+    const auto& params = groups[g].params();
+    TORCH_CHECK(indices.size() == params.size(), who, ": param group ", g, " has ", indices.size(),
+                " parameters in the state and ", params.size(), " here");
+    this->check_options(groups[g].options(), g);                   // its type: the cast below
+    Options o = static_cast<const Options&>(groups[g].options());  // fused and flat stay this optimizer's
+    detail::from_python_group(group, o, who, where);
+    this->check_options(o, g);
+    options.push_back(o);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const c10::IValue index = indices.get(i);
+      TORCH_CHECK(index.isInt(), who, ": param group ", g, " lists a parameter that is not an index");
+      const auto found = saved_state.find(index);
+      if (found == saved_state.end()) {
+        states[g].emplace_back();
+        continue;
+      }
+      const std::string at =
+          where + ", parameter " + std::to_string(i) + " (state " + std::to_string(index.toInt()) + ")";
+      TORCH_CHECK(found->value().isGenericDict(), who, ": the state", at, " is not a dict");
+      auto s = std::make_unique<ParamState>();
+      detail::from_python_state(found->value().toGenericDict(), *s, who, at);
+      this->check_loaded_state(*s, params[i], g, i);
+      this->fit_loaded_state(*s, params[i]);
+      states[g].push_back(std::move(s));
+    }
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      const auto& p = groups[g].params()[i];
+      if (states[g][i]) {
+        this->state()[p.unsafeGetTensorImpl()] = std::move(states[g][i]);
+      } else {
+        this->state().erase(p.unsafeGetTensorImpl());
+      }
+    }
+    static_cast<Options&>(groups[g].options()) = options[g];
+  }
+  this->invalidate_flat();
 }
 
 // --------------------------------------------------------------------------- Adam / AdamW

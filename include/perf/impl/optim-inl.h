@@ -331,6 +331,98 @@ PERF_INLINE void read_tensor_if_present(torch::serialize::InputArchive& archive,
   if (archive.try_read(key, v)) out = v.toTensor();
 }
 
+PERF_INLINE c10::impl::GenericDict python_dict() {
+  return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
+}
+
+PERF_INLINE double python_number(const c10::impl::GenericDict& d, const char* key, const std::string& who,
+                                 const std::string& where) {
+  TORCH_CHECK(d.contains(key), who, ": the state has no \"", key, "\"", where);
+  const c10::IValue v = d.at(key);
+  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<double>();  // a capturable lr
+  TORCH_CHECK(v.isDouble() || v.isInt(), who, ": \"", key, "\"", where, " is a ", v.tagKind(), ", not a number");
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+
+PERF_INLINE bool python_bool(const c10::impl::GenericDict& d, const char* key, std::optional<bool> otherwise,
+                             const std::string& who, const std::string& where) {
+  if (!d.contains(key) && otherwise) return *otherwise;
+  TORCH_CHECK(d.contains(key), who, ": the state has no \"", key, "\"", where);
+  const c10::IValue v = d.at(key);
+  TORCH_CHECK(v.isBool(), who, ": \"", key, "\"", where, " is a ", v.tagKind(), ", not a bool");
+  return v.toBool();
+}
+
+PERF_INLINE at::Tensor python_tensor(const c10::impl::GenericDict& d, const char* key, bool required,
+                                     const std::string& who, const std::string& where) {
+  const c10::IValue v = d.contains(key) ? d.at(key) : c10::IValue();
+  TORCH_CHECK(v.isTensor() || (!required && v.isNone()), who, ": the state", where,
+              required && v.isNone() ? " has no \"" : " has a \"", key, "\"",
+              v.isNone() ? "" : " that is not a tensor");
+  return v.isTensor() ? v.toTensor() : at::Tensor();
+}
+
+PERF_INLINE c10::impl::GenericDict python_group(const SGDOptions& o) {
+  auto g = python_dict();
+  g.insert("lr", o.lr());
+  g.insert("momentum", o.momentum());
+  g.insert("dampening", o.dampening());
+  g.insert("weight_decay", o.weight_decay());
+  g.insert("nesterov", o.nesterov());
+  g.insert("maximize", o.maximize());
+  g.insert("foreach", c10::IValue());
+  g.insert("differentiable", false);
+  g.insert("fused", o.fused() ? c10::IValue(*o.fused()) : c10::IValue());
+  return g;
+}
+
+PERF_INLINE void from_python_group(const c10::impl::GenericDict& g, SGDOptions& o, const std::string& who,
+                                   const std::string& where) {
+  TORCH_CHECK(!g.contains("betas"), who, ": the state is an Adam or AdamW optimizer's (it has betas)", where);
+  o.lr(python_number(g, "lr", who, where));
+  o.momentum(python_number(g, "momentum", who, where));
+  o.dampening(python_number(g, "dampening", who, where));
+  o.weight_decay(python_number(g, "weight_decay", who, where));
+  o.nesterov(python_bool(g, "nesterov", false, who, where));
+  o.maximize(python_bool(g, "maximize", false, who, where));
+}
+
+PERF_INLINE c10::impl::GenericDict python_state(const AdamParamState& s) {
+  auto d = python_dict();
+  // Python keeps the counter on the CPU unless its optimizer is fused or capturable (it moves it there itself);
+  // a copy, since flat mode shares one counter among a run of parameters and Python would step it for each.
+  d.insert("step", s.step().defined() ? s.step().detach().to(at::kCPU, at::kFloat, false, /*copy=*/true)
+                                      : at::zeros({}, at::kFloat));
+  d.insert("exp_avg", s.exp_avg());
+  d.insert("exp_avg_sq", s.exp_avg_sq());
+  if (s.max_exp_avg_sq().defined()) d.insert("max_exp_avg_sq", s.max_exp_avg_sq());
+  return d;
+}
+
+PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, AdamParamState& s, const std::string& who,
+                                   const std::string& where) {
+  TORCH_CHECK(d.contains("step"), who, ": the state", where, " has no \"step\" (not an Adam or AdamW state)");
+  const c10::IValue step = d.at("step");  // a tensor since PyTorch 1.12, a number before
+  TORCH_CHECK(step.isTensor() || step.isInt() || step.isDouble(), who, ": \"step\"", where, " is not a number");
+  s.step(step.isTensor() ? step.toTensor().detach().reshape({}).to(at::kFloat)
+                         : at::scalar_tensor(step.toScalar().toDouble(), at::kFloat));
+  s.exp_avg(python_tensor(d, "exp_avg", true, who, where));
+  s.exp_avg_sq(python_tensor(d, "exp_avg_sq", true, who, where));
+  s.max_exp_avg_sq(python_tensor(d, "max_exp_avg_sq", false, who, where));
+}
+
+PERF_INLINE c10::impl::GenericDict python_state(const SGDParamState& s) {
+  auto d = python_dict();
+  d.insert("momentum_buffer", s.momentum_buffer().defined() ? c10::IValue(s.momentum_buffer()) : c10::IValue());
+  return d;
+}
+
+PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, SGDParamState& s, const std::string& who,
+                                   const std::string& where) {
+  TORCH_CHECK(!d.contains("exp_avg"), who, ": the state", where, " is an Adam or AdamW optimizer's");
+  s.momentum_buffer(python_tensor(d, "momentum_buffer", false, who, where));
+}
+
 }  // namespace detail
 
 // `step` is written as torch::optim::AdamParamState writes it (an integer; one
