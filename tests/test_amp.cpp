@@ -7,6 +7,7 @@
 #include <perf/model.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
+#include <perf/state_dict.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -514,6 +515,52 @@ TEST(GradScaler, OnGpuDeviceCreatesTheScaleThere) {
   scaler.update();
   EXPECT_FLOAT_EQ(q[0].item<float>(), 0.5f) << "the CPU step saw the unscaled gradient (1)";
   EXPECT_EQ(scaler.get_scale(), 65536.0);
+}
+
+// Python's torch.amp.GradScaler state_dict() into perf's scaler and back, through the files of torch.save.
+TEST(GradScaler, PythonsStateDictLoadsAndPerfsLoadsInPython) {
+  test_util::TempDir dir;
+  const auto from_python = dir / "python.pt", from_cpp = dir / "cpp.pt";
+  test_util::python(
+      "import torch\n"
+      "s = torch.amp.GradScaler('cpu', init_scale=1024., growth_factor=3., backoff_factor=0.25, "
+      "growth_interval=7)\n"
+      "s.scale(torch.ones(1))\ns.update(512.)\ns._growth_tracker.fill_(4)\n"
+      "torch.save(s.state_dict(), '" +
+      from_python + "')\n");
+  perf::GradScaler scaler;
+  scaler.load_state_dict(perf::load(from_python));
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 512.0);
+  EXPECT_DOUBLE_EQ(scaler.options().growth_factor(), 3.0);
+  EXPECT_DOUBLE_EQ(scaler.options().backoff_factor(), 0.25);
+  EXPECT_EQ(scaler.options().growth_interval(), 7);
+  EXPECT_EQ(scaler.growth_tracker(), 4);
+  scaler.scale(torch::ones({1}));  // the scale and tracker made on the CPU, from the loaded values
+  EXPECT_DOUBLE_EQ(scaler.get_scale(), 512.0);
+  scaler.update(256.0);
+  perf::save(scaler.state_dict(), from_cpp);
+  EXPECT_EQ(test_util::python("import torch\ns = torch.amp.GradScaler('cpu')\n"
+                              "s.load_state_dict(torch.load('" +
+                              from_cpp +
+                              "'))\n"
+                              "print(s.get_scale(), s._growth_factor, s._backoff_factor, s._growth_interval, "
+                              "s._get_growth_tracker())\n"),
+            "256.0 3.0 0.25 7 4");
+
+  // As Python: a disabled scaler's state is empty and it loads nothing; an enabled one refuses that empty
+  // state, and a value the constructor refuses, before anything changes.
+  perf::GradScaler off(perf::GradScalerOptions().enabled(false));
+  EXPECT_EQ(off.state_dict().size(), 0u);
+  off.load_state_dict(perf::load(from_python));
+  EXPECT_DOUBLE_EQ(off.get_scale(), 1.0);
+  PERF_EXPECT_THROW_MSG(scaler.load_state_dict(off.state_dict()),
+                        "the state is empty, possibly because it was saved "
+                        "from a disabled GradScaler");
+  auto bad = perf::load(from_python).toGenericDict();
+  bad.insert_or_assign("growth_factor", 0.5);
+  PERF_EXPECT_THROW_MSG(scaler.load_state_dict(bad), "holds a value a GradScaler refuses");
+  EXPECT_DOUBLE_EQ(scaler.options().growth_factor(), 3.0);
+  EXPECT_EQ(scaler.growth_tracker(), 4);
 }
 
 TEST(GradScaler, SaveLoadRoundTrip) {

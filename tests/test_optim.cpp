@@ -1179,6 +1179,59 @@ TEST(Optim, APythonOptimizerStateThatDoesNotFitChangesNothing) {
   EXPECT_EQ(s.exp_avg().sizes(), net->parameters()[0].sizes());
 }
 
+// On the GPU with the fused kernels on both sides (Python's fused=True runs the same ATen kernel): a flat
+// perf AdamW's run resumed by Python, and Python's run resumed by perf, the step counters moved where each
+// side keeps them (Python's fused optimizer: on the GPU; the file: on the CPU).
+TEST(Optim, OnGpuAFusedCudaRunMovesToPythonAndBack) {
+  if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  test_util::TempDir dir;
+  const auto from_cpp = dir / "cpp.pt", from_python = dir / "python.pt";
+  torch::manual_seed(6);
+  auto net = resume_model();
+  net->to(torch::kCUDA);
+  perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.1).flat(true));
+  const auto train = [&](int from, int to) {
+    for (int k = from; k < to; ++k) {
+      opt.zero_grad();
+      net->forward(resume_batch(k).cuda()).square().mean().backward();
+      opt.step();
+    }
+  };
+  train(0, 3);
+  auto out = perf::dict();
+  out.insert("model", perf::state_dict(net));
+  out.insert("optim", opt.state_dict());
+  perf::save(out, from_cpp);
+  const auto python = test_util::lines(test_util::python(
+      std::string(RESUME_PY) +
+      "torch.backends.cuda.matmul.allow_tf32 = False\nm = model().cuda()\n"
+      "o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)\n"
+      "c = torch.load('" +
+      from_cpp +
+      "')\nm.load_state_dict(c['model'])\no.load_state_dict(c['optim'])\n"
+      "print(sorted({str(s['step'].device) for s in o.state.values()}))\n"
+      "for k in range(3, 6):\n    o.zero_grad()\n    m(batch(k).cuda()).square().mean().backward()\n    o.step()\n"
+      "params(m)\ntorch.save({'model': m.state_dict(), 'optim': o.state_dict()}, '" +
+      from_python + "')\n"));
+  ASSERT_EQ(python.size(), 2u);
+  EXPECT_EQ(python[0], "['cuda:0']") << "Python's fused optimizer moved the file's CPU counters to the GPU";
+  train(3, 6);
+  EXPECT_LE(test_util::max_diff(test_util::cat_params(*net),
+                                torch::tensor(test_util::parse_numbers(python[1])).to(torch::kFloat)),
+            1e-6);
+  const auto run = perf::load(from_python).toGenericDict();
+  perf::load_state_dict(net, run.at("model"));
+  opt.load_state_dict(run.at("optim"));
+  const auto state = [&]() -> const perf::optim::AdamParamState& {  // looked up again: a rebuild may replace it
+    return static_cast<const perf::optim::AdamParamState&>(*opt.state().at(net->parameters()[0].unsafeGetTensorImpl()));
+  };
+  EXPECT_TRUE(state().step().is_cuda() && state().exp_avg().is_cuda()) << "Python's state on the parameter's device";
+  EXPECT_FLOAT_EQ(state().step().item<float>(), 6.f);
+  train(6, 7);  // and the flat fused step goes on over it
+  EXPECT_FLOAT_EQ(state().step().item<float>(), 7.f);
+}
+
 TEST(Optim, ATiedModelsCheckpointLoadsEitherWayWithTorchOptim) {
   const auto dir = std::filesystem::temp_directory_path();
   const auto path = (dir / ("perf_opt_tied" + std::to_string(::getpid()) + ".pt")).string();

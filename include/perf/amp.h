@@ -32,6 +32,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -138,6 +139,13 @@ class GradScaler {
 
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
+  /// Python's `GradScaler.state_dict()` ({"scale", "growth_factor",
+  /// "backoff_factor", "growth_interval", "_growth_tracker"}; empty when
+  /// disabled) and `load_state_dict` (checked before anything changes; a no-op
+  /// when disabled): with perf::save / perf::load (perf/state_dict.h), an AMP run
+  /// moves between Python and C++ with its scale.
+  c10::impl::GenericDict state_dict() const;
+  void load_state_dict(const c10::IValue& state);
 
  private:
   friend class TrainStep;  // undoes its warm-up steps
@@ -153,6 +161,8 @@ class GradScaler {
     std::vector<torch::Tensor> found_inf_per_device;
   };
   void check_initialized(const char* fn) const;
+  // load / load_state_dict: `read(key)` gives the saved value; all read and checked before anything changes.
+  void load_values(const char* source, const std::function<std::optional<c10::IValue>(const char*)>& read);
   void create_state(c10::Device device);  // the scale and the growth tracker, on `device`
   std::vector<torch::Tensor> unscale_grads(torch::optim::Optimizer& optimizer, const torch::Tensor& inv_scale,
                                            bool allow_fp16);

@@ -488,15 +488,44 @@ PERF_INLINE void GradScaler::save(torch::serialize::OutputArchive& archive) cons
 
 PERF_INLINE void GradScaler::load(torch::serialize::InputArchive& archive) {
   if (!is_enabled()) return;  // as Python's load_state_dict
-  c10::IValue v;
-  TORCH_CHECK(archive.try_read("scale", v),
-              "perf::GradScaler::load: the archive has no scaler state (saved from a disabled GradScaler?)");
+  load_values("perf::GradScaler::load: the archive", [&](const char* key) {
+    c10::IValue v;
+    return archive.try_read(key, v) ? std::optional<c10::IValue>(v) : std::nullopt;
+  });
+}
+
+PERF_INLINE c10::impl::GenericDict GradScaler::state_dict() const {
+  c10::impl::GenericDict d(c10::AnyType::get(), c10::AnyType::get());
+  if (!is_enabled()) return d;  // Python's state_dict() of a disabled scaler is empty
+  d.insert("scale", get_scale());
+  d.insert("growth_factor", options_.growth_factor());
+  d.insert("backoff_factor", options_.backoff_factor());
+  d.insert("growth_interval", options_.growth_interval());
+  d.insert("_growth_tracker", growth_tracker());
+  return d;
+}
+
+PERF_INLINE void GradScaler::load_state_dict(const c10::IValue& state) {
+  if (!is_enabled()) return;  // as Python's load_state_dict
+  TORCH_CHECK(state.isGenericDict(), "perf::GradScaler::load_state_dict: the state is a ", state.tagKind(),
+              ", not Python's GradScaler.state_dict() (a dict)");
+  const auto d = state.toGenericDict();
+  TORCH_CHECK(!d.empty(),
+              "perf::GradScaler::load_state_dict: the state is empty, possibly because it was saved from a disabled "
+              "GradScaler (Python's words)");
+  load_values("perf::GradScaler::load_state_dict: the state",
+              [&](const char* key) { return d.contains(key) ? std::optional<c10::IValue>(d.at(key)) : std::nullopt; });
+}
+
+PERF_INLINE void GradScaler::load_values(const char* source,
+                                         const std::function<std::optional<c10::IValue>(const char*)>& read) {
+  TORCH_CHECK(read("scale"), source, " has no scaler state (saved from a disabled GradScaler?)");
   // Everything read and checked before anything changes.
   const auto number = [&](const char* key, bool integer) {
-    TORCH_CHECK(archive.try_read(key, v) && (integer ? v.isInt() : v.isDouble() || v.isInt()),
-                "perf::GradScaler::load: the archive's \"", key, "\" is missing or not ",
-                integer ? "an integer" : "a number", ": not a GradScaler's state");
-    return v;
+    const auto v = read(key);
+    TORCH_CHECK(v && (integer ? v->isInt() : v->isDouble() || v->isInt()), source, "'s \"", key,
+                "\" is missing or not ", integer ? "an integer" : "a number", ": not a GradScaler's state");
+    return *v;
   };
   const double scale = number("scale", false).toScalar().toDouble();
   GradScalerOptions loaded = options_;
@@ -505,13 +534,13 @@ PERF_INLINE void GradScaler::load(torch::serialize::InputArchive& archive) {
   loaded.backoff_factor(number("backoff_factor", false).toScalar().toDouble());
   loaded.growth_interval(number("growth_interval", true).toInt());
   const int64_t tracker = number("_growth_tracker", true).toInt();
-  TORCH_CHECK(tracker >= 0, "perf::GradScaler::load: the archive's \"_growth_tracker\" must be >= 0, got ", tracker);
+  TORCH_CHECK(tracker >= 0, source, "'s \"_growth_tracker\" must be >= 0, got ", tracker);
   try {
     GradScalerOptions check = loaded;
     static_cast<void>(GradScaler(check.device(std::nullopt)));  // the constructor's checks, each naming its value
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "perf::GradScaler::load: the archive holds a value a GradScaler refuses (",
-                e.what_without_backtrace(), "); nothing was loaded");
+    TORCH_CHECK(false, source, " holds a value a GradScaler refuses (", e.what_without_backtrace(),
+                "); nothing was loaded");
   }
   options_ = loaded;
   if (scale_.defined()) scale_.fill_(scale);
