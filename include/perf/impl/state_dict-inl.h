@@ -186,7 +186,7 @@ class PickleWriter {
     TORCH_CHECK(t.has_storage(), "perf::save: '", where, "' has no storage (", t.device(), ")");
     if (t.is_conj() || t.is_neg()) return tensor(t.resolve_conj().resolve_neg(), where);  // the values, not the bits
     const std::string legacy = legacy_storage_name(t.scalar_type());
-    const std::string dtype_name = c10::getDtypeNames(t.scalar_type()).first;
+    const std::string dtype_name(c10::getDtypeNames(t.scalar_type()).first);  // a string_view since 2.15
     TORCH_CHECK(!legacy.empty() || dtype_of_python_name(dtype_name), "perf::save: '", where, "' has dtype ",
                 t.scalar_type(), ", which perf cannot name for Python");
     // One record per storage and dtype, as Python (which refuses one storage under two dtypes).
