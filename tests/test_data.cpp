@@ -498,6 +498,32 @@ TEST(StateDict, APythonStateDictLoadsIntoTheLibTorchTwinAndBack) {
             "<All keys matched successfully> 4");
 }
 
+// What lets a C++ model and its Python twin share a file: LibTorch's layers register their parameters and
+// buffers under PyTorch's names, in its order and shapes. Checked over the layers a twin is made of.
+TEST(StateDict, LibTorchsLayersHavePythonsNamesOrderAndShapes) {
+  namespace nn = torch::nn;
+  nn::Sequential m(nn::Embedding(10, 8), nn::LSTM(nn::LSTMOptions(8, 8).num_layers(2)),
+                   nn::TransformerEncoderLayer(nn::TransformerEncoderLayerOptions(8, 2)), nn::MultiheadAttention(8, 2),
+                   nn::GRU(8, 4), nn::Conv2d(3, 4, 3), nn::BatchNorm2d(4), nn::LayerNorm(nn::LayerNormOptions({8})),
+                   nn::GroupNorm(2, 4), nn::InstanceNorm2d(nn::InstanceNorm2dOptions(4).track_running_stats(true)),
+                   nn::ConvTranspose2d(4, 3, 3), nn::PReLU(), nn::Bilinear(3, 4, 5));
+  std::string cpp;
+  for (const auto& kv : perf::state_dict(m)) {
+    cpp += kv.key() + " [";
+    for (const auto d : kv.value().sizes()) cpp += (cpp.back() == '[' ? "" : ", ") + std::to_string(d);
+    cpp += "]\n";
+  }
+  const auto python = test_util::python(
+      "import torch.nn as nn\n"
+      "m = nn.Sequential(nn.Embedding(10, 8), nn.LSTM(8, 8, num_layers=2), nn.TransformerEncoderLayer(8, 2),\n"
+      "                  nn.MultiheadAttention(8, 2), nn.GRU(8, 4), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),\n"
+      "                  nn.LayerNorm(8), nn.GroupNorm(2, 4), nn.InstanceNorm2d(4, track_running_stats=True),\n"
+      "                  nn.ConvTranspose2d(4, 3, 3), nn.PReLU(), nn.Bilinear(3, 4, 5))\n"
+      "for k, v in m.state_dict().items():\n"
+      "    print(k, list(v.shape))\n");
+  EXPECT_EQ(cpp, python + "\n");
+}
+
 TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   test_util::TempDir dir;
   const auto py_file = dir / "ckpt.pt", cpp_file = dir / "again.pt";
