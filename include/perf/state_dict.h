@@ -7,6 +7,7 @@
 //   // a whole checkpoint, torch.save({"model": model.state_dict(), "epoch": 3}, "ckpt.pt")
 //   auto ckpt = perf::load("ckpt.pt").toGenericDict();
 //   perf::load_state_dict(model, ckpt.at("model"));
+//   // and its optimizer and scaler, as Python's: opt.load_state_dict(ckpt.at("optim")) (perf/optim.h, amp.h)
 //
 // LibTorch's own torch::save/torch::load write and read a TorchScript archive
 // that Python's torch.load does not read, and LibTorch's torch::pickle_load
