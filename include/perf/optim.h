@@ -354,6 +354,12 @@ class SerializableFusedOptimizer : public FusedOptimizer {
   /// `foreach`, `capturable`, `differentiable` are not read); keys Python's LR
   /// schedulers add (`initial_lr`) are ignored, as Python's optimizers ignore them.
   void load_state_dict(const c10::IValue& state);
+
+ private:
+  // Both loads, once everything is checked: each parameter's state replaced by `state_for(g, i)` (none: erased, as
+  // Python), each group's options by `options_for(g)`; flat buffers rebuilt at the next step.
+  template <typename StateFor, typename OptionsFor>
+  void replace_state(StateFor&& state_for, OptionsFor&& options_for);
 };
 
 /// Adam (Decoupled=false) and AdamW (Decoupled=true).
@@ -799,17 +805,25 @@ void SerializableFusedOptimizer<ParamState, Options>::load(torch::serialize::Inp
       }
     }
   }
+  replace_state(saved_for,
+                [&](size_t g) -> const Options& { return static_cast<const Options&>(*saved_groups[g].second); });
+}
+
+template <typename ParamState, typename Options>
+template <typename StateFor, typename OptionsFor>
+void SerializableFusedOptimizer<ParamState, Options>::replace_state(StateFor&& state_for, OptionsFor&& options_for) {
+  auto& groups = this->param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t i = 0; i < groups[g].params().size(); ++i) {
       const auto& p = groups[g].params()[i];
-      auto& s = saved_for(g, i);
+      auto& s = state_for(g, i);
       if (s) {
         this->state()[p.unsafeGetTensorImpl()] = std::move(s);
       } else {
         this->state().erase(p.unsafeGetTensorImpl());
       }
     }
-    static_cast<Options&>(groups[g].options()) = static_cast<const Options&>(*saved_groups[g].second);
+    static_cast<Options&>(groups[g].options()) = options_for(g);
   }
   this->invalidate_flat();  // flat: the loaded state is copied into the buffers at the next step
 }
@@ -889,18 +903,8 @@ void SerializableFusedOptimizer<ParamState, Options>::load_state_dict(const c10:
       states[g].push_back(std::move(s));
     }
   }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t i = 0; i < groups[g].params().size(); ++i) {
-      const auto& p = groups[g].params()[i];
-      if (states[g][i]) {
-        this->state()[p.unsafeGetTensorImpl()] = std::move(states[g][i]);
-      } else {
-        this->state().erase(p.unsafeGetTensorImpl());
-      }
-    }
-    static_cast<Options&>(groups[g].options()) = options[g];
-  }
-  this->invalidate_flat();
+  replace_state([&](size_t g, size_t i) -> std::unique_ptr<torch::optim::OptimizerParamState>& { return states[g][i]; },
+                [&](size_t g) -> const Options& { return options[g]; });
 }
 
 // --------------------------------------------------------------------------- Adam / AdamW

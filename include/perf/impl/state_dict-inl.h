@@ -141,16 +141,13 @@ class PickleWriter {
   }
 
  private:
+  std::map<std::pair<const void*, c10::ScalarType>, std::string> keys_;  // (storage, dtype) -> its record's key
+
   void put(uint8_t b) { bytes.push_back(static_cast<char>(b)); }
   void put_le(uint64_t v, int n) {
     for (int i = 0; i < n; ++i) put(static_cast<uint8_t>(v >> (8 * i)));
   }
-  static std::string key_str(const c10::IValue& k) {
-    if (k.isString()) return k.toStringRef();
-    std::ostringstream os;
-    os << k;
-    return os.str();
-  }
+  static std::string key_str(const c10::IValue& k) { return k.isString() ? k.toStringRef() : c10::str(k); }
   void integer(int64_t i) {
     if (i >= 0 && i < 256) {
       put(op::kBinInt1);
@@ -190,17 +187,10 @@ class PickleWriter {
     TORCH_CHECK(!legacy.empty() || dtype_of_python_name(dtype_name), "perf::save: '", where, "' has dtype ",
                 t.scalar_type(), ", which perf cannot name for Python");
     // One record per storage and dtype, as Python (which refuses one storage under two dtypes).
-    const void* impl = t.storage().unsafeGetStorageImpl();
-    std::string key;
-    for (const auto& s : storages) {
-      if (s.second.storage().unsafeGetStorageImpl() == impl && s.second.scalar_type() == t.scalar_type()) {
-        key = s.first;
-      }
-    }
-    if (key.empty()) {
-      key = std::to_string(storages.size());
-      storages.emplace_back(key, t);
-    }
+    const auto [found, added] =
+        keys_.try_emplace({t.storage().unsafeGetStorageImpl(), t.scalar_type()}, std::to_string(storages.size()));
+    const std::string key = found->second;
+    if (added) storages.emplace_back(key, t);
     const int64_t itemsize = static_cast<int64_t>(c10::elementSize(t.scalar_type()));
     const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
     const bool v3 = legacy.empty();
@@ -513,9 +503,8 @@ class PickleReader {
     }
     if (module == "torch") {
       // a storage class of the persistent id ("FloatStorage"), or a dtype (torch.float32)
-      for (const auto t : {c10::kDouble, c10::kFloat, c10::kHalf, c10::kLong, c10::kInt, c10::kShort, c10::kChar,
-                           c10::kByte, c10::kBool, c10::kBFloat16, c10::kComplexDouble, c10::kComplexFloat}) {
-        if (name == legacy_storage_name(t)) return push(static_cast<int64_t>(t));
+      for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+        if (name == legacy_storage_name(static_cast<c10::ScalarType>(i))) return push(static_cast<int64_t>(i));
       }
       if (auto t = dtype_of_python_name(name)) return push(*t);
       if (name == "Size" || name == "device") return stack_.push_back(PickleItem{{}, full});
@@ -669,12 +658,6 @@ PERF_INLINE std::string quoted_list(const std::vector<std::string>& names) {
   return s;
 }
 
-PERF_INLINE std::string shape_of(c10::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << sizes;
-  return os.str();
-}
-
 }  // namespace detail
 
 PERF_INLINE c10::Dict<std::string, at::Tensor> state_dict(ModuleRef module) {
@@ -714,8 +697,8 @@ PERF_INLINE IncompatibleKeys load_state_dict(ModuleRef module, const c10::IValue
     const at::Tensor& src = kv.value().toTensor();
     const at::Tensor& dst = it->value();
     if (!src.sizes().equals(dst.sizes())) {
-      errors.push_back("size mismatch for " + name + ": copying a param with shape " + detail::shape_of(src.sizes()) +
-                       " from checkpoint, the shape in current model is " + detail::shape_of(dst.sizes()));
+      errors.push_back(c10::str("size mismatch for ", name, ": copying a param with shape ", src.sizes(),
+                                " from checkpoint, the shape in current model is ", dst.sizes()));
       continue;
     }
     if (src.is_complex() != dst.is_complex()) {
