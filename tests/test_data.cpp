@@ -542,7 +542,9 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
       "dtype=torch.float64),\n"
       "            'base': base, 'view': base[2:8:2], 'tposed': torch.arange(6.).reshape(2, 3).t(),\n"
       "            'param': torch.nn.Parameter(torch.ones(2)),\n"
-      "            'nested': collections.OrderedDict([('a', {'b': [torch.zeros(1)], 'c': {}})]), 'empty': []}\n"
+      "            'nested': collections.OrderedDict([('a', {'b': [torch.zeros(1)], 'c': {}})]),\n"
+      "            'blob': b'\\x00\\xff\\x80ab', 'text_bytes': b'abc', 'ba': bytearray(b'\\x01\\xfe'), 'z': 1.5 - 2j,\n"
+      "            'tags': {7}, 'counts': collections.Counter({'a': 2}), 'empty': []}\n"
       "def same(a, b):\n"
       "    if isinstance(a, torch.Tensor):\n"
       "        f = lambda t: t.float() if t.dtype == torch.float8_e4m3fn else t\n"
@@ -594,6 +596,17 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   EXPECT_FALSE(t("base").requires_grad());
   EXPECT_EQ(d.at("nested").toGenericDict().at("a").toGenericDict().at("b").toListRef().size(), 1u);
   EXPECT_TRUE(d.at("empty").toListRef().empty());
+  // What Python's default loader also accepts: bytes (and bytearray) as a string of the bytes, a complex number,
+  // a set as a list of its items, a Counter as a dict.
+  EXPECT_EQ(d.at("blob").toStringRef(), std::string("\x00\xff\x80"
+                                                    "ab",
+                                                    5));
+  EXPECT_EQ(d.at("text_bytes").toStringRef(), "abc");
+  EXPECT_EQ(d.at("ba").toStringRef(), std::string("\x01\xfe"));
+  EXPECT_EQ(d.at("z").toComplexDouble(), c10::complex<double>(1.5, -2.0));
+  ASSERT_EQ(d.at("tags").toListRef().size(), 1u);
+  EXPECT_EQ(d.at("tags").toListRef()[0].toInt(), 7);
+  EXPECT_EQ(d.at("counts").toGenericDict().at("a").toInt(), 2);
 
   // Written back by perf::save, read by Python (weights_only): the same values, the view still shares its storage.
   perf::save(c, cpp_file);
@@ -606,7 +619,9 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
                         "print(b['view'].untyped_storage().data_ptr() == b['base'].untyped_storage().data_ptr(), "
                         "b['param'].requires_grad)\n"));
   ASSERT_EQ(back.size(), 2u);
-  EXPECT_EQ(back[0], "['dtype'] True") << "a dtype reads back as its number (c10::ScalarType), the rest as written";
+  EXPECT_EQ(back[0], "['dtype', 'text_bytes', 'tags'] True")
+      << "a dtype reads back as its number (c10::ScalarType), bytes that are UTF-8 text as a str, a set as a list; "
+         "the rest as written (bytes that are not text as bytes)";
   EXPECT_EQ(back[1], "True True");
 
   // A conjugate view is written as its values (the conjugate bit is not in torch.save's format).
@@ -694,6 +709,14 @@ TEST(StateDict, FilesItCannotReadAreRefusedByNameAndDamagedOnesNeverCrash) {
       "torch.save(torch.ones(2), '" +
       legacy + "', _use_new_zipfile_serialization=False)\n");
   PERF_EXPECT_THROW_MSG(perf::load(namespace_file), "a Python object of class argparse.Namespace");
+  PERF_EXPECT_THROW_MSG(perf::load(namespace_file), "Python's torch.load refuses it too");
+  // Tensors Python's default loader reads and perf does not: refused as such, not as objects Python refuses.
+  test_util::python(
+      "import torch\ntorch.save({'q': torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)}, '" +
+      (dir / "quantized.pt") + "')\n");
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "quantized.pt"),
+                        "holds torch._utils._rebuild_qtensor: a quantized, sparse or nested tensor, or a tensor with "
+                        "Python attributes, which Python's torch.load reads and perf::load does not");
   PERF_EXPECT_THROW_MSG(perf::load(legacy), "is not a zip archive as torch.save has written since PyTorch 1.6");
   PERF_EXPECT_THROW_MSG(perf::load(dir / "none.pt"), "is not a file");
   // LibTorch's own archive of a module (torch::save) is not a torch.save file.

@@ -68,8 +68,9 @@ c10::impl::GenericDict dict();
 /// whose pickle Python's `torch.load(path)` reads with its default
 /// `weights_only=True`. Tensors (any device; a storage shared by several is
 /// written once, as Python does, so views and tied weights stay shared), dicts
-/// (c10::Dict, GenericDict: Python dicts), lists, tuples, int, double, bool,
-/// string, None. The file is written beside `path` and renamed over it at the
+/// (c10::Dict, GenericDict: Python dicts), lists, tuples, int, double, complex,
+/// bool, string (a Python str where it is UTF-8 text, Python bytes where it is
+/// not), None. The file is written beside `path` and renamed over it at the
 /// end, so an earlier checkpoint at `path` survives a failed save.
 void save(const c10::IValue& value, const std::string& path);
 
@@ -77,10 +78,13 @@ void save(const c10::IValue& value, const std::string& path);
 /// `torch.load(path, map_location="cpu")` with its default `weights_only=True`
 /// does: dicts (OrderedDict too) as GenericDict in their order, lists, tuples,
 /// tensors (on the CPU, in their saved dtype; storages shared in the file stay
-/// shared), parameters as tensors, numbers, strings, bool, None, torch.Size (a
-/// tuple), torch.device and dtypes. A Python object of any other class (an
-/// argparse.Namespace, a numpy array) is refused naming its class, as Python's
-/// default refuses it; so is the pre-1.6 format (not a zip archive).
+/// shared), parameters as tensors, numbers (complex too), strings, bytes and
+/// bytearray (a string of the bytes), bool, None, torch.Size (a tuple), sets
+/// (a list of the items), Counter (a dict), torch.device and dtypes. A Python
+/// object of any other class (an argparse.Namespace, a numpy array) is refused
+/// naming its class, as Python's default refuses it; so are quantized, sparse
+/// and nested tensors (Python reads them; perf reads dense tensors) and the
+/// pre-1.6 format (not a zip archive).
 c10::IValue load(const std::string& path);
 
 }  // namespace perf

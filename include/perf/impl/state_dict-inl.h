@@ -10,6 +10,7 @@
 #include <perf/state_dict.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -32,8 +33,33 @@ constexpr uint8_t kProto = 0x80, kFrame = 0x95, kStop = '.', kMark = '(', kPop =
                   kBinUnicode8 = 0x8d, kEmptyList = ']', kAppend = 'a', kAppends = 'e', kEmptyDict = '}',
                   kSetItem = 's', kSetItems = 'u', kEmptyTuple = ')', kTuple = 't', kTuple1 = 0x85, kTuple2 = 0x86,
                   kTuple3 = 0x87, kBinPut = 'q', kLongBinPut = 'r', kMemoize = 0x94, kBinGet = 'h', kLongBinGet = 'j',
-                  kGlobal = 'c', kStackGlobal = 0x93, kReduce = 'R', kBuild = 'b', kNewObj = 0x81, kBinPersId = 'Q';
+                  kGlobal = 'c', kStackGlobal = 0x93, kReduce = 'R', kBuild = 'b', kNewObj = 0x81, kBinPersId = 'Q',
+                  kShortBinBytes = 'C', kBinBytes = 'B', kBinBytes8 = 0x8e, kEmptySet = 0x8f, kAddItems = 0x90;
 }  // namespace op
+
+// Whether Python's torch.load can read `s` as a str: UTF-8, surrogates allowed (it decodes with
+// "surrogatepass"). Other bytes are written as Python bytes.
+PERF_INLINE bool python_str(const std::string& s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  const auto cont = [&](size_t i, unsigned lo = 0x80, unsigned hi = 0xbf) { return i < n && b[i] >= lo && b[i] <= hi; };
+  for (size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    if (c < 0x80) {
+      i += 1;
+    } else if (c >= 0xc2 && c <= 0xdf && cont(i + 1)) {
+      i += 2;
+    } else if (c >= 0xe0 && c <= 0xef && cont(i + 1, c == 0xe0 ? 0xa0 : 0x80) && cont(i + 2)) {
+      i += 3;
+    } else if (c >= 0xf0 && c <= 0xf4 && cont(i + 1, c == 0xf0 ? 0x90 : 0x80, c == 0xf4 ? 0x8f : 0xbf) && cont(i + 2) &&
+               cont(i + 3)) {
+      i += 4;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
 
 // The legacy storage class torch.save names for a dtype ("FloatStorage"), as torch/storage.py's
 // _dtype_to_storage_type_map; dtypes without one are written as an UntypedStorage and the dtype
@@ -91,13 +117,16 @@ class PickleWriter {
     } else if (v.isInt()) {
       integer(v.toInt());
     } else if (v.isDouble()) {
-      put(op::kBinFloat);
-      const double d = v.toDouble();
-      uint64_t u = 0;
-      std::memcpy(&u, &d, sizeof u);
-      for (int i = 7; i >= 0; --i) put(static_cast<uint8_t>(u >> (8 * i)));  // big-endian, as pickle's
+      binfloat(v.toDouble());
+    } else if (v.isComplexDouble()) {
+      const auto z = v.toComplexDouble();
+      global("__builtin__", "complex");  // as Python's pickler names builtins at protocol 2
+      binfloat(z.real());
+      binfloat(z.imag());
+      put(op::kTuple2);
+      put(op::kReduce);
     } else if (v.isString()) {
-      string(v.toStringRef());
+      text_or_bytes(v.toStringRef());
     } else if (v.isTensor()) {
       tensor(v.toTensor(), where);
     } else if (v.isDevice()) {
@@ -135,8 +164,8 @@ class PickleWriter {
     } else {
       TORCH_CHECK(false, "perf::save: ", where.empty() ? std::string("the value") : "'" + where + "'", " is a ",
                   v.tagKind(),
-                  "; a file Python's torch.load reads holds tensors, dicts, lists, tuples, int, double, bool, "
-                  "string, None and devices");
+                  "; a file Python's torch.load reads holds tensors, dicts, lists, tuples, int, double, complex, "
+                  "bool, string, None and devices");
     }
   }
 
@@ -164,10 +193,36 @@ class PickleWriter {
       put_le(static_cast<uint64_t>(i), 8);  // two's complement, little-endian
     }
   }
+  void binfloat(double d) {
+    put(op::kBinFloat);
+    uint64_t u = 0;
+    std::memcpy(&u, &d, sizeof u);
+    for (int i = 7; i >= 0; --i) put(static_cast<uint8_t>(u >> (8 * i)));  // big-endian, as pickle's
+  }
   void string(const std::string& s) {
     put(op::kBinUnicode);
     put_le(s.size(), 4);
     bytes += s;
+  }
+  // A C++ string is bytes; Python's str is text. Text (UTF-8) is written as a str, anything else as bytes,
+  // the way Python's pickler writes bytes at protocol 2: _codecs.encode(<the bytes as latin-1 text>, 'latin1').
+  void text_or_bytes(const std::string& s) {
+    if (python_str(s)) return string(s);
+    std::string latin1;
+    for (const char ch : s) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c < 0x80) {
+        latin1 += ch;
+      } else {
+        latin1 += static_cast<char>(0xc0 | (c >> 6));
+        latin1 += static_cast<char>(0x80 | (c & 0x3f));
+      }
+    }
+    global("_codecs", "encode");
+    string(latin1);
+    string("latin1");
+    put(op::kTuple2);
+    put(op::kReduce);
   }
   void global(const char* module, const char* name) {
     put(op::kGlobal);
@@ -304,7 +359,17 @@ class PickleReader {
         case op::kBinUnicode8:
           push(bytes(le(8)));
           break;
+        case op::kShortBinBytes:  // bytes, at protocol 3 and above: a C++ string of them
+          push(bytes(u8()));
+          break;
+        case op::kBinBytes:
+          push(bytes(le(4)));
+          break;
+        case op::kBinBytes8:
+          push(bytes(le(8)));
+          break;
         case op::kEmptyList:
+        case op::kEmptySet:  // a set is a list of its items (IValue has no set)
           push(c10::impl::GenericList(c10::AnyType::get()));
           break;
         case op::kAppend: {
@@ -312,7 +377,8 @@ class PickleReader {
           list_at(stack_.size() - 1).push_back(std::move(v));
           break;
         }
-        case op::kAppends: {
+        case op::kAppends:
+        case op::kAddItems: {
           const size_t m = mark();
           check(m > 0, "APPENDS without a list");
           auto list = list_at(m - 1);
@@ -468,6 +534,22 @@ class PickleReader {
           ", which only Python can rebuild");
     return it.value;
   }
+  // The bytes of a str whose characters are all below 256 (Python's bytes at protocol 2), from its UTF-8.
+  std::string latin1(const std::string& text) const {
+    std::string out;
+    for (size_t i = 0; i < text.size(); ++i) {
+      const auto c = static_cast<unsigned char>(text[i]);
+      if (c < 0x80) {
+        out += text[i];
+        continue;
+      }
+      const bool two =
+          (c == 0xc2 || c == 0xc3) && i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xc0) == 0x80;
+      check(two, "encodes a character above 255 as latin1 bytes");
+      out += static_cast<char>(((c & 0x1f) << 6) | (static_cast<unsigned char>(text[++i]) & 0x3f));
+    }
+    return out;
+  }
   void push_tuple(size_t from) {
     std::vector<c10::IValue> elems;
     for (size_t i = from; i < stack_.size(); ++i) elems.push_back(value_of(stack_[i], "a tuple's item"));
@@ -496,7 +578,9 @@ class PickleReader {
   }
 
   // GLOBAL: what Python's weights_only loader allows, and nothing more.
-  void global(const std::string& module, const std::string& name) {
+  void global(const std::string& pickled_module, const std::string& name) {
+    // Python's pickler names builtins "__builtin__" at protocol 2 (Python 2's name); its loader maps it back.
+    const std::string module = pickled_module == "__builtin__" ? "builtins" : pickled_module;
     const std::string full = module + "." + name;
     if (full == "torch.storage.UntypedStorage" || full == "torch.UntypedStorage") {
       return push(static_cast<int64_t>(c10::kByte));
@@ -511,12 +595,25 @@ class PickleReader {
     }
     if (full == "collections.OrderedDict" || full == "torch._utils._rebuild_tensor_v2" ||
         full == "torch._utils._rebuild_tensor_v3" || full == "torch._utils._rebuild_parameter" ||
-        full == "torch._utils._rebuild_parameter_with_state") {
+        full == "torch._utils._rebuild_parameter_with_state" || full == "collections.Counter" ||
+        full == "builtins.set" || full == "builtins.complex" || full == "builtins.bytearray" ||
+        full == "_codecs.encode") {
       return stack_.push_back(PickleItem{{}, full});
     }
     check(module.rfind("__torch__", 0) != 0, "holds TorchScript's class ", full,
           ": this is an archive of LibTorch's torch::save or Python's torch.jit.save, which torch::load (C++) "
           "and torch.jit.load (Python) read");
+    // What Python's default loader also accepts and perf does not rebuild: tensors other than dense ones
+    // (quantized, sparse, nested, subclasses and tensors with Python attributes), their layouts and schemes.
+    const bool python_reads =
+        module == "torch._utils" || full == "torch._tensor._rebuild_from_type_v2" ||
+        full == "torch.serialization._get_layout" ||
+        (module == "torch" &&
+         (name.rfind("per_", 0) == 0 || (name.size() >= 6 && name.compare(name.size() - 6, 6, "Tensor") == 0)));
+    check(!python_reads, "holds ", full,
+          ": a quantized, sparse or nested tensor, or a tensor with Python attributes, which Python's torch.load "
+          "reads and perf::load does not (it reads dense tensors); save such tensors as dense ones (t.dequantize(), "
+          "t.to_dense()) or as plain tensors");
     check(false, "holds a Python object of class ", full,
           ", which only Python can rebuild (Python's torch.load refuses it too unless weights_only=False). Save "
           "tensors, numbers, strings and dicts, lists or tuples of them, such as model.state_dict()");
@@ -535,6 +632,35 @@ class PickleReader {
         }
       }
       return dict;
+    }
+    if (f == "collections.Counter") {  // Counter({...}): a dict
+      check(args.size() <= 1 && (args.empty() || args[0].isGenericDict()), "builds a Counter from a non-dict");
+      auto dict = perf::dict();
+      if (!args.empty()) {
+        for (const auto& kv : args[0].toGenericDict()) dict.insert_or_assign(kv.key(), kv.value());
+      }
+      return dict;
+    }
+    if (f == "builtins.set") {  // set([...]): a list of the items
+      check(args.size() <= 1 && (args.empty() || args[0].isList()), "builds a set from a non-list");
+      return args.empty() ? c10::IValue(c10::impl::GenericList(c10::AnyType::get())) : args[0];
+    }
+    if (f == "builtins.complex") {
+      check(args.size() <= 2 &&
+                std::all_of(args.begin(), args.end(), [](const c10::IValue& a) { return a.isDouble() || a.isInt(); }),
+            "builds a complex number from other than two numbers");
+      const auto part = [&](size_t i) { return i < args.size() ? args[i].toScalar().to<double>() : 0.0; };
+      return c10::complex<double>(part(0), part(1));
+    }
+    if (f == "_codecs.encode" || f == "builtins.bytearray") {  // bytes and bytearray: a C++ string of the bytes
+      if (f == "builtins.bytearray" && args.size() <= 1) {
+        check(args.empty() || args[0].isString(), "builds a bytearray from other than bytes");
+        return args.empty() ? std::string() : args[0].toStringRef();
+      }
+      check(args.size() == 2 && args[0].isString() && args[1].isString() &&
+                (args[1].toStringRef() == "latin1" || args[1].toStringRef() == "latin-1"),
+            "calls ", f, " with other arguments than Python's pickler writes (text and 'latin1')");
+      return latin1(args[0].toStringRef());
     }
     if (f == "torch.Size") {
       check(args.size() == 1 && (args[0].isTuple() || args[0].isList()), "builds a torch.Size from a non-tuple");
