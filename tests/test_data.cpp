@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -632,6 +633,92 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   EXPECT_TRUE(perf::load(cpp_file).toGenericDict().at("z").toTensor().equal(z.conj().resolve_conj()));
 }
 
+// torch.save's format before PyTorch 1.6 (pickles, then the storages' bytes), which Python's torch.load still
+// reads by default: torchvision's older pretrained weights are such files.
+TEST(StateDict, AFileOfTheFormatBeforePyTorch16ReadsAsTheZipFileOfTheSameValue) {
+  test_util::TempDir dir;
+  const auto zip = dir / "zip.pt", old2 = dir / "old2.pt", old4 = dir / "old4.pt", v1 = dir / "v1.pt";
+  test_util::python(
+      std::string(TWIN_PY) +
+      "import collections, warnings\n"
+      "warnings.simplefilter('ignore')\n"
+      "torch.manual_seed(5)\nm = TwinNet()\nm(x * 3 + 1)\n"
+      "base = torch.arange(12.).reshape(3, 4)\n"
+      "c = {'model': m.state_dict(), 'base': base, 'view': base[1:, 1:3], 'half': base.half(), 'epoch': 3,\n"
+      "     'param': nn.Parameter(torch.ones(2)), 'i8': torch.tensor([-1, 7], dtype=torch.int8)}\n"
+      "torch.save(c, '" +
+      zip +
+      "')\n"
+      "torch.save(c, '" +
+      old2 +
+      "', _use_new_zipfile_serialization=False)\n"
+      "torch.save(c, '" +
+      old4 +
+      "', _use_new_zipfile_serialization=False, pickle_protocol=4)\n"
+      // PyTorch 0.3 rebuilt tensors with _rebuild_tensor(storage, offset, size, stride)
+      "class V1:\n"
+      "    def __init__(s, t): s.t = t\n"
+      "    def __reduce__(s): return (torch._utils._rebuild_tensor, (s.t.storage(), s.t.storage_offset(),\n"
+      "                                                          tuple(s.t.size()), s.t.stride()))\n"
+      "torch.save(collections.OrderedDict(w=V1(base), v=V1(base[1:, 1:3])), '" +
+      v1 +
+      "', _use_new_zipfile_serialization=False)\n"
+      "print(torch.load('" +
+      v1 + "')['v'].tolist())\n");
+  const auto want = perf::load(zip).toGenericDict();
+  for (const auto& file : {old2, old4}) {
+    SCOPED_TRACE(file);
+    const auto got = perf::load(file).toGenericDict();
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& kv : want) {
+      const auto& g = got.at(kv.key());
+      if (!kv.value().isTensor()) continue;
+      const auto a = kv.value().toTensor(), b = g.toTensor();
+      EXPECT_TRUE(a.scalar_type() == b.scalar_type() && a.strides() == b.strides() && a.equal(b)) << kv.key();
+      EXPECT_EQ(a.requires_grad(), b.requires_grad()) << kv.key();
+    }
+    EXPECT_EQ(got.at("epoch").toInt(), 3);
+    EXPECT_EQ(got.at("view").toTensor().storage().unsafeGetStorageImpl(),
+              got.at("base").toTensor().storage().unsafeGetStorageImpl())
+        << "a view shares its base's storage";
+    TwinNet net, twin;
+    perf::load_state_dict(net, got.at("model"));
+    perf::load_state_dict(twin, want.at("model"));
+    EXPECT_TRUE(eval_output(net).equal(eval_output(twin)));
+  }
+  const auto old = perf::load(v1).toGenericDict();
+  EXPECT_TRUE(old.at("v").toTensor().equal(torch::tensor({{5.f, 6.f}, {9.f, 10.f}})));
+  EXPECT_TRUE(old.at("w").toTensor().equal(torch::arange(12.f).reshape({3, 4})));
+
+  // Every truncation and every third byte changed: an answer or an error naming the file, never a crash.
+  std::string bytes;
+  {
+    std::ifstream f(old2, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  const auto damaged = dir / "damaged.pt";
+  size_t refused = 0;
+  const auto attempt = [&](const std::string& b) {
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << b;
+    try {
+      perf::load(damaged);
+    } catch (const c10::Error& e) {
+      ++refused;
+      EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("perf::load: ", 0), 0u) << e.what_without_backtrace();
+    }
+  };
+  for (size_t n = 0; n < bytes.size(); n += (n < 600 ? 1 : 97)) attempt(bytes.substr(0, n));
+  EXPECT_GT(refused, 600u) << "every truncation is refused";
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    std::string b = bytes;
+    b[i] = static_cast<char>(b[i] ^ 0x5a);
+    attempt(b);
+  }
+  // A file that is neither format.
+  std::ofstream(damaged, std::ios::binary | std::ios::trunc) << "epoch = 3\n";
+  PERF_EXPECT_THROW_MSG(perf::load(damaged), "is not a torch.save file (neither the zip archive");
+}
+
 TEST(StateDict, AStateThatDoesNotFitIsRefusedWholeAndStrictFalseLoadsWhatFits) {
   torch::manual_seed(1);
   TwinNet source, net;
@@ -700,14 +787,9 @@ TEST(StateDict, AStateThatDoesNotFitIsRefusedWholeAndStrictFalseLoadsWhatFits) {
 
 TEST(StateDict, FilesItCannotReadAreRefusedByNameAndDamagedOnesNeverCrash) {
   test_util::TempDir dir;
-  const auto namespace_file = dir / "namespace.pt", legacy = dir / "legacy.pt", good = dir / "good.pt";
-  test_util::python(
-      "import torch, argparse\n"
-      "torch.save({'args': argparse.Namespace(lr=1)}, '" +
-      namespace_file +
-      "')\n"
-      "torch.save(torch.ones(2), '" +
-      legacy + "', _use_new_zipfile_serialization=False)\n");
+  const auto namespace_file = dir / "namespace.pt", good = dir / "good.pt";
+  test_util::python("import torch, argparse\ntorch.save({'args': argparse.Namespace(lr=1)}, '" + namespace_file +
+                    "')\n");
   PERF_EXPECT_THROW_MSG(perf::load(namespace_file), "a Python object of class argparse.Namespace");
   PERF_EXPECT_THROW_MSG(perf::load(namespace_file), "Python's torch.load refuses it too");
   // Tensors Python's default loader reads and perf does not: refused as such, not as objects Python refuses.
@@ -717,7 +799,6 @@ TEST(StateDict, FilesItCannotReadAreRefusedByNameAndDamagedOnesNeverCrash) {
   PERF_EXPECT_THROW_MSG(perf::load(dir / "quantized.pt"),
                         "holds torch._utils._rebuild_qtensor: a quantized, sparse or nested tensor, or a tensor with "
                         "Python attributes, which Python's torch.load reads and perf::load does not");
-  PERF_EXPECT_THROW_MSG(perf::load(legacy), "is not a zip archive as torch.save has written since PyTorch 1.6");
   PERF_EXPECT_THROW_MSG(perf::load(dir / "none.pt"), "is not a file");
   // LibTorch's own archive of a module (torch::save) is not a torch.save file.
   TwinNet net;

@@ -83,8 +83,9 @@ void save(const c10::IValue& value, const std::string& path);
 /// (a list of the items), Counter (a dict), torch.device and dtypes. A Python
 /// object of any other class (an argparse.Namespace, a numpy array) is refused
 /// naming its class, as Python's default refuses it; so are quantized, sparse
-/// and nested tensors (Python reads them; perf reads dense tensors) and the
-/// pre-1.6 format (not a zip archive).
+/// and nested tensors (Python reads them; perf reads dense tensors). Files of
+/// the format before PyTorch 1.6 (not a zip archive: torchvision's older
+/// weights) are read too, as Python reads them.
 c10::IValue load(const std::string& path);
 
 }  // namespace perf

@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <ostream>
 #include <sstream>
@@ -287,12 +289,56 @@ struct PickleItem {
 // (torch::jit::Unpickler) turns every OrderedDict into None, and a state_dict is one.
 class PickleReader {
  public:
+  // A zip archive's data.pkl, whose storages are the archive's records data/<key>.
   PickleReader(caffe2::serialize::PyTorchStreamReader& archive, std::string path)
-      : archive_(archive), path_(std::move(path)) {}
+      : archive_(&archive), path_(std::move(path)) {}
+  // A file of the format before PyTorch 1.6: pickles, then the storages' bytes (fill_storages).
+  explicit PickleReader(std::string path) : path_(std::move(path)) {}
 
   c10::IValue run(const std::string& pickle) {
-    data_ = &pickle;
-    pos_ = 0;
+    size_t pos = 0;
+    return run(pickle, pos);
+  }
+  // One pickle of `data` from `pos` on, leaving `pos` after its STOP; a fresh stack and memo, as each
+  // pickle.load of Python's.
+  c10::IValue run(const std::string& data, size_t& pos) {
+    data_ = &data;
+    pos_ = pos;
+    stack_.clear();
+    memo_.clear();
+    marks_.clear();
+    c10::IValue result = read();
+    pos = pos_;
+    return result;
+  }
+
+  // The old format's storage bytes, after its pickles: for each key the pickle of keys lists, the element
+  // count (8 bytes, little-endian) and the elements (torch/serialization.py's _legacy_load).
+  void fill_storages(const c10::IValue& keys, const std::string& data, size_t& pos) {
+    data_ = &data;
+    pos_ = pos;
+    check(keys.isList(), "lists its storages in something not a list");
+    std::unordered_set<std::string> filled;
+    for (const auto& k : keys.toListRef()) {
+      check(k.isString(), "lists a storage key that is not a string");
+      auto it = storages_.find(k.toStringRef());
+      check(it != storages_.end(), "lists storage ", k.toStringRef(), ", which no tensor uses");
+      at::Tensor& t = it->second;
+      const auto numel = static_cast<int64_t>(le(8));
+      check(numel == t.numel(), "says storage ", k.toStringRef(), " holds ", t.numel(), " elements, but its data ",
+            numel);
+      const size_t nbytes = t.storage().nbytes();
+      check(nbytes <= data_->size() - pos_, "ends early (truncated?)");
+      std::memcpy(t.storage().mutable_data(), data_->data() + pos_, nbytes);
+      pos_ += nbytes;
+      filled.insert(k.toStringRef());
+    }
+    for (const auto& kv : storages_) check(filled.count(kv.first) != 0, "has no data for storage ", kv.first);
+    pos = pos_;
+  }
+
+ private:
+  c10::IValue read() {
     while (true) {
       const uint8_t code = u8();
       switch (code) {
@@ -480,7 +526,6 @@ class PickleReader {
     }
   }
 
- private:
   template <typename... Args>
   void check(bool ok, const Args&... what) const {
     TORCH_CHECK(ok, "perf::load: ", path_, ": the pickle (data.pkl) ", what...);
@@ -594,10 +639,10 @@ class PickleReader {
       if (name == "Size" || name == "device") return stack_.push_back(PickleItem{{}, full});
     }
     if (full == "collections.OrderedDict" || full == "torch._utils._rebuild_tensor_v2" ||
-        full == "torch._utils._rebuild_tensor_v3" || full == "torch._utils._rebuild_parameter" ||
-        full == "torch._utils._rebuild_parameter_with_state" || full == "collections.Counter" ||
-        full == "builtins.set" || full == "builtins.complex" || full == "builtins.bytearray" ||
-        full == "_codecs.encode") {
+        full == "torch._utils._rebuild_tensor" || full == "torch._utils._rebuild_tensor_v3" ||
+        full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state" ||
+        full == "collections.Counter" || full == "builtins.set" || full == "builtins.complex" ||
+        full == "builtins.bytearray" || full == "_codecs.encode") {
       return stack_.push_back(PickleItem{{}, full});
     }
     check(module.rfind("__torch__", 0) != 0, "holds TorchScript's class ", full,
@@ -680,10 +725,15 @@ class PickleReader {
     }
     // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata]);
     // _rebuild_tensor_v3(..., hooks, dtype[, metadata])
-    const bool v3 = f == "torch._utils._rebuild_tensor_v3";
-    check(args.size() >= (v3 ? 7u : 6u) && args[0].isTensor() && args[1].isInt() &&
-              (args[2].isTuple() || args[2].isList()) && (args[3].isTuple() || args[3].isList()) && args[4].isBool(),
+    // and PyTorch 0.3's _rebuild_tensor(storage, offset, size, stride)
+    const bool v3 = f == "torch._utils._rebuild_tensor_v3", v1 = f == "torch._utils._rebuild_tensor";
+    check(args.size() >= (v1   ? 4u
+                          : v3 ? 7u
+                               : 6u) &&
+              args[0].isTensor() && args[1].isInt() && (args[2].isTuple() || args[2].isList()) &&
+              (args[3].isTuple() || args[3].isList()) && (v1 || args[4].isBool()),
           "calls ", f, " with other arguments than torch.save writes");
+    const bool requires_grad = !v1 && args[4].toBool();
     const auto ints = [&](const c10::IValue& v, const char* what) {
       std::vector<int64_t> out;
       const std::vector<c10::IValue> elems = v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec();
@@ -717,11 +767,11 @@ class PickleReader {
     check(empty || !overflow, "gives a tensor sizes and strides beyond 64-bit indexing");
     check(empty || last < available, "gives a tensor a view past the end of its storage (element ", last, " of ",
           available, ")");
-    check(!args[4].toBool() || c10::isFloatingType(dtype) || c10::isComplexType(dtype), "asks for gradients of a ",
-          dtype, " tensor");
+    check(!requires_grad || c10::isFloatingType(dtype) || c10::isComplexType(dtype), "asks for gradients of a ", dtype,
+          " tensor");
     at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
     t.set_(storage.storage(), offset, size, stride);
-    if (args[4].toBool()) t.requires_grad_(true);
+    if (requires_grad) t.requires_grad_(true);
     return t;
   }
 
@@ -732,7 +782,10 @@ class PickleReader {
   }
 
   // BINPERSID ('storage', storage class or dtype, key, location, numel): the record data/<key>, read once.
+  // The old format adds a view of the storage (None since PyTorch 0.4) and has no records: its storages
+  // are made empty here and filled from the file's end (fill_storages).
   c10::IValue storage(const c10::IValue& id) {
+    if (archive_ == nullptr) return legacy_storage(id);
     check(id.isTuple() && id.toTupleRef().elements().size() == 5, "has a persistent id torch.save does not write");
     const std::vector<c10::IValue> e = id.toTupleRef().elements().vec();
     check(e[0].isString() && e[0].toStringRef() == "storage" && e[1].isInt() && e[2].isString() && e[4].isInt(),
@@ -742,8 +795,8 @@ class PickleReader {
     auto it = storages_.find(key);
     if (it == storages_.end()) {
       const std::string record = "data/" + key;
-      check(archive_.hasRecord(record), "names a storage ", record, " that the archive does not hold");
-      auto [ptr, nbytes] = archive_.getRecord(record);
+      check(archive_->hasRecord(record), "names a storage ", record, " that the archive does not hold");
+      auto [ptr, nbytes] = archive_->getRecord(record);
       const size_t itemsize = c10::elementSize(dtype);
       check(e[4].toInt() >= 0 && static_cast<size_t>(e[4].toInt()) <= nbytes &&
                 nbytes == static_cast<size_t>(e[4].toInt()) * itemsize,
@@ -758,7 +811,28 @@ class PickleReader {
     return it->second;
   }
 
-  caffe2::serialize::PyTorchStreamReader& archive_;
+  c10::IValue legacy_storage(const c10::IValue& id) {
+    check(id.isTuple() && id.toTupleRef().elements().size() == 6, "has a persistent id torch.save does not write");
+    const std::vector<c10::IValue> e = id.toTupleRef().elements().vec();
+    check(e[0].isString() && e[0].toStringRef() == "storage" && e[1].isInt() && e[2].isString() && e[4].isInt(),
+          "has a persistent id torch.save does not write");
+    check(e[5].isNone(), "holds a view of a storage (a file of PyTorch before 0.4), which perf::load does not read");
+    const auto dtype = scalar_type(e[1], "a storage's class");
+    const std::string& key = e[2].toStringRef();
+    const int64_t numel = e[4].toInt();
+    auto it = storages_.find(key);
+    if (it == storages_.end()) {
+      // The bytes must follow in the file: a count larger than the file is damage, not an allocation to try.
+      check(numel >= 0 && static_cast<uint64_t>(numel) <= data_->size() / c10::elementSize(dtype), "says storage ", key,
+            " holds ", numel, " elements of ", dtype, ", more than the file has");
+      it = storages_.emplace(key, at::empty({numel}, at::TensorOptions().dtype(dtype))).first;
+    }
+    check(it->second.scalar_type() == dtype && it->second.numel() == numel, "gives storage ", key,
+          " two dtypes or sizes");
+    return it->second;
+  }
+
+  caffe2::serialize::PyTorchStreamReader* archive_ = nullptr;
   std::string path_;
   const std::string* data_ = nullptr;
   size_t pos_ = 0;
@@ -782,6 +856,46 @@ PERF_INLINE std::string quoted_list(const std::vector<std::string>& names) {
   std::string s;
   for (const auto& n : names) s += (s.empty() ? "\"" : ", \"") + n + "\"";
   return s;
+}
+
+// A file of torch.save before PyTorch 1.6 (or _use_new_zipfile_serialization=False): five pickles (a magic
+// number, the format's version, the writer's byte order and sizes, the value, its storages' keys), then each
+// storage's elements. Python's torch.load still reads it (torchvision's older weights are such files).
+PERF_INLINE c10::IValue load_legacy(const std::string& path) {
+  std::string data;
+  {
+    std::ifstream f(path, std::ios::binary);
+    data.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    TORCH_CHECK(!f.bad(), "perf::load: could not read '", path, "'");
+  }
+  // The magic number 0x1950a86a20f9469cfc6c, pickled (LONG1 of 10 bytes) at any protocol from 2 on.
+  static const std::string magic("\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.", 13);
+  size_t pos = 0;
+  if (data.size() >= 2 && static_cast<uint8_t>(data[0]) == op::kProto) pos = 2;
+  if (data.size() >= pos + 9 && static_cast<uint8_t>(data[pos]) == op::kFrame) pos += 9;
+  TORCH_CHECK(data.compare(pos, magic.size(), magic) == 0, "perf::load: '", path,
+              "' is not a torch.save file (neither the zip archive torch.save writes since PyTorch 1.6 nor the "
+              "format before it)");
+  pos += magic.size();
+  try {
+    PickleReader reader(path);
+    const auto version = reader.run(data, pos);
+    TORCH_CHECK(version.isInt() && version.toInt() == 1001, "perf::load: ", path, ": the format's version is ", version,
+                "; perf reads version 1001 (torch.save from PyTorch 0.4 to 1.5)");
+    const auto info = reader.run(data, pos);
+    TORCH_CHECK(info.isGenericDict() && info.toGenericDict().contains("little_endian"), "perf::load: ", path,
+                ": the writer's system information is not a dict with little_endian");
+    TORCH_CHECK(info.toGenericDict().at("little_endian").toBool(), "perf::load: '", path,
+                "' was written on a big-endian machine; perf reads little-endian files");
+    c10::IValue result = reader.run(data, pos);
+    const auto keys = reader.run(data, pos);
+    reader.fill_storages(keys, data, pos);
+    return result;
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    TORCH_CHECK(what.rfind("perf::load: ", 0) == 0, "perf::load: ", path, ": ", what);
+    throw;
+  }
 }
 
 }  // namespace detail
@@ -895,14 +1009,19 @@ PERF_INLINE void save(const c10::IValue& value, const std::string& path) {
 
 PERF_INLINE c10::IValue load(const std::string& path) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "perf::load: '", path, "' is not a file");
+  {
+    std::ifstream f(path, std::ios::binary);
+    char magic[4] = {};
+    f.read(magic, sizeof magic);
+    if (std::string(magic, static_cast<size_t>(f.gcount())) != std::string("PK\x03\x04", 4)) {
+      return detail::load_legacy(path);
+    }
+  }
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
   try {
     archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "perf::load: '", path,
-                "' is not a zip archive as torch.save has written since PyTorch 1.6 (a file saved with "
-                "_use_new_zipfile_serialization=False, or not by torch.save): ",
-                e.what_without_backtrace());
+    TORCH_CHECK(false, "perf::load: '", path, "' is a damaged zip archive: ", e.what_without_backtrace());
   }
   TORCH_CHECK(archive->hasRecord("data.pkl"), "perf::load: '", path,
               "' holds no data.pkl: not a torch.save file (a TorchScript module or torch::save archive is read "
