@@ -2,7 +2,8 @@
 // autocast (bf16; on CUDA also fp16 with perf::GradScaler), measured
 // alternately in one run with perf::compare. On the CPU, attention under
 // autocast (bf16, fp32 inside, perf's per-shape pick). Also activation
-// checkpointing's effect on peak memory.
+// checkpointing's effect on peak memory. LibTorch's TransformerEncoderLayer against
+// perf::TransformerEncoderLayer (perf/attention.h).
 #include <malloc.h>
 #include <perf/perf.h>
 #include <torch/torch.h>
@@ -104,6 +105,46 @@ static int bench_amp_main(int argc, char** argv) {
     }
     perf::Autocast::set_cpu_attention("fastest");
     for (const auto& line : perf::Autocast::cpu_attention_choices()) std::cout << "  measured: " << line << "\n";
+    std::cout << "\n";
+  }
+
+  // LibTorch's TransformerEncoderLayer (attention written out: the (N * heads, L, L) weights in memory) against
+  // perf::TransformerEncoderLayer (one scaled_dot_product_attention), the same weights, causal; training step and
+  // inference. On CUDA in bf16, a larger layer.
+  {
+    const bool cuda = device.is_cuda();
+    const int64_t d_model = cuda ? 1024 : 512, heads = cuda ? 16 : 8;
+    const auto dtype = cuda ? torch::kBFloat16 : torch::kFloat;
+    const std::vector<std::pair<int64_t, int64_t>> shapes =
+        cuda ? std::vector<std::pair<int64_t, int64_t>>{{512, 32}, {2048, 8}, {4096, 4}}
+             : std::vector<std::pair<int64_t, int64_t>>{{128, 16}, {512, 4}, {1024, 2}};
+    std::cout << "TransformerEncoderLayer(" << d_model << ", " << heads << " heads, feed-forward " << 4 * d_model
+              << "), " << (cuda ? "bf16" : "fp32") << ", causal: LibTorch's vs perf::TransformerEncoderLayer\n";
+    for (const auto& [len, n] : shapes) {
+      const auto options =
+          torch::nn::TransformerEncoderLayerOptions(d_model, heads).dim_feedforward(4 * d_model).dropout(0.0);
+      torch::nn::TransformerEncoderLayer stock_layer(options);
+      perf::TransformerEncoderLayer fast(options);
+      perf::load_state_dict(fast, perf::state_dict(stock_layer));
+      stock_layer->to(device, dtype);
+      fast->to(device, dtype);
+      const auto tokens = torch::randn({len, n, d_model}, torch::TensorOptions().device(device).dtype(dtype));
+      const auto mask = torch::nn::TransformerImpl::generate_square_subsequent_mask(len).to(device, dtype);
+      const auto bench = perf::BenchOptions().warmup(warmup).iters(iters).items_per_call(static_cast<double>(n));
+      const auto train = perf::compare(
+          "LibTorch's", [&] { stock_layer(tokens, mask).sum().backward(); }, "perf's",
+          [&] { fast(tokens, mask, torch::Tensor(), /*is_causal=*/true).sum().backward(); }, bench);
+      stock_layer->eval();
+      fast->eval();
+      torch::NoGradGuard no_grad;
+      const auto infer = perf::compare(
+          "LibTorch's", [&] { stock_layer(tokens, mask); }, "perf's",
+          [&] { fast(tokens, mask, torch::Tensor(), true); }, bench);
+      std::cout << std::fixed << std::setprecision(2) << "  " << len << " tokens, batch " << n
+                << ": forward + backward " << train.ratio << "x (" << train.a.median_ms << " -> " << train.b.median_ms
+                << " ms), inference " << infer.ratio << "x (" << infer.a.median_ms << " -> " << infer.b.median_ms
+                << " ms)\n";
+    }
     std::cout << "\n";
   }
 

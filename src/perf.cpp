@@ -7,6 +7,7 @@
 
 #include <perf/impl/advise-inl.h>
 #include <perf/impl/amp-inl.h>
+#include <perf/impl/attention-inl.h>
 #include <perf/impl/bench-inl.h>
 #include <perf/impl/compiled_model-inl.h>
 #include <perf/impl/compiled_train_step-inl.h>

@@ -8,10 +8,13 @@
 //
 // The first include is also perf/compiled.h's header check (tests/CMakeLists.txt):
 // it comes first, and the flags are the header checks' own until the pragmas below.
+// clang-format off
 #include <perf/compiled.h>
+#include <perf/attention.h>
 #include <perf/perf.h>  // or the one header you need
 #include <perf/state_dict.h>
 #include <torch/torch.h>
+// clang-format on
 
 #include <fstream>
 #include <functional>
@@ -173,6 +176,18 @@ std::cout << model;
 //   input 0: Float [batch, 3, 64, 64] batch 1..64
 //   outputs: 1
 
+  // clang-format on
+}
+void block_attention(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  // clang-format off
+auto layer_options = torch::nn::TransformerEncoderLayerOptions(512, 8).dim_feedforward(2048);
+perf::TransformerEncoder encoder(torch::nn::TransformerEncoderOptions(
+    torch::nn::TransformerEncoderLayer(layer_options), 6));  // LibTorch's options, perf's layers
+auto causal = torch::nn::TransformerImpl::generate_square_subsequent_mask(x.size(0));
+auto y = encoder(x, causal);                                    // (L, N, E): causal detected, as in Python
+
+perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));
+auto [out, no_weights] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
   // clang-format on
 }
 void block10() {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <malloc.h>
 #include <perf/amp.h>
+#include <perf/attention.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -1425,4 +1427,286 @@ TEST(Checkpoint, LowersPeakActivationMemory) {
   // Per-layer checkpoints keep each layer's input (16 MiB x 8) instead of ~4
   // activations per layer; backward recomputes one layer at a time.
   EXPECT_LT(ckpt, plain * 2 / 3);
+}
+
+// ---- perf/attention.h: LibTorch's attention layers through scaled_dot_product_attention, against Python's ----
+
+namespace {
+
+const char* const ATTENTION_PY =
+    "import torch, torch.nn as nn\n"
+    "torch.manual_seed(0)\n"
+    "E, H, L, S, N = 16, 4, 7, 5, 3\n"
+    "x, kv, v2 = torch.randn(L, N, E), torch.randn(S, N, E), torch.randn(S, N, E)\n"
+    "k8, v6, mem = torch.randn(S, N, 8), torch.randn(S, N, 6), torch.randn(S, N, E)\n"
+    "bm = torch.rand(L, S) > 0.7\n"
+    "bm[:, 0] = False\n"
+    "fm = torch.randn(N * H, L, S)\n"
+    "kpm = torch.zeros(N, S, dtype=torch.bool)\n"
+    "kpm[1, 4] = True\n"
+    "kpl = torch.zeros(N, L, dtype=torch.bool)\n"
+    "kpl[2, 6] = True\n"
+    "causal = nn.Transformer.generate_square_subsequent_mask(L)\n"
+    "def perturb(m):\n"
+    "    with torch.no_grad():\n"
+    "        for p in m.parameters(): p.add_(0.1 * torch.randn_like(p))\n"
+    "    return m\n"
+    "out = {'x': x, 'kv': kv, 'v2': v2, 'k8': k8, 'v6': v6, 'mem': mem, 'bm': bm, 'fm': fm, 'kpm': kpm, 'kpl': kpl,\n"
+    "       'causal': causal}\n"
+    "def record(name, module, fn, grad_of):\n"
+    "    y = fn(module)\n"
+    "    w = torch.randn_like(y)\n"
+    "    if module.training:\n"
+    "        module.zero_grad()\n"
+    "        (y * w).sum().backward()\n"
+    "        out[name + '.grad'] = dict(module.named_parameters())[grad_of].grad.clone()\n"
+    "    out[name + '.y'] = y.detach()\n"
+    "    out[name + '.w'] = w\n";
+
+// One case of ATTENTION_PY's record(): C++'s call of the module, whose output and the named parameter's
+// gradient (of sum(y * w), w Python's) must equal what Python recorded under the case's name.
+struct AttentionCase {
+  std::string name;
+  torch::nn::Module* module;
+  std::string grad_of;
+  std::function<at::Tensor()> run;
+};
+
+void expect_like_python(const std::vector<AttentionCase>& cases, const c10::impl::GenericDict& py) {
+  const auto t = [&](const std::string& k) { return py.at(k).toTensor(); };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    c.module->zero_grad();
+    const at::Tensor y = c.run();
+    EXPECT_LE(test_util::max_diff(y, t(c.name + ".y")), 1e-5);
+    (y * t(c.name + ".w")).sum().backward();
+    const at::Tensor grad = c.module->named_parameters()[c.grad_of].grad();
+    ASSERT_TRUE(grad.defined());
+    EXPECT_LE(test_util::max_diff(grad, t(c.name + ".grad")), 1e-4);
+  }
+}
+
+}  // namespace
+
+TEST(Attention, MultiheadAttentionEqualsPythonsWithEveryMaskWhereLibTorchsDoesNot) {
+  test_util::TempDir dir;
+  const auto file = dir / "mha.pt";
+  test_util::python(std::string(ATTENTION_PY) +
+                    "m, mk, mb = nn.MultiheadAttention(E, H), nn.MultiheadAttention(E, H, kdim=8, vdim=6), "
+                    "nn.MultiheadAttention(E, H, bias=False)\n"
+                    "for mod in (m, mk, mb): perturb(mod)\n"
+                    "out['m'], out['mk'], out['mb'] = m.state_dict(), mk.state_dict(), mb.state_dict()\n"
+                    "a = lambda mod, q, k, v, **kw: mod(q, k, v, need_weights=False, **kw)[0]\n"
+                    "record('self', m, lambda mod: a(mod, x, x, x), 'in_proj_weight')\n"
+                    "record('cross_kv', m, lambda mod: a(mod, x, kv, kv), 'in_proj_weight')\n"
+                    "record('cross', m, lambda mod: a(mod, x, kv, v2), 'in_proj_weight')\n"
+                    "record('bool_mask', m, lambda mod: a(mod, x, kv, kv, attn_mask=bm), 'in_proj_weight')\n"
+                    "record('mask_3d', m, lambda mod: a(mod, x, kv, kv, attn_mask=fm), 'in_proj_weight')\n"
+                    "record('padding', m, lambda mod: a(mod, x, kv, kv, key_padding_mask=kpm), 'in_proj_weight')\n"
+                    "record('causal', m, lambda mod: a(mod, x, x, x, attn_mask=causal, is_causal=True), "
+                    "'in_proj_weight')\n"
+                    "record('causal_padding', m, lambda mod: a(mod, x, x, x, attn_mask=causal, is_causal=True, "
+                    "key_padding_mask=kpl), 'in_proj_weight')\n"
+                    "record('kdim', mk, lambda mod: a(mod, x, k8, v6), 'k_proj_weight')\n"
+                    "record('no_bias', mb, lambda mod: a(mod, x, x, x), 'in_proj_weight')\n"
+                    "m.eval()\n"
+                    "with torch.no_grad(): record('eval', m, lambda mod: a(mod, x, x, x, key_padding_mask=kpl), '')\n"
+                    "torch.save(out, '" +
+                    file + "')\n");
+  const auto py = perf::load(file).toGenericDict();
+  const auto t = [&](const std::string& k) { return py.at(k).toTensor(); };
+  const auto module = [&](const std::string& name, torch::nn::MultiheadAttentionOptions o) {
+    perf::MultiheadAttention m(o);
+    perf::load_state_dict(m, py.at(name));
+    return m;
+  };
+  auto m = module("m", torch::nn::MultiheadAttentionOptions(16, 4));
+  auto mk = module("mk", torch::nn::MultiheadAttentionOptions(16, 4).kdim(8).vdim(6));
+  auto mb = module("mb", torch::nn::MultiheadAttentionOptions(16, 4).bias(false));
+  const auto x = t("x"), kv = t("kv"), v2 = t("v2"), causal = t("causal"), none = at::Tensor();
+  const auto a = [](perf::MultiheadAttention& mod, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& padding, const at::Tensor& mask, bool is_causal = false) {
+    return std::get<0>(mod(q, k, v, padding, /*need_weights=*/false, mask, true, is_causal));
+  };
+  const std::vector<AttentionCase> cases = {
+      {"self", m.get(), "in_proj_weight", [&] { return a(m, x, x, x, none, none); }},
+      {"cross_kv", m.get(), "in_proj_weight", [&] { return a(m, x, kv, kv, none, none); }},
+      {"cross", m.get(), "in_proj_weight", [&] { return a(m, x, kv, v2, none, none); }},
+      {"bool_mask", m.get(), "in_proj_weight", [&] { return a(m, x, kv, kv, none, t("bm")); }},
+      {"mask_3d", m.get(), "in_proj_weight", [&] { return a(m, x, kv, kv, none, t("fm")); }},
+      {"padding", m.get(), "in_proj_weight", [&] { return a(m, x, kv, kv, t("kpm"), none); }},
+      {"causal", m.get(), "in_proj_weight", [&] { return a(m, x, x, x, none, causal, true); }},
+      {"causal_padding", m.get(), "in_proj_weight", [&] { return a(m, x, x, x, t("kpl"), causal, true); }},
+      {"kdim", mk.get(), "k_proj_weight", [&] { return a(mk, x, t("k8"), t("v6"), none, none); }},
+      {"no_bias", mb.get(), "in_proj_weight", [&] { return a(mb, x, x, x, none, none); }},
+  };
+  expect_like_python(cases, py);
+  m->eval();
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_LE(test_util::max_diff(a(m, x, x, x, t("kpl"), none), t("eval.y")), 1e-5);
+    // With need_weights (the default), LibTorch's own path, which returns the weights.
+    const auto [y, weights] = m(x, x, x);
+    EXPECT_LE(test_util::max_diff(y, t("self.y")), 1e-5);
+    EXPECT_EQ(weights.sizes(), (std::vector<int64_t>{3, 7, 7}));
+    // LibTorch 2.11's own MultiheadAttention reads a bool attn_mask otherwise than Python (and perf).
+    torch::nn::MultiheadAttention stock(torch::nn::MultiheadAttentionOptions(16, 4));
+    perf::load_state_dict(stock, py.at("m"));
+    stock->eval();
+    std::cout << "LibTorch's MultiheadAttention with a bool attn_mask differs from Python's by "
+              << test_util::max_diff(std::get<0>(stock(x, kv, kv, none, true, t("bm"))), t("bool_mask.y")) << "\n";
+  }
+}
+
+TEST(Attention, TransformerLayersAndStacksEqualPythonsInTrainingAndEval) {
+  test_util::TempDir dir;
+  const auto file = dir / "layers.pt";
+  test_util::python(
+      std::string(ATTENTION_PY) +
+      "enc_layer = perturb(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0))\n"
+      "gelu_layer = perturb(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, activation='gelu'))\n"
+      "dec_layer = perturb(nn.TransformerDecoderLayer(E, H, 32, dropout=0.0))\n"
+      "enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0), 2, norm=nn.LayerNorm(E),\n"
+      "                            enable_nested_tensor=False)\n"
+      "dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 32, dropout=0.0), 2, norm=nn.LayerNorm(E))\n"
+      "perturb(enc.layers[1]); perturb(dec.layers[1])\n"
+      "for k, mod in [('enc_layer', enc_layer), ('gelu_layer', gelu_layer), ('dec_layer', dec_layer), ('enc', enc),\n"
+      "               ('dec', dec)]: out[k] = mod.state_dict()\n"
+      "g = 'self_attn.in_proj_weight'\n"
+      "record('enc_causal', enc_layer, lambda mod: mod(x, src_mask=causal, is_causal=True), g)\n"
+      "record('enc_padding', enc_layer, lambda mod: mod(x, src_key_padding_mask=kpl), g)\n"
+      "record('gelu', gelu_layer, lambda mod: mod(x, src_mask=causal, is_causal=True), 'linear1.weight')\n"
+      "record('dec_layer', dec_layer, lambda mod: mod(x, mem, tgt_mask=causal, tgt_is_causal=True,\n"
+      "       memory_key_padding_mask=kpm), 'multihead_attn.in_proj_weight')\n"
+      "record('enc', enc, lambda mod: mod(x, mask=causal), 'layers.1.' + g)\n"
+      "record('dec', dec, lambda mod: mod(x, mem, tgt_mask=causal, memory_key_padding_mask=kpm), 'layers.1.' + g)\n"
+      "enc.eval()\n"
+      "with torch.no_grad(): record('enc_eval', enc, lambda mod: mod(x, mask=causal, src_key_padding_mask=kpl), '')\n"
+      "torch.save(out, '" +
+      file + "')\n");
+  const auto py = perf::load(file).toGenericDict();
+  const auto t = [&](const std::string& k) { return py.at(k).toTensor(); };
+  const auto x = t("x"), mem = t("mem"), causal = t("causal"), kpl = t("kpl"), kpm = t("kpm"), none = at::Tensor();
+  using namespace torch::nn;
+  const auto layer_options = TransformerEncoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0);
+  const auto decoder_options = TransformerDecoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0);
+  perf::TransformerEncoderLayer enc_layer(layer_options);
+  perf::TransformerEncoderLayer gelu_layer(TransformerEncoderLayerOptions(layer_options).activation(torch::kGELU));
+  perf::TransformerDecoderLayer dec_layer(decoder_options);
+  perf::TransformerEncoder enc(TransformerEncoderOptions(TransformerEncoderLayer(layer_options), 2)
+                                   .norm(AnyModule(LayerNorm(LayerNormOptions({16})))));
+  perf::TransformerDecoder dec(TransformerDecoderOptions(TransformerDecoderLayer(decoder_options), 2)
+                                   .norm(AnyModule(LayerNorm(LayerNormOptions({16})))));
+  // Python's names: a strict load of each state_dict.
+  perf::load_state_dict(enc_layer, py.at("enc_layer"));
+  perf::load_state_dict(gelu_layer, py.at("gelu_layer"));
+  perf::load_state_dict(dec_layer, py.at("dec_layer"));
+  perf::load_state_dict(enc, py.at("enc"));
+  perf::load_state_dict(dec, py.at("dec"));
+  const std::string g = "self_attn.in_proj_weight";
+  const std::vector<AttentionCase> cases = {
+      {"enc_causal", enc_layer.get(), g, [&] { return enc_layer(x, causal, none, true); }},
+      {"enc_padding", enc_layer.get(), g, [&] { return enc_layer(x, none, kpl); }},
+      {"gelu", gelu_layer.get(), "linear1.weight", [&] { return gelu_layer(x, causal, none, true); }},
+      {"dec_layer", dec_layer.get(), "multihead_attn.in_proj_weight",
+       [&] { return dec_layer(x, mem, causal, none, none, kpm, true); }},
+      {"enc", enc.get(), "layers.1." + g, [&] { return enc(x, causal); }},
+      {"dec", dec.get(), "layers.1." + g, [&] { return dec(x, mem, causal, none, none, kpm); }},
+  };
+  expect_like_python(cases, py);
+  enc->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(test_util::max_diff(enc(x, causal, kpl), t("enc_eval.y")), 1e-5);
+  // The stack's layers are copies of the options' layer: LibTorch's TransformerEncoder of the same layer.
+  TransformerEncoderLayer stock_layer(layer_options);
+  perf::TransformerEncoder copied(TransformerEncoderOptions(stock_layer, 3));
+  TransformerEncoder stock(TransformerEncoderOptions(stock_layer, 3));
+  stock->eval();
+  copied->eval();
+  EXPECT_EQ(perf::state_dict(copied).size(), perf::state_dict(stock).size());
+  EXPECT_LE(test_util::max_diff(copied(x), stock(x)), 1e-5);
+}
+
+TEST(Attention, DropoutRunsInTrainingOnlyAndKeepsTheMean) {
+  // Queries and keys all zero, values the input, the output projection the identity: each output is the
+  // mean of the kept values, scaled by 1 / (1 - p). With values of one, exactly one in eval mode.
+  perf::MultiheadAttention m(torch::nn::MultiheadAttentionOptions(8, 2).dropout(0.5));
+  {
+    torch::NoGradGuard no_grad;
+    m->in_proj_weight.zero_();
+    m->in_proj_weight.narrow(0, 16, 8).copy_(torch::eye(8));
+    m->in_proj_bias.zero_();
+    m->out_proj->weight.copy_(torch::eye(8));
+    m->out_proj->bias.zero_();
+  }
+  const auto x = torch::ones({16, 64, 8});
+  torch::NoGradGuard no_grad;
+  m->eval();
+  const auto e = std::get<0>(m(x, x, x, at::Tensor(), false));
+  EXPECT_LE(test_util::max_diff(e, torch::ones_like(e)), 1e-6);
+  m->train();
+  const auto y = std::get<0>(m(x, x, x, at::Tensor(), false));
+  EXPECT_NEAR(y.mean().item<double>(), 1.0, 0.02) << "kept values scaled by 1 / (1 - p)";
+  EXPECT_GT(y.std().item<double>(), 0.1) << "dropout is active in training";
+  EXPECT_FALSE(y.equal(std::get<0>(m(x, x, x, at::Tensor(), false)))) << "new draws each call";
+}
+
+TEST(Attention, BadMasksAreRefusedNamingTheExpectedShape) {
+  perf::MultiheadAttention m(torch::nn::MultiheadAttentionOptions(16, 4));
+  const auto x = torch::randn({7, 3, 16});
+  const auto call = [&](const at::Tensor& padding, const at::Tensor& mask, bool is_causal = false) {
+    return std::get<0>(m(x, x, x, padding, false, mask, true, is_causal));
+  };
+  PERF_EXPECT_THROW_MSG(call({}, torch::zeros({7, 6})),
+                        "the shape of the 2D attn_mask is [7, 6], but should be [7, 7]");
+  PERF_EXPECT_THROW_MSG(call({}, torch::zeros({4, 7, 7})), "it must be [7, 7] or [12, 7, 7]");
+  PERF_EXPECT_THROW_MSG(call(torch::zeros({3, 6}, torch::kBool), {}), "expecting key_padding_mask shape of [3, 7]");
+  PERF_EXPECT_THROW_MSG(call({}, torch::zeros({7, 7}, torch::kInt)),
+                        "attn_mask is Int; only bool and floating types of attn_mask are supported");
+  PERF_EXPECT_THROW_MSG(call({}, {}, true), "is_causal is a hint that attn_mask is the causal mask, and needs it");
+  PERF_EXPECT_THROW_MSG(std::get<0>(m(x, x.narrow(1, 0, 2), x.narrow(1, 0, 2), at::Tensor(), false)),
+                        "key and value must have query's batch");
+  PERF_EXPECT_THROW_MSG(perf::TransformerEncoder(
+                            torch::nn::TransformerEncoderOptions(torch::nn::TransformerEncoderLayerOptions(16, 4), 0)),
+                        "num_layers is 0; it must be at least 1");
+}
+
+TEST(Attention, OnGpuTheLayerMatchesLibTorchsAndKeepsNoAttentionMatrix) {
+  if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const torch::Device cuda(torch::kCUDA);
+  const auto options = torch::nn::TransformerEncoderLayerOptions(256, 4).dim_feedforward(512).dropout(0.0);
+  torch::nn::TransformerEncoderLayer stock(options), reference(options);
+  perf::TransformerEncoderLayer fast(options);
+  perf::load_state_dict(fast, perf::state_dict(stock));
+  perf::load_state_dict(reference, perf::state_dict(stock));
+  stock->to(cuda, torch::kBFloat16);
+  fast->to(cuda, torch::kBFloat16);
+  reference->to(cuda);  // fp32
+  const int64_t L = 2048, N = 4;
+  const auto x = torch::randn({L, N, 256}, torch::TensorOptions().device(cuda));
+  const auto causal = torch::nn::TransformerImpl::generate_square_subsequent_mask(L).to(cuda);
+  const auto xb = x.to(torch::kBFloat16), causal_b = causal.to(torch::kBFloat16);
+  const auto peak_of = [&](const std::function<at::Tensor()>& step, at::Tensor& out) {
+    torch::cuda::synchronize();
+    perf::reset_peak_memory(cuda);
+    const int64_t before = perf::memory_stats(cuda).allocated.value_or(0);
+    out = step();
+    out.to(torch::kFloat).sum().backward();
+    torch::cuda::synchronize();
+    return perf::memory_stats(cuda).peak_allocated.value_or(0) - before;
+  };
+  at::Tensor a, b;
+  const int64_t stock_peak = peak_of([&] { return stock(xb, causal_b); }, a);
+  const int64_t fast_peak = peak_of([&] { return fast(xb, causal_b, at::Tensor(), true); }, b);
+  // Both in bf16 against the fp32 layer: perf's error no larger than LibTorch's, beyond rounding.
+  at::Tensor r;
+  {
+    torch::NoGradGuard no_grad;
+    r = reference(x, causal);
+  }
+  const auto mean_error = [&](const at::Tensor& y) { return (y.to(torch::kFloat) - r).abs().mean().item<double>(); };
+  EXPECT_LE(mean_error(b), 1.5 * mean_error(a) + 1e-3) << "LibTorch's bf16 error " << mean_error(a);
+  EXPECT_LE(test_util::max_diff(a.to(torch::kFloat), b.to(torch::kFloat)), 0.25);
+  // LibTorch's keeps (N * heads, L, L) weights for backward: 4 x 4 x 2048 x 2048 x 2 bytes = 128 MiB in bf16.
+  EXPECT_LT(fast_peak, stock_peak - (64 << 20)) << "perf " << fast_peak << " bytes, LibTorch's " << stock_peak;
 }

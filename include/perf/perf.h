@@ -2,6 +2,7 @@
 #pragma once
 
 #include <perf/amp.h>
+#include <perf/attention.h>
 #include <perf/bench.h>
 #include <perf/compiled.h>
 #include <perf/config.h>

@@ -1,0 +1,151 @@
+// perf/attention.h — LibTorch's attention layers through scaled_dot_product_attention.
+//
+//   perf::TransformerEncoderLayer layer(torch::nn::TransformerEncoderLayerOptions(512, 8));  // for torch::nn's
+//   auto y = layer(x, causal_mask, {}, /*is_causal=*/true);
+//   perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));            // for torch::nn's
+//   auto [out, none] = mha(q, k, v, {}, /*need_weights=*/false);
+//
+// LibTorch's MultiheadAttention (and the TransformerEncoderLayer built on it)
+// always computes the attention matrix, softmax and dropout one by one, with
+// need_weights or without: a (batch * heads, L, S) tensor in memory and the
+// math kernels. Python's nn.MultiheadAttention calls scaled_dot_product_attention
+// when need_weights=False, as its TransformerEncoderLayer does, and so gets
+// the fused kernels (flash and memory-efficient attention on CUDA, the flash
+// kernel on the CPU). perf's classes derive from LibTorch's: the same options,
+// parameters, names and state_dict, and the forward that Python's has.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <perf/config.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/transformercoder.h>
+#include <torch/nn/modules/transformerlayer.h>
+#include <torch/nn/options/transformercoder.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <tuple>
+
+namespace perf {
+
+/// Python's `F.multi_head_attention_forward(..., need_weights=False)` with the
+/// weights of LibTorch's `attn`: the projections, then one
+/// `at::scaled_dot_product_attention`, then the output projection. Inputs are
+/// (L, N, E) as LibTorch's (no batch_first). `attn_mask` is (L, S) or
+/// (N * heads, L, S), bool (true: not attended, as Python's) or float (added);
+/// `key_padding_mask` is (N, S), bool or float. `is_causal` says that
+/// `attn_mask` is the causal mask (Python requires the mask with it) and lets
+/// the kernel skip it where no padding mask is given. Dropout as `attn` is
+/// configured, in training mode only. add_bias_kv and add_zero_attn run
+/// LibTorch's own path.
+at::Tensor multi_head_attention(torch::nn::MultiheadAttentionImpl& attn, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& key_padding_mask = {},
+                                const at::Tensor& attn_mask = {}, bool is_causal = false);
+
+/// torch::nn::MultiheadAttention whose forward is Python's: with
+/// `need_weights=false` it runs perf::multi_head_attention and returns an
+/// undefined tensor for the weights; with `need_weights=true` (the default, as
+/// in both languages) LibTorch's path, which computes them.
+class MultiheadAttentionImpl : public torch::nn::MultiheadAttentionImpl {
+ public:
+  using torch::nn::MultiheadAttentionImpl::MultiheadAttentionImpl;
+
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                             const at::Tensor& key_padding_mask = {}, bool need_weights = true,
+                                             const at::Tensor& attn_mask = {}, bool average_attn_weights = true,
+                                             bool is_causal = false);
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())}, {4, torch::nn::AnyValue(true)},
+                           {5, torch::nn::AnyValue(at::Tensor())}, {6, torch::nn::AnyValue(true)},
+                           {7, torch::nn::AnyValue(false)})
+};
+TORCH_MODULE(MultiheadAttention);
+
+/// torch::nn::TransformerEncoderLayer whose self-attention runs
+/// perf::multi_head_attention, as Python's layer runs its attention with
+/// need_weights=False. `is_causal` as Python's: `src_mask` is the causal mask.
+class TransformerEncoderLayerImpl : public torch::nn::TransformerEncoderLayerImpl {
+ public:
+  using torch::nn::TransformerEncoderLayerImpl::TransformerEncoderLayerImpl;
+
+  at::Tensor forward(const at::Tensor& src, const at::Tensor& src_mask = {},
+                     const at::Tensor& src_key_padding_mask = {}, bool is_causal = false);
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())}, {2, torch::nn::AnyValue(at::Tensor())},
+                           {3, torch::nn::AnyValue(false)})
+};
+TORCH_MODULE(TransformerEncoderLayer);
+
+/// torch::nn::TransformerDecoderLayer whose self- and cross-attention run
+/// perf::multi_head_attention, as Python's layer runs them. `tgt_is_causal`
+/// and `memory_is_causal` as Python's.
+class TransformerDecoderLayerImpl : public torch::nn::TransformerDecoderLayerImpl {
+ public:
+  using torch::nn::TransformerDecoderLayerImpl::TransformerDecoderLayerImpl;
+
+  at::Tensor forward(const at::Tensor& tgt, const at::Tensor& memory, const at::Tensor& tgt_mask = {},
+                     const at::Tensor& memory_mask = {}, const at::Tensor& tgt_key_padding_mask = {},
+                     const at::Tensor& memory_key_padding_mask = {}, bool tgt_is_causal = false,
+                     bool memory_is_causal = false);
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(at::Tensor())}, {3, torch::nn::AnyValue(at::Tensor())},
+                           {4, torch::nn::AnyValue(at::Tensor())}, {5, torch::nn::AnyValue(at::Tensor())},
+                           {6, torch::nn::AnyValue(false)}, {7, torch::nn::AnyValue(false)})
+};
+TORCH_MODULE(TransformerDecoderLayer);
+
+/// torch::nn::TransformerEncoder of perf::TransformerEncoderLayer: the
+/// options' layer copied `num_layers` times (its weights too, as LibTorch and
+/// Python copy it), then `norm` if given; the same names and state_dict as
+/// LibTorch's and Python's. `is_causal` unset: true where `mask` is the causal
+/// mask, as Python detects it.
+class TransformerEncoderImpl : public torch::nn::Cloneable<TransformerEncoderImpl> {
+ public:
+  explicit TransformerEncoderImpl(torch::nn::TransformerEncoderOptions options_);
+
+  at::Tensor forward(const at::Tensor& src, const at::Tensor& mask = {}, const at::Tensor& src_key_padding_mask = {},
+                     std::optional<bool> is_causal = std::nullopt);
+  PERF_INLINE void reset() override;  // inline in the class: no key function, no vtable in every TU
+
+  torch::nn::TransformerEncoderOptions options;
+  torch::nn::ModuleList layers = nullptr;
+  torch::nn::AnyModule norm;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())}, {2, torch::nn::AnyValue(at::Tensor())},
+                           {3, torch::nn::AnyValue(std::optional<bool>())})
+};
+TORCH_MODULE(TransformerEncoder);
+
+/// torch::nn::TransformerDecoder of perf::TransformerDecoderLayer, as
+/// TransformerEncoder above; `tgt_is_causal` unset: detected from `tgt_mask`.
+class TransformerDecoderImpl : public torch::nn::Cloneable<TransformerDecoderImpl> {
+ public:
+  explicit TransformerDecoderImpl(torch::nn::TransformerDecoderOptions options_);
+
+  at::Tensor forward(const at::Tensor& tgt, const at::Tensor& memory, const at::Tensor& tgt_mask = {},
+                     const at::Tensor& memory_mask = {}, const at::Tensor& tgt_key_padding_mask = {},
+                     const at::Tensor& memory_key_padding_mask = {}, std::optional<bool> tgt_is_causal = std::nullopt,
+                     bool memory_is_causal = false);
+  PERF_INLINE void reset() override;  // inline in the class: no key function, no vtable in every TU
+
+  torch::nn::TransformerDecoderOptions options;
+  torch::nn::ModuleList layers = nullptr;
+  torch::nn::AnyModule norm;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(at::Tensor())}, {3, torch::nn::AnyValue(at::Tensor())},
+                           {4, torch::nn::AnyValue(at::Tensor())}, {5, torch::nn::AnyValue(at::Tensor())},
+                           {6, torch::nn::AnyValue(std::optional<bool>())}, {7, torch::nn::AnyValue(false)})
+};
+TORCH_MODULE(TransformerDecoder);
+
+}  // namespace perf
+
+#ifdef PERF_HEADER_ONLY
+#include <perf/impl/attention-inl.h>
+#endif
