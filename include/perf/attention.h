@@ -27,6 +27,13 @@
 #include <optional>
 #include <tuple>
 
+// LibTorch's FORWARD_HAS_DEFAULT_ARGS (what lets a module with default arguments sit in a Sequential or an
+// AnyModule) expands to a TORCH_INTERNAL_ASSERT without a message, which clang's -Wpedantic refuses in C++17.
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wgnu-zero-variadic-macro-arguments"
+#endif
+
 namespace perf {
 
 /// Python's `F.multi_head_attention_forward(..., need_weights=False)` with the
@@ -145,6 +152,10 @@ class TransformerDecoderImpl : public torch::nn::Cloneable<TransformerDecoderImp
 TORCH_MODULE(TransformerDecoder);
 
 }  // namespace perf
+
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
 
 #ifdef PERF_HEADER_ONLY
 #include <perf/impl/attention-inl.h>
