@@ -1545,6 +1545,9 @@ TEST(Attention, MultiheadAttentionEqualsPythonsWithEveryMaskWhereLibTorchsDoesNo
   {
     torch::NoGradGuard no_grad;
     EXPECT_LE(test_util::max_diff(a(m, x, x, x, t("kpl"), none), t("eval.y")), 1e-5);
+    // A batch-first tensor seen as (L, N, E), not contiguous, gives the same.
+    const auto batch_first = x.transpose(0, 1).contiguous().transpose(0, 1);
+    EXPECT_LE(test_util::max_diff(a(m, batch_first, batch_first, batch_first, none, none), t("self.y")), 1e-5);
     // With need_weights (the default), LibTorch's own path, which returns the weights.
     const auto [y, weights] = m(x, x, x);
     EXPECT_LE(test_util::max_diff(y, t("self.y")), 1e-5);

@@ -69,9 +69,9 @@ torch::nn::ModuleList copies_of(const Layer& layer, int64_t n) {
   return list;
 }
 
-// (len, N, E) -> (N, heads, len, head_dim): a view, no copy.
+// (len, N, E) -> (N, heads, len, head_dim): a view where the projection's output allows one.
 PERF_INLINE at::Tensor split_heads(const at::Tensor& x, int64_t heads, int64_t head_dim) {
-  return x.view({x.size(0), x.size(1), heads, head_dim}).permute({1, 2, 0, 3});
+  return x.reshape({x.size(0), x.size(1), heads, head_dim}).permute({1, 2, 0, 3});
 }
 
 }  // namespace detail
@@ -112,19 +112,19 @@ PERF_INLINE at::Tensor multi_head_attention(torch::nn::MultiheadAttentionImpl& a
       TORCH_CHECK(mask.size(0) == L && mask.size(1) == S,
                   "perf::multi_head_attention: the shape of the 2D attn_mask is ", mask.sizes(), ", but should be [", L,
                   ", ", S, "]");
-      mask = mask.view({1, 1, L, S});
+      mask = mask.reshape({1, 1, L, S});
     } else {
       TORCH_CHECK(mask.dim() == 3 && mask.size(0) == N * H && mask.size(1) == L && mask.size(2) == S,
                   "perf::multi_head_attention: attn_mask is ", mask.sizes(), "; it must be [", L, ", ", S, "] or [",
                   N * H, ", ", L, ", ", S, "] (batch * num_heads, L, S)");
-      mask = mask.view({N, H, L, S});
+      mask = mask.reshape({N, H, L, S});
     }
   }
   if (padding.defined()) {
     TORCH_CHECK(padding.dim() == 2 && padding.size(0) == N && padding.size(1) == S,
                 "perf::multi_head_attention: expecting key_padding_mask shape of [", N, ", ", S, "], but got ",
                 padding.sizes());
-    const at::Tensor p = padding.view({N, 1, 1, S});
+    const at::Tensor p = padding.reshape({N, 1, 1, S});
     mask = mask.defined() ? mask + p : p;
   }
 
@@ -135,13 +135,13 @@ PERF_INLINE at::Tensor multi_head_attention(torch::nn::MultiheadAttentionImpl& a
     const at::Tensor& b = attn.in_proj_bias;
     const auto bias = [&](int64_t from, int64_t n) { return b.defined() ? b.narrow(0, from, n) : at::Tensor(); };
     if (query.is_same(key) && key.is_same(value)) {
-      const at::Tensor qkv = at::linear(query, w, b).view({L, N, 3, H, D}).permute({2, 1, 3, 0, 4});
+      const at::Tensor qkv = at::linear(query, w, b).reshape({L, N, 3, H, D}).permute({2, 1, 3, 0, 4});
       q = qkv[0];
       k = qkv[1];
       v = qkv[2];
     } else if (key.is_same(value)) {
       q = detail::split_heads(at::linear(query, w.narrow(0, 0, E), bias(0, E)), H, D);
-      const at::Tensor kv = at::linear(key, w.narrow(0, E, 2 * E), bias(E, 2 * E)).view({S, N, 2, H, D});
+      const at::Tensor kv = at::linear(key, w.narrow(0, E, 2 * E), bias(E, 2 * E)).reshape({S, N, 2, H, D});
       k = kv.select(2, 0).permute({1, 2, 0, 3});
       v = kv.select(2, 1).permute({1, 2, 0, 3});
     } else {
