@@ -2,6 +2,7 @@
 // GPU machine against nvidia-smi) and perf::advise (each finding provoked, and a
 // clean loop without findings).
 #include <ATen/autocast_mode.h>
+#include <perf/attention.h>
 #include <perf/data.h>
 #include <perf/memory_format.h>
 #include <perf/monitor.h>
@@ -286,6 +287,40 @@ TEST(Advise, NchwConvolutionsAreFound) {
   ASSERT_TRUE(advice.has("convolutions on NCHW inputs")) << advice;
   EXPECT_TRUE(contains(advice.to_string(), "2 of 2 convolutions per step take contiguous (NCHW) inputs")) << advice;
   EXPECT_TRUE(contains(advice.to_string(), "perf::optimize(model)")) << advice;
+}
+
+TEST(Advise, AttentionWrittenOutIsFoundAndScaledDotProductAttentionIsNot) {
+  const auto options = torch::nn::TransformerEncoderLayerOptions(32, 4).dim_feedforward(64).dropout(0.0);
+  torch::nn::TransformerEncoderLayer stock(options);
+  perf::TransformerEncoderLayer fast(options);
+  const auto x = torch::randn({24, 2, 32});
+  const auto mask = torch::nn::TransformerImpl::generate_square_subsequent_mask(24);
+  const auto few = perf::AdviseOptions().steps(2).warmup(1);
+  const auto stock_advice = perf::advise(
+      [&] {
+        stock->zero_grad();
+        stock(x, mask).sum().backward();
+      },
+      few);
+  ASSERT_TRUE(stock_advice.has("attention written out")) << stock_advice;
+  EXPECT_TRUE(contains(stock_advice.to_string(), "1 softmax calls per step over matmul scores of shape [8, 24, 24]"))
+      << stock_advice;
+  EXPECT_TRUE(contains(stock_advice.to_string(), "perf/attention.h: perf::TransformerEncoderLayer")) << stock_advice;
+  const auto fast_advice = perf::advise(
+      [&] {
+        fast->zero_grad();
+        fast(x, mask, torch::Tensor(), true).sum().backward();
+      },
+      few);
+  EXPECT_FALSE(fast_advice.has("attention written out")) << fast_advice;
+  // Attention by hand: written out through matmul it is found (4-d scores of a folded bmm), through
+  // scaled_dot_product_attention it is not, and a softmax over a linear layer's logits is no attention.
+  const auto q = torch::randn({2, 4, 24, 8}), k = torch::randn({2, 4, 24, 8}), v = torch::randn({2, 4, 24, 8});
+  const auto by_hand = perf::advise([&] { torch::softmax(torch::matmul(q, k.transpose(-2, -1)), -1).matmul(v); }, few);
+  EXPECT_TRUE(contains(by_hand.to_string(), "over matmul scores of shape [2, 4, 24, 24]")) << by_hand;
+  EXPECT_FALSE(perf::advise([&] { at::scaled_dot_product_attention(q, k, v); }, few).has("attention written out"));
+  torch::nn::Linear head(32, 50);
+  EXPECT_FALSE(perf::advise([&] { torch::softmax(head(x), -1); }, few).has("attention written out"));
 }
 
 TEST(Advise, FewerThreadsThanCoresIsFound) {

@@ -97,6 +97,10 @@ struct AdviseCounters {
   std::vector<std::vector<int64_t>> conv_shapes, first_conv_shapes;
   int steps_seen = 0;
   bool conv_shapes_vary = false;
+  // Attention written out: softmax over the last dim of what the last bmm returned, outside
+  // scaled_dot_product_attention (LibTorch's MultiheadAttention does it so; perf/attention.h does not).
+  std::vector<int64_t> last_bmm, attention_shape;
+  int64_t written_attention = 0;
   void end_step() {  // under mutex
     if (steps_seen++ == 0) {
       first_conv_shapes = std::move(conv_shapes);

@@ -74,6 +74,22 @@ PERF_INLINE std::unique_ptr<at::ObserverContext> advise_start(const at::RecordFu
       break;
     }
   }
+  std::vector<int64_t> bmm_out, scores;
+  if (forward_thread && (name == "aten::bmm" || name == "aten::baddbmm")) {
+    const size_t a = name == "aten::bmm" ? 0 : 1;  // baddbmm(self, batch1, batch2)
+    if (inputs.size() > a + 1 && inputs[a].isTensor() && inputs[a + 1].isTensor() && inputs[a].toTensor().dim() == 3 &&
+        inputs[a + 1].toTensor().dim() == 3) {
+      bmm_out = {inputs[a].toTensor().size(0), inputs[a].toTensor().size(1), inputs[a + 1].toTensor().size(2)};
+    }
+  }
+  if (forward_thread && name == "aten::softmax" && inputs.size() >= 2 && inputs[0].isTensor() && inputs[1].isInt()) {
+    const auto& t = inputs[0].toTensor();
+    const bool last_dim = inputs[1].toInt() == -1 || inputs[1].toInt() == t.dim() - 1;
+    const bool in_sdpa = std::any_of(op_stack.begin(), op_stack.end() - 1, [](const std::string& op) {
+      return op.find("scaled_dot_product") != std::string::npos;
+    });
+    if (last_dim && !in_sdpa && t.dim() >= 3 && t.size(-1) >= 16 && t.size(-2) >= 16) scores = t.sizes().vec();
+  }
   if (name == "aten::copy_" && inputs.size() >= 2 && inputs[0].isTensor() && inputs[1].isTensor()) {
     const auto& dst = inputs[0].toTensor();
     const auto& src = inputs[1].toTensor();
@@ -96,6 +112,15 @@ PERF_INLINE std::unique_ptr<at::ObserverContext> advise_start(const at::RecordFu
     ++c->compute_ops;
     c->compute_fp32 += compute_fp32 ? 1 : 0;
     c->cuda_compute_fp32 += compute_cuda_fp32 ? 1 : 0;
+  }
+  if (!bmm_out.empty()) c->last_bmm = std::move(bmm_out);
+  if (!scores.empty() && c->last_bmm.size() == 3 && c->last_bmm[1] == scores[scores.size() - 2] &&
+      c->last_bmm[2] == scores.back() &&
+      c->last_bmm[0] * c->last_bmm[1] * c->last_bmm[2] ==
+          std::accumulate(scores.begin(), scores.end(), int64_t{1}, std::multiplies<int64_t>())) {
+    ++c->written_attention;
+    c->attention_shape = std::move(scores);
+    c->last_bmm.clear();
   }
   if (h2d) {
     ++c->h2d;
@@ -267,6 +292,17 @@ PERF_INLINE Advice advise(const std::function<void()>& step, const AdviseOptions
                      " convolutions per step take contiguous (NCHW) inputs",
                  "perf::optimize(model) (channels-last + autocast), or perf::to_channels_last(module) and "
                  "perf::channels_last(input)"});
+  }
+  // Attention.
+  if (counters.written_attention > 0) {
+    f.push_back({"attention written out (scores, softmax, matmul)",
+                 per_step(counters.written_attention) + " softmax calls per step over matmul scores of shape " +
+                     c10::str(c10::IntArrayRef(counters.attention_shape)) +
+                     ", outside scaled_dot_product_attention: the scores are written to memory and kept for backward, "
+                     "as LibTorch's torch::nn::MultiheadAttention and its Transformer layers compute attention",
+                 "perf/attention.h: perf::TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder or "
+                 "MultiheadAttention (need_weights=false) in place of LibTorch's; at::scaled_dot_product_attention "
+                 "for attention of your own"});
   }
   // Precision.
   const bool autocast_used = counters.compute_ops > 0 && counters.compute_fp32 * 2 < counters.compute_ops;
