@@ -645,7 +645,8 @@ TEST(StateDict, AFileOfTheFormatBeforePyTorch16ReadsAsTheZipFileOfTheSameValue) 
       "torch.manual_seed(5)\nm = TwinNet()\nm(x * 3 + 1)\n"
       "base = torch.arange(12.).reshape(3, 4)\n"
       "c = {'model': m.state_dict(), 'base': base, 'view': base[1:, 1:3], 'half': base.half(), 'epoch': 3,\n"
-      "     'param': nn.Parameter(torch.ones(2)), 'i8': torch.tensor([-1, 7], dtype=torch.int8)}\n"
+      "     'param': nn.Parameter(torch.ones(2)), 'i8': torch.tensor([-1, 7], dtype=torch.int8),\n"
+      "     'empty': torch.empty(0, 3)}\n"
       "torch.save(c, '" +
       zip +
       "')\n"

@@ -329,7 +329,7 @@ class PickleReader {
             numel);
       const size_t nbytes = t.storage().nbytes();
       check(nbytes <= data_->size() - pos_, "ends early (truncated?)");
-      std::memcpy(t.storage().mutable_data(), data_->data() + pos_, nbytes);
+      if (nbytes > 0) std::memcpy(t.storage().mutable_data(), data_->data() + pos_, nbytes);  // an empty one has none
       pos_ += nbytes;
       filled.insert(k.toStringRef());
     }
