@@ -1,9 +1,9 @@
 // perf/attention.h — LibTorch's attention layers through scaled_dot_product_attention.
 //
 //   perf::TransformerEncoderLayer layer(torch::nn::TransformerEncoderLayerOptions(512, 8));  // for torch::nn's
-//   auto y = layer(x, causal_mask, {}, /*is_causal=*/true);
+//   auto y = layer(x, causal_mask, torch::Tensor(), /*is_causal=*/true);
 //   perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));            // for torch::nn's
-//   auto [out, none] = mha(q, k, v, {}, /*need_weights=*/false);
+//   auto [out, none] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
 //
 // LibTorch's MultiheadAttention (and the TransformerEncoderLayer built on it)
 // always computes the attention matrix, softmax and dropout one by one, with
