@@ -3,6 +3,7 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <c10/util/accumulate.h>
 #include <perf/advise.h>
 
 namespace perf {
@@ -115,9 +116,7 @@ PERF_INLINE std::unique_ptr<at::ObserverContext> advise_start(const at::RecordFu
   }
   if (!bmm_out.empty()) c->last_bmm = std::move(bmm_out);
   if (!scores.empty() && c->last_bmm.size() == 3 && c->last_bmm[1] == scores[scores.size() - 2] &&
-      c->last_bmm[2] == scores.back() &&
-      c->last_bmm[0] * c->last_bmm[1] * c->last_bmm[2] ==
-          std::accumulate(scores.begin(), scores.end(), int64_t{1}, std::multiplies<int64_t>())) {
+      c->last_bmm[2] == scores.back() && c10::multiply_integers(c->last_bmm) == c10::multiply_integers(scores)) {
     ++c->written_attention;
     c->attention_shape = std::move(scores);
     c->last_bmm.clear();

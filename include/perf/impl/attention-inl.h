@@ -6,14 +6,13 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/ones.h>
 #include <ATen/ops/relu.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <perf/attention.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/modules/transformer.h>
 
 #include <functional>
 #include <limits>
@@ -46,15 +45,14 @@ PERF_INLINE bool detect_is_causal(const at::Tensor& mask, std::optional<bool> is
   if (is_causal.has_value() || !mask.defined()) return is_causal.value_or(false);
   const at::Tensor m = canonical_mask(mask, "mask", at::kFloat);
   if (m.dim() != 2 || m.size(0) != size || m.size(1) != size) return false;
-  const at::Tensor causal = at::zeros({size, size}, m.options())
-                                .masked_fill_(at::ones({size, size}, m.options().dtype(at::kBool)).triu_(1),
-                                              -std::numeric_limits<double>::infinity());
-  return at::equal(m, causal);
+  return at::equal(m, torch::nn::TransformerImpl::generate_square_subsequent_mask(size).to(m.options()));
 }
 
-// Copies of `layer` as perf's layer type, registered as LibTorch's TransformerEncoder/Decoder register theirs.
+// Copies of `layer` as perf's layer type, registered as LibTorch's TransformerEncoder/Decoder register theirs:
+// "layers", then "norm" where the options give one.
 template <typename Perf, typename Layer>
-torch::nn::ModuleList copies_of(const Layer& layer, int64_t n) {
+void register_stack(torch::nn::Module& self, const Layer& layer, int64_t n, const torch::nn::AnyModule& norm_option,
+                    torch::nn::ModuleList& layers, torch::nn::AnyModule& norm) {
   TORCH_CHECK(!layer.is_empty(), "perf::Transformer{Encoder,Decoder}: the options hold no layer");
   TORCH_CHECK(n >= 1, "perf::Transformer{Encoder,Decoder}: num_layers is ", n, "; it must be at least 1");
   torch::nn::ModuleList list;
@@ -66,7 +64,11 @@ torch::nn::ModuleList copies_of(const Layer& layer, int64_t n) {
     copy->train(layer->is_training());
     list->push_back(copy);
   }
-  return list;
+  layers = self.register_module("layers", list);
+  if (!norm_option.is_empty()) {
+    norm = norm_option.clone();
+    self.register_module("norm", norm.ptr());
+  }
 }
 
 // (len, N, E) -> (N, heads, len, head_dim): a view where the projection's output allows one.
@@ -201,12 +203,8 @@ PERF_INLINE TransformerEncoderImpl::TransformerEncoderImpl(torch::nn::Transforme
 }
 
 PERF_INLINE void TransformerEncoderImpl::reset() {
-  layers = register_module(
-      "layers", detail::copies_of<TransformerEncoderLayerImpl>(options.encoder_layer(), options.num_layers()));
-  if (!options.norm().is_empty()) {
-    norm = options.norm().clone();
-    register_module("norm", norm.ptr());
-  }
+  detail::register_stack<TransformerEncoderLayerImpl>(*this, options.encoder_layer(), options.num_layers(),
+                                                      options.norm(), layers, norm);
 }
 
 PERF_INLINE at::Tensor TransformerEncoderImpl::forward(const at::Tensor& src, const at::Tensor& mask,
@@ -226,12 +224,8 @@ PERF_INLINE TransformerDecoderImpl::TransformerDecoderImpl(torch::nn::Transforme
 }
 
 PERF_INLINE void TransformerDecoderImpl::reset() {
-  layers = register_module(
-      "layers", detail::copies_of<TransformerDecoderLayerImpl>(options.decoder_layer(), options.num_layers()));
-  if (!options.norm().is_empty()) {
-    norm = options.norm().clone();
-    register_module("norm", norm.ptr());
-  }
+  detail::register_stack<TransformerDecoderLayerImpl>(*this, options.decoder_layer(), options.num_layers(),
+                                                      options.norm(), layers, norm);
 }
 
 PERF_INLINE at::Tensor TransformerDecoderImpl::forward(const at::Tensor& tgt, const at::Tensor& memory,
