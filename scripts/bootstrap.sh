@@ -8,7 +8,8 @@
 #   - LibTorch: the PyPI torch==2.11.0 wheel (its CUDA 13.0 build) in a
 #     virtualenv kept outside the clone, reused when present:
 #     $PERF_VENV (default ~/.cache/perf/venv-torch-2.11.0). Its python is also
-#     the numerical reference for the tests.
+#     the numerical reference for the tests (with PyPI's safetensors, for
+#     perf's .safetensors files).
 #
 # A user who already has LibTorch (official zip, source build, other wheel)
 # does not need this script: pass -DTorch_DIR=... or CMAKE_PREFIX_PATH to CMake.
@@ -99,5 +100,16 @@ if ! torch_ready; then
   torch_ok=""  # found again, and this once imported
   torch_ready && "$py" -c "import torch, numpy" >&2 ||
     { log "torch==$TORCH_VERSION with numpy still does not import from $py"; exit 1; }
+fi
+# Python's safetensors: the tests' reference for perf's .safetensors reader and writer. Optional: without a
+# network (PERF_DEPS_DIR, a lent GPU machine) it goes on without it, and the tests that need it say they skipped.
+if ! "$py" -c "import safetensors" 2>/dev/null; then
+  if [ -n "$deps" ]; then
+    log "no safetensors in $PERF_VENV, and no network to install it: the tests comparing with it skip"
+  else
+    log "installing safetensors into $PERF_VENV (the tests' reference for .safetensors files)"
+    "$py" -m pip install --quiet --progress-bar off --disable-pip-version-check safetensors >&2 ||
+      log "could not install safetensors: the tests comparing with it skip"
+  fi
 fi
 echo "$torch_prefix"

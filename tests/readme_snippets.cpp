@@ -232,6 +232,15 @@ epoch = loaded.at("epoch").toInt();
 
   // clang-format on
 }
+void block10_safetensors() {
+  Net model;
+  // clang-format off
+// in Python: save_file(model.state_dict(), "model.safetensors"), or from the Hub
+perf::load_state_dict(model, perf::load_safetensors("model.safetensors"));
+perf::save_safetensors(perf::state_dict(model), "tuned.safetensors", {{"format", "pt"}});
+
+  // clang-format on
+}
 void block11(torch::Device device) {
   Net model;
   auto loader = torch::data::make_data_loader(mnist(), 64);

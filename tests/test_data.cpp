@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <numeric>
 #include <set>
 #include <sstream>
@@ -873,6 +874,237 @@ TEST(StateDict, AFailedSaveLeavesTheEarlierFile) {
                         "the directory of '" + dir.path + "/no/such/dir/ckpt.pt' does not exist");
 }
 
+namespace {
+
+// Every dtype Python's safetensors reads for torch, with values that use their range, and a name with a dot.
+const char* const SAFETENSORS_PY =
+    "import torch\n"
+    "from safetensors.torch import save_file, load_file\n"
+    "from safetensors import safe_open\n"
+    "def tensors():\n"
+    "    g = torch.Generator().manual_seed(1)\n"
+    "    r = lambda *s: torch.randn(*s, generator=g)\n"
+    "    return {'f64': r(3, 2).double(), 'f32': r(4), 'f16': r(2, 3).half(), 'bf16': r(5).bfloat16(),\n"
+    "            'i64': torch.tensor([-2**63, 2**62, -1]), 'i32': torch.tensor([-7, 2**31 - 1], dtype=torch.int32),\n"
+    "            'i16': torch.tensor([-3, 300], dtype=torch.int16), 'i8': torch.tensor([-128, 127], "
+    "dtype=torch.int8),\n"
+    "            'u8': torch.tensor([0, 255], dtype=torch.uint8), 'u16': torch.tensor([65535], dtype=torch.uint16),\n"
+    "            'u32': torch.tensor([-1], dtype=torch.int32).view(torch.uint32),\n"
+    "            'u64': torch.tensor([-5], dtype=torch.int64).view(torch.uint64),\n"
+    "            'bool': torch.tensor([True, False, True]), 'c64': torch.complex(r(2), r(2)),\n"
+    "            'f8_e4m3': r(3).to(torch.float8_e4m3fn), 'f8_e5m2': r(3).to(torch.float8_e5m2),\n"
+    "            'f8_e4m3fnuz': r(2).to(torch.float8_e4m3fnuz), 'f8_e5m2fnuz': r(2).to(torch.float8_e5m2fnuz),\n"
+    "            'f8_e8m0': r(3).abs().to(torch.float8_e8m0fnu),\n"
+    "            'f4': torch.tensor([[0x12, 0xf0], [0x7e, 0x01]], dtype=torch.uint8).view(torch.float4_e2m1fn_x2),\n"
+    "            'scalar': torch.tensor(2.5), 'empty': torch.zeros(0, 3), 'layer.0.weight': r(2, 2)}\n"
+    "meta = {'format': 'pt', 'note': 'r\\u00e9sum\\u00e9 ' + chr(34) + 'q' + chr(34) + chr(92) + chr(9) + '!'}\n"
+    "def same(a, b):\n"
+    "    f = lambda t: t.contiguous().flatten().view(torch.uint8)\n"
+    "    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(f(a), f(b))\n";
+
+const std::map<std::string, std::string> kSafetensorsMeta = {{"format", "pt"},
+                                                             {"note", "r\xc3\xa9sum\xc3\xa9 \"q\"\\\t!"}};
+
+// A tensor's bytes, for an exact comparison of any dtype (float8 and float4 have no equal()).
+at::Tensor bytes_of(const at::Tensor& t) { return t.contiguous().reshape({-1}).view(torch::kUInt8); }
+
+bool python_has_safetensors() {
+  return test_util::python("import importlib.util\nprint(importlib.util.find_spec('safetensors') is not None)") ==
+         "True";
+}
+
+// A .safetensors file of this header text and these data bytes.
+void write_safetensors(const std::string& path, const std::string& header, const std::string& data) {
+  std::string len(8, '\0');
+  for (size_t k = 0; k < 8; ++k) len[k] = static_cast<char>((header.size() >> (8 * k)) & 0xff);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << len << header << data;
+}
+
+}  // namespace
+
+TEST(StateDict, ASafetensorsFileReadsAsPythonsSafetensorsReadsItAndBack) {
+  if (!python_has_safetensors()) {
+    GTEST_SKIP() << "skipped: the reference Python has no safetensors package (scripts/bootstrap.sh installs it)";
+  }
+  test_util::TempDir dir;
+  const auto py_file = dir / "py.safetensors", pt_file = dir / "py.pt", cpp_file = dir / "cpp.safetensors";
+  const auto order = test_util::python(std::string(SAFETENSORS_PY) + "save_file(tensors(), '" + py_file +
+                                       "', metadata=meta)\ntorch.save(tensors(), '" + pt_file +
+                                       "')\nprint(*load_file('" + py_file + "'))\n");
+  const auto loaded = perf::load_safetensors(py_file);
+  const auto want = perf::load(pt_file).toGenericDict();  // the same tensors through torch.save (tested above)
+  std::string names;
+  for (const auto& kv : loaded) names += (names.empty() ? "" : " ") + kv.key();
+  EXPECT_EQ(names, order) << "the file's order, as Python's load_file";
+  ASSERT_EQ(loaded.size(), want.size());
+  for (const auto& kv : want) {
+    const auto a = kv.value().toTensor(), b = loaded.at(kv.key().toStringRef());
+    EXPECT_EQ(a.scalar_type(), b.scalar_type()) << kv.key();
+    EXPECT_EQ(a.sizes(), b.sizes()) << kv.key();
+    EXPECT_TRUE(bytes_of(a).equal(bytes_of(b))) << kv.key();
+  }
+  EXPECT_EQ(perf::safetensors_metadata(py_file), kSafetensorsMeta);
+  // perf::load reads it too (a dict of the same tensors), so one call loads either kind of file.
+  const auto generic = perf::load(py_file).toGenericDict();
+  ASSERT_EQ(generic.size(), loaded.size());
+  EXPECT_TRUE(generic.at("f32").toTensor().equal(loaded.at("f32")));
+
+  // Written by perf, read by Python's safetensors: the same tensors and metadata, from a dict Python's save_file
+  // refuses (a transpose, a slice, two names for one tensor).
+  auto out = loaded.copy();
+  const auto base = torch::arange(12.f).reshape({3, 4});
+  out.insert("tposed", base.t());
+  out.insert("slice", base.select(1, 2));
+  out.insert("tied", loaded.at("f32"));
+  perf::save_safetensors(out, cpp_file, kSafetensorsMeta);
+  const auto back = test_util::lines(test_util::python(
+      std::string(SAFETENSORS_PY) + "a, b = tensors(), load_file('" + cpp_file +
+      "')\n"
+      "a.update(tposed=torch.arange(12.).reshape(3, 4).t(), slice=torch.arange(12.).reshape(3, 4)[:, 2], "
+      "tied=a['f32'])\n"
+      "print(sorted(a) == sorted(b), [k for k in a if not same(a[k], b[k])])\n"
+      "with safe_open('" +
+      cpp_file + "', 'pt') as f:\n    print(f.metadata() == meta)\n"));
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(back[0], "True []");
+  EXPECT_EQ(back[1], "True");
+  // The data starts 8-byte aligned, as Python's writer pads the header.
+  const auto file = read_bytes(cpp_file);
+  uint64_t header_len = 0;
+  for (int k = 7; k >= 0; --k)
+    header_len = (header_len << 8) | static_cast<unsigned char>(file[static_cast<size_t>(k)]);
+  EXPECT_EQ((8 + header_len) % 8, 0u);
+
+  // A model's weights saved by Python's safetensors load into the LibTorch twin and give Python's output.
+  const auto twin = test_util::lines(
+      test_util::python(std::string(TWIN_PY) +
+                        "from safetensors.torch import save_file\ntorch.manual_seed(5)\nm = TwinNet()\n"
+                        "m(x * 3 + 1)\nsave_file(m.state_dict(), '" +
+                        dir / "twin.safetensors" + "')\nm.eval()\nprint(*m(x).flatten().tolist())\n"));
+  ASSERT_EQ(twin.size(), 1u);
+  TwinNet net;
+  perf::load_state_dict(net, perf::load_safetensors(dir / "twin.safetensors"));
+  EXPECT_LE(test_util::max_diff(eval_output(net), torch::tensor(test_util::parse_numbers(twin[0])).reshape({2, 5})),
+            1e-6);
+}
+
+TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeverCrash) {
+  test_util::TempDir dir;
+  // perf's own round trip (no Python needed): every dtype the format names, metadata, an empty and a 0-dim tensor.
+  auto tensors = c10::Dict<std::string, at::Tensor>();
+  tensors.insert("w", torch::randn({3, 2}));
+  tensors.insert("half", torch::randn({4}).to(torch::kHalf));
+  tensors.insert("count", torch::tensor(7));
+  tensors.insert("empty", torch::zeros({0, 2}));
+  tensors.insert("f4", torch::tensor({0x12, 0x34}, torch::kUInt8).view(c10::kFloat4_e2m1fn_x2).reshape({1, 2}));
+  tensors.insert("mask", torch::tensor({true, false}));
+  const auto good = dir / "good.safetensors";
+  perf::save_safetensors(tensors, good, {{"format", "pt"}});
+  const auto read = perf::load_safetensors(good);
+  ASSERT_EQ(read.size(), tensors.size());
+  for (const auto& kv : tensors) {
+    EXPECT_EQ(read.at(kv.key()).scalar_type(), kv.value().scalar_type()) << kv.key();
+    EXPECT_EQ(read.at(kv.key()).sizes(), kv.value().sizes()) << kv.key();
+    EXPECT_TRUE(bytes_of(read.at(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
+  }
+  EXPECT_EQ(perf::safetensors_metadata(good), (std::map<std::string, std::string>{{"format", "pt"}}));
+  EXPECT_EQ(read_bytes(good).find("\"f4\":{\"dtype\":\"F4\",\"shape\":[1,4]") != std::string::npos, true)
+      << "the header counts F4 values, two a byte: " << read_bytes(good).substr(8, 200);
+
+  // Headers that break the format, each refused naming what is wrong.
+  const auto bad = dir / "bad.safetensors";
+  const auto refused = [&](const std::string& header, const std::string& data, const std::string& message) {
+    write_safetensors(bad, header, data);
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(bad), message);
+  };
+  const std::string f32 = R"("dtype":"F32","shape":[1])";
+  refused("[1]", "", "the header does not start with '{' (not a .safetensors file)");
+  refused(R"({"a":})", "", "its header is not valid JSON: a value expected at byte 13 of the file");
+  refused(R"({"a":{)" + f32 + R"(,"data_offsets":[0,4]},})", std::string(4, '\0'), "a string expected");
+  refused(R"({"a":"\x"})", "", "an unknown escape \\x");
+  refused("{\"a\":" + std::string(100, '[') + std::string(100, ']') + "}", "", "nested more than 64 deep");
+  refused(R"({"a":{"dtype":"F6_E2M3","shape":[1],"data_offsets":[0,1]}})", "x",
+          "\"a\" has dtype F6_E2M3, which perf does not read; it reads F64, F32, F16, BF16");
+  refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", std::string(4, '\0'),
+          "\"a\" has data_offsets [0, 4], but its dtype and shape take 8 bytes");
+  refused(R"({"a":{)" + f32 + R"(,"data_offsets":[0,4]},"b":{)" + f32 + R"(,"data_offsets":[8,12]}})",
+          std::string(12, '\0'), "\"b\" starts at byte 8 of the data, where a gap follows the tensor before it");
+  refused(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{)" + f32 + R"(,"data_offsets":[4,8]}})",
+          std::string(8, '\0'),
+          "\"b\" starts at byte 4 of the data, where an earlier tensor's bytes are (they overlap)");
+  refused(R"({"a":{)" + f32 + R"(,"data_offsets":[0,4]}})", std::string(6, '\0'),
+          "the tensors take 4 bytes of data and the file holds 6 after its header (bytes left over)");
+  refused(R"({"a":{)" + f32 + R"(,"data_offsets":[0,4]},"a":{)" + f32 + R"(,"data_offsets":[4,8]}})",
+          std::string(8, '\0'), "the header names \"a\" twice");
+  refused(R"({"__metadata__":{"n":1}})", "", "holds \"n\" as a value that is not text");
+  refused(R"({"a":{"dtype":"F4","shape":[2,3],"data_offsets":[0,3]}})", "xyz",
+          "\"a\" is F4 with an odd last dimension");
+  refused(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "xxxx",
+          "a dimension of \"a\" is -1; a non-negative integer is expected");
+  refused(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,4]}})", "xxxx",
+          "\"a\"'s shape is too large for its dtype");
+  refused(R"({"a":{"dtype":"F32","shape":[1]}})", "xxxx", "\"a\" lacks one of dtype, shape and data_offsets");
+  {
+    std::ofstream(bad, std::ios::binary | std::ios::trunc) << std::string(8, '\xff') << "{}";
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(bad), "is over the format's limit of 100000000");
+    std::ofstream(bad, std::ios::binary | std::ios::trunc) << std::string("\x40\0\0\0\0\0\0\0{}", 10);
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(bad), "runs past the end of the file (10 bytes): a truncated file");
+  }
+  // An empty header with unknown fields beside the known ones, and "__metadata__": null, are the format's.
+  write_safetensors(bad, R"({"__metadata__":null,"a":{"dtype":"F32","shape":[],"data_offsets":[0,4],"x":[1,{}]}})",
+                    std::string("\0\0\x80\x3f", 4));
+  EXPECT_EQ(perf::load_safetensors(bad).at("a").item<float>(), 1.0f);
+  // perf::load names itself.
+  write_safetensors(bad, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  PERF_EXPECT_THROW_MSG(perf::load(bad), "perf::load: " + bad + ": \"a\" has data_offsets [0, 4]");
+  PERF_EXPECT_THROW_MSG(perf::load_safetensors(dir / "none"),
+                        "perf::load_safetensors: " + dir / "none" + ": not a file");
+
+  // Every truncation and every one-byte change of a real file: an answer or an error naming the reader.
+  const std::string bytes = read_bytes(good);
+  size_t errors = 0;
+  const auto attempt = [&](const std::string& b) {
+    std::ofstream(bad, std::ios::binary | std::ios::trunc) << b;
+    try {
+      perf::load_safetensors(bad);
+    } catch (const c10::Error& e) {
+      ++errors;
+      EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("perf::load_safetensors: ", 0), 0u)
+          << e.what_without_backtrace();
+    }
+  };
+  for (size_t n = 0; n < bytes.size(); ++n) attempt(bytes.substr(0, n));
+  EXPECT_EQ(errors, bytes.size()) << "every truncation is refused";
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    std::string b = bytes;
+    b[i] = static_cast<char>(b[i] ^ 0x5a);
+    attempt(b);
+  }
+
+  // What the format cannot hold is refused before anything is written; the earlier file stays.
+  const auto before = read_bytes(good);
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(torch::ones(2), good), "the tensors are a Tensor, not a dict");
+  auto cplx = tensors.copy();  // c10::Dict copies share their items
+  cplx.insert("z", torch::ones({2}, torch::kComplexDouble));
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(cplx, good),
+                        "\"z\" is ComplexDouble, which the format has no name for; it holds F64, F32");
+  auto sparse = tensors.copy();
+  sparse.insert("s", torch::eye(3).to_sparse());
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(sparse, good), "\"s\" is a Sparse tensor; the format holds dense ones");
+  auto meta_name = tensors.copy();
+  meta_name.insert("__metadata__", torch::ones(1));
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(meta_name, good), "\"__metadata__\" is the header's metadata");
+  auto generic = perf::dict();
+  generic.insert("epoch", 3);
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(generic, good), "\"epoch\" is a Int, not a tensor");
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(tensors, good, {{"bad", std::string("\xff", 1)}}),
+                        "the metadata \"bad\" is not UTF-8 text");
+  EXPECT_EQ(read_bytes(good), before);
+  PERF_EXPECT_THROW_MSG(
+      perf::save_safetensors(tensors, dir / "no/such/dir/w.safetensors"),
+      "perf::save_safetensors: the directory of '" + dir.path + "/no/such/dir/w.safetensors' does not exist");
+}
+
 TEST(StateDict, OnGpuACudaModelSavesItsDeviceAndLoadsBackIntoOneOnTheGpu) {
   if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   test_util::TempDir dir;
@@ -894,5 +1126,12 @@ TEST(StateDict, OnGpuACudaModelSavesItsDeviceAndLoadsBackIntoOneOnTheGpu) {
   EXPECT_TRUE(again->head->weight.is_cuda());
   for (const auto& kv : perf::state_dict(net)) {
     EXPECT_TRUE(kv.value().equal(perf::state_dict(again).at(kv.key()))) << kv.key();
+  }
+  // And as .safetensors: written from the GPU, read straight onto it.
+  perf::save_safetensors(perf::state_dict(net), dir / "cuda.safetensors");
+  const auto on_gpu = perf::load_safetensors(dir / "cuda.safetensors", torch::kCUDA);
+  for (const auto& kv : perf::state_dict(net)) {
+    EXPECT_TRUE(on_gpu.at(kv.key()).is_cuda()) << kv.key();
+    EXPECT_TRUE(on_gpu.at(kv.key()).equal(kv.value())) << kv.key();
   }
 }

@@ -8,6 +8,9 @@
 //   auto ckpt = perf::load("ckpt.pt").toGenericDict();
 //   perf::load_state_dict(model, ckpt.at("model"));
 //   // and its optimizer and scaler, as Python's: opt.load_state_dict(ckpt.at("optim")) (perf/optim.h, amp.h)
+//   // Hugging Face's .safetensors files, as Python's safetensors.torch.load_file / save_file
+//   perf::load_state_dict(model, perf::load_safetensors("model.safetensors"));
+//   perf::save_safetensors(perf::state_dict(model), "trained.safetensors", {{"format", "pt"}});
 //
 // LibTorch's own torch::save/torch::load write and read a TorchScript archive
 // that Python's torch.load does not read, and LibTorch's torch::pickle_load
@@ -20,6 +23,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/module.h>
@@ -27,6 +31,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -85,8 +90,36 @@ void save(const c10::IValue& value, const std::string& path);
 /// naming its class, as Python's default refuses it; so are quantized, sparse
 /// and nested tensors (Python reads them; perf reads dense tensors). Files of
 /// the format before PyTorch 1.6 (not a zip archive: torchvision's older
-/// weights) are read too, as Python reads them.
+/// weights) are read too, as Python reads them. So is a .safetensors file
+/// (which Python's torch.load does not read): a dict as load_safetensors's.
 c10::IValue load(const std::string& path);
+
+/// Python's `safetensors.torch.load_file(path, device)`: the tensors of a
+/// .safetensors file (Hugging Face's weight format: a JSON header, then each
+/// tensor's bytes) by name, in the file's order, each in its own memory on
+/// `device`. Every dtype Python's safetensors reads for torch (float8s,
+/// unsigned ints and packed float4 too). The header is checked whole before a
+/// byte of data is read, as the format's own reader checks it: the tensors
+/// must cover the data exactly, without gaps or overlaps, each the size its
+/// dtype and shape say; a file that fails is refused naming what is wrong.
+c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device = c10::kCPU);
+
+/// Python's `safe_open(path, "pt").metadata()`: the text the header's
+/// `__metadata__` holds (`{"format": "pt"}` in files written by
+/// transformers), empty when there is none. Reads the header only.
+std::map<std::string, std::string> safetensors_metadata(const std::string& path);
+
+/// Python's `safetensors.torch.save_file(tensors, path, metadata)`: `tensors`
+/// is a dict of name -> tensor (perf::state_dict, or load_safetensors's
+/// result), on any device. Where Python refuses, perf writes what the file
+/// can hold: a non-contiguous tensor (a view, a transpose) as its values, and
+/// tensors that share memory (tied weights) each under its name (so the file
+/// loads back into the model with load_state_dict). A dtype the format has no
+/// name for (complex128, quantized) or a sparse tensor is refused before
+/// anything is written; the file is written beside `path` and renamed over it
+/// at the end, so an earlier file at `path` survives a failed save.
+void save_safetensors(const c10::IValue& tensors, const std::string& path,
+                      const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace perf
 

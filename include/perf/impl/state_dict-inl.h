@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include <map>
 #include <ostream>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -898,6 +900,415 @@ PERF_INLINE c10::IValue load_legacy(const std::string& path) {
   }
 }
 
+// ---- .safetensors (github.com/huggingface/safetensors): an 8-byte little-endian header length, the header (a JSON
+// object: "__metadata__" -> {text: text}, and name -> {"dtype", "shape", "data_offsets": [begin, end)} with offsets
+// into the data after it), then the data.
+
+// The format's dtype names, as Python's safetensors maps them to torch's; F4 holds two float4 values a byte, and the
+// header counts them (torch's float4_e2m1fn_x2 counts bytes), so its last dimension is twice torch's.
+PERF_INLINE const std::vector<std::pair<std::string, c10::ScalarType>>& safetensors_dtypes() {
+  static const std::vector<std::pair<std::string, c10::ScalarType>> names = {
+      {"F64", c10::kDouble},
+      {"F32", c10::kFloat},
+      {"F16", c10::kHalf},
+      {"BF16", c10::kBFloat16},
+      {"I64", c10::kLong},
+      {"I32", c10::kInt},
+      {"I16", c10::kShort},
+      {"I8", c10::kChar},
+      {"U64", c10::kUInt64},
+      {"U32", c10::kUInt32},
+      {"U16", c10::kUInt16},
+      {"U8", c10::kByte},
+      {"BOOL", c10::kBool},
+      {"C64", c10::kComplexFloat},
+      {"F8_E4M3", c10::kFloat8_e4m3fn},
+      {"F8_E4M3FNUZ", c10::kFloat8_e4m3fnuz},
+      {"F8_E5M2", c10::kFloat8_e5m2},
+      {"F8_E5M2FNUZ", c10::kFloat8_e5m2fnuz},
+      {"F8_E8M0", c10::kFloat8_e8m0fnu},
+      {"F4", c10::kFloat4_e2m1fn_x2},
+  };
+  return names;
+}
+
+PERF_INLINE std::string safetensors_dtype_list() {
+  std::string s;
+  for (const auto& d : safetensors_dtypes()) s += (s.empty() ? "" : ", ") + d.first;
+  return s;
+}
+
+// A JSON value: what a header holds. Numbers keep their text (offsets and sizes are read from it exactly).
+struct JsonValue {
+  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
+  std::string text;               // a string's value (UTF-8), a number's text, "true"/"false"
+  std::vector<JsonValue> items;   // an array's, or an object's values
+  std::vector<std::string> keys;  // an object's, in the header's order
+};
+
+// RFC 8259 JSON, strict (no comments, no trailing commas), nested at most 64 deep: a header is data from a file.
+class JsonParser {
+ public:
+  JsonParser(const std::string& text, std::string who) : s_(text), who_(std::move(who)) {}
+  JsonValue document() {
+    space();
+    JsonValue v = value(0);
+    space();
+    if (i_ != s_.size()) fail("text after the header's object");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& why) const {
+    TORCH_CHECK(false, who_, ": its header is not valid JSON: ", why, " at byte ", i_ + 8, " of the file");
+  }
+  void space() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_;
+  }
+  bool eat(char c) {
+    space();
+    if (i_ < s_.size() && s_[i_] == c) return ++i_, true;
+    return false;
+  }
+  void expect(char c) {
+    if (!eat(c)) fail(std::string("'") + c + "' expected");
+  }
+  JsonValue value(int depth) {
+    if (depth > 64) fail("nested more than 64 deep");
+    space();
+    if (i_ >= s_.size()) fail("the header ends early");
+    JsonValue v;
+    const char c = s_[i_];
+    if (c == '{') {
+      v.kind = JsonValue::Kind::Object;
+      ++i_;
+      if (eat('}')) return v;
+      do {
+        space();
+        v.keys.push_back(string());
+        expect(':');
+        v.items.push_back(value(depth + 1));
+      } while (eat(','));
+      expect('}');
+    } else if (c == '[') {
+      v.kind = JsonValue::Kind::Array;
+      ++i_;
+      if (eat(']')) return v;
+      do v.items.push_back(value(depth + 1));
+      while (eat(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = JsonValue::Kind::String;
+      v.text = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      v.kind = JsonValue::Kind::Number;
+      v.text = number();
+    } else {
+      for (const char* word : {"true", "false", "null"}) {
+        if (s_.compare(i_, std::strlen(word), word) == 0) {
+          i_ += std::strlen(word);
+          v.kind = word[0] == 'n' ? JsonValue::Kind::Null : JsonValue::Kind::Bool;
+          v.text = word;
+          return v;
+        }
+      }
+      fail("a value expected");
+    }
+    return v;
+  }
+  std::string number() {
+    const size_t start = i_;
+    const auto digits = [&] {
+      const size_t from = i_;
+      while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') ++i_;
+      if (i_ == from) fail("a digit expected");
+    };
+    if (s_[i_] == '-') ++i_;
+    if (i_ < s_.size() && s_[i_] == '0') {
+      ++i_;
+    } else {
+      digits();
+    }
+    if (i_ < s_.size() && s_[i_] == '.') ++i_, digits();
+    if (i_ < s_.size() && (s_[i_] == 'e' || s_[i_] == 'E')) {
+      ++i_;
+      if (i_ < s_.size() && (s_[i_] == '+' || s_[i_] == '-')) ++i_;
+      digits();
+    }
+    return s_.substr(start, i_ - start);
+  }
+  unsigned hex4() {
+    unsigned u = 0;
+    for (int k = 0; k < 4; ++k, ++i_) {
+      if (i_ >= s_.size() || !std::isxdigit(static_cast<unsigned char>(s_[i_])))
+        fail("a \\u escape needs 4 hex digits");
+      const char h = s_[i_];
+      u = u * 16 + static_cast<unsigned>(h <= '9' ? h - '0' : (h | 0x20) - 'a' + 10);
+    }
+    return u;
+  }
+  std::string string() {
+    if (i_ >= s_.size() || s_[i_] != '"') fail("a string expected");
+    ++i_;
+    std::string out;
+    while (true) {
+      if (i_ >= s_.size()) fail("a string is not closed");
+      const char c = s_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= s_.size()) fail("a string is not closed");
+      const char e = s_[i_++];
+      switch (e) {
+        case '"':
+        case '\\':
+        case '/':
+          out += e;
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case 'u': {
+          unsigned cp = hex4();
+          if (cp >= 0xd800 && cp <= 0xdbff) {  // a surrogate pair: one code point
+            if (s_.compare(i_, 2, "\\u") != 0) fail("a lone surrogate in a \\u escape");
+            i_ += 2;
+            const unsigned lo = hex4();
+            if (lo < 0xdc00 || lo > 0xdfff) fail("a lone surrogate in a \\u escape");
+            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+          } else if (cp >= 0xdc00 && cp <= 0xdfff) {
+            fail("a lone surrogate in a \\u escape");
+          }
+          if (cp < 0x80) {
+            out += static_cast<char>(cp);
+          } else if (cp < 0x800) {
+            out += static_cast<char>(0xc0 | (cp >> 6));
+            out += static_cast<char>(0x80 | (cp & 0x3f));
+          } else if (cp < 0x10000) {
+            out += static_cast<char>(0xe0 | (cp >> 12));
+            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+            out += static_cast<char>(0x80 | (cp & 0x3f));
+          } else {
+            out += static_cast<char>(0xf0 | (cp >> 18));
+            out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
+            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+            out += static_cast<char>(0x80 | (cp & 0x3f));
+          }
+          break;
+        }
+        default:
+          fail(std::string("an unknown escape \\") + e);
+      }
+    }
+  }
+
+  const std::string& s_;
+  std::string who_;
+  size_t i_ = 0;
+};
+
+PERF_INLINE void json_string(std::string& out, const std::string& s) {
+  out += '"';
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c < 0x20) {
+      static const char hex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += ch;
+    }
+  }
+  out += '"';
+}
+
+struct SafetensorsEntry {
+  std::string name;
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;  // torch's (F4's last dimension halved)
+  uint64_t begin, end;         // into the data
+};
+
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;  // in the data's order
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // 8 + the header's length
+};
+
+// The header, checked whole as the format's reader (safetensors' Metadata::validate) checks it.
+PERF_INLINE SafetensorsHeader read_safetensors_header(std::ifstream& f, const std::string& who) {
+  const auto file_size = static_cast<uint64_t>(f.seekg(0, std::ios::end).tellg());
+  f.seekg(0);
+  unsigned char len[8] = {};
+  f.read(reinterpret_cast<char*>(len), 8);
+  TORCH_CHECK(f.gcount() == 8, who, ": the file is shorter than the 8 bytes of a .safetensors header's length");
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | len[k];
+  // The format's own limit (safetensors' MAX_HEADER_SIZE): a header past it is a damaged or foreign file.
+  TORCH_CHECK(n <= 100000000, who, ": the header's length, ", n,
+              " bytes, is over the format's limit of 100000000 (not a .safetensors file, or a damaged one)");
+  TORCH_CHECK(8 + n <= file_size, who, ": the header's length, ", n, " bytes, runs past the end of the file (",
+              file_size, " bytes): a truncated file");
+  std::string text(n, '\0');
+  f.read(text.data(), static_cast<std::streamsize>(n));
+  TORCH_CHECK(static_cast<uint64_t>(f.gcount()) == n, who, ": could not read the header");
+  TORCH_CHECK(!text.empty() && text[0] == '{', who, ": the header does not start with '{' (not a .safetensors file)");
+  TORCH_CHECK(python_str(text), who, ": the header is not UTF-8 text");
+  const JsonValue doc = JsonParser(text, who).document();
+  TORCH_CHECK(doc.kind == JsonValue::Kind::Object, who, ": the header is not a JSON object");
+
+  using Kind = JsonValue::Kind;
+  const auto integer = [&](const JsonValue& v, const std::string& what) {
+    TORCH_CHECK(
+        v.kind == Kind::Number && v.text.find_first_not_of("0123456789") == std::string::npos && v.text.size() <= 19,
+        who, ": ", what, " is ", v.kind == Kind::Number ? v.text : "not a number",
+        "; a non-negative integer is expected");
+    return static_cast<uint64_t>(std::stoull(v.text));
+  };
+  SafetensorsHeader h;
+  h.data_start = 8 + n;
+  std::unordered_set<std::string> names;
+  for (size_t m = 0; m < doc.keys.size(); ++m) {
+    const std::string& name = doc.keys[m];
+    const JsonValue& info = doc.items[m];
+    TORCH_CHECK(names.insert(name).second, who, ": the header names \"", name, "\" twice");
+    if (name == "__metadata__") {
+      if (info.kind == Kind::Null) continue;
+      TORCH_CHECK(info.kind == Kind::Object, who, ": the header's __metadata__ is not an object of text -> text");
+      for (size_t k = 0; k < info.keys.size(); ++k) {
+        TORCH_CHECK(info.items[k].kind == Kind::String, who, ": the header's __metadata__ holds \"", info.keys[k],
+                    "\" as a value that is not text (the format's metadata is text -> text)");
+        h.metadata[info.keys[k]] = info.items[k].text;
+      }
+      continue;
+    }
+    TORCH_CHECK(info.kind == Kind::Object, who, ": \"", name, "\" is not an object in the header");
+    const JsonValue *dtype = nullptr, *shape = nullptr, *offsets = nullptr;
+    for (size_t k = 0; k < info.keys.size(); ++k) {
+      if (info.keys[k] == "dtype") dtype = &info.items[k];
+      if (info.keys[k] == "shape") shape = &info.items[k];
+      if (info.keys[k] == "data_offsets") offsets = &info.items[k];
+    }
+    TORCH_CHECK(dtype && shape && offsets, who, ": \"", name,
+                "\" lacks one of dtype, shape and data_offsets in the header");
+    TORCH_CHECK(dtype->kind == Kind::String, who, ": \"", name, "\"'s dtype is not text");
+    const auto& table = safetensors_dtypes();
+    const auto it = std::find_if(table.begin(), table.end(), [&](const auto& d) { return d.first == dtype->text; });
+    TORCH_CHECK(it != table.end(), who, ": \"", name, "\" has dtype ", dtype->text,
+                ", which perf does not read; it reads ", safetensors_dtype_list());
+    TORCH_CHECK(shape->kind == Kind::Array && offsets->kind == Kind::Array && offsets->items.size() == 2, who, ": \"",
+                name, "\"'s shape is not a list, or its data_offsets not a [begin, end] pair");
+    SafetensorsEntry e{name,
+                       it->second,
+                       {},
+                       integer(offsets->items[0], "\"" + name + "\"'s data_offsets[0]"),
+                       integer(offsets->items[1], "\"" + name + "\"'s data_offsets[1]")};
+    // Counted in bits: F4 is half a byte; every product is checked against 2^63 before it is formed.
+    uint64_t bits = it->second == c10::kFloat4_e2m1fn_x2 ? 4 : 8 * c10::elementSize(it->second);
+    for (const auto& d : shape->items) {
+      const uint64_t size = integer(d, "a dimension of \"" + name + "\"");
+      TORCH_CHECK(size <= static_cast<uint64_t>(INT64_MAX) && (size == 0 || bits <= (uint64_t{1} << 63) / size), who,
+                  ": \"", name, "\"'s shape is too large for its dtype");
+      bits *= size;
+      e.shape.push_back(static_cast<int64_t>(size));
+    }
+    TORCH_CHECK(bits % 8 == 0, who, ": \"", name, "\" holds an odd number of F4 values, not whole bytes");
+    if (it->second == c10::kFloat4_e2m1fn_x2) {
+      TORCH_CHECK(!e.shape.empty() && e.shape.back() % 2 == 0, who, ": \"", name,
+                  "\" is F4 with an odd last dimension (or none): torch packs two F4 values a byte along it");
+      e.shape.back() /= 2;
+    }
+    TORCH_CHECK(e.begin <= e.end && e.end - e.begin == bits / 8, who, ": \"", name, "\" has data_offsets [", e.begin,
+                ", ", e.end, "], but its dtype and shape take ", bits / 8, " bytes");
+    h.entries.push_back(std::move(e));
+  }
+  std::stable_sort(h.entries.begin(), h.entries.end(),
+                   [](const auto& a, const auto& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t at = 0;
+  for (const auto& e : h.entries) {
+    TORCH_CHECK(e.begin == at, who, ": \"", e.name, "\" starts at byte ", e.begin, " of the data, where ",
+                e.begin < at ? "an earlier tensor's bytes are (they overlap)" : "a gap follows the tensor before it",
+                "; the format's tensors lie end to end from byte 0");
+    at = e.end;
+  }
+  TORCH_CHECK(at == file_size - h.data_start, who, ": the tensors take ", at, " bytes of data and the file holds ",
+              file_size - h.data_start, " after its header (",
+              at < file_size - h.data_start ? "bytes left over" : "a truncated file", ")");
+  return h;
+}
+
+PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path,
+                                                                             c10::Device device,
+                                                                             const std::string& who) {
+  TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
+  std::ifstream f(path, std::ios::binary);
+  TORCH_CHECK(f, who, ": could not open the file");
+  const auto h = read_safetensors_header(f, who);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(h.entries.size());
+  f.seekg(static_cast<std::streamoff>(h.data_start));
+  for (const auto& e : h.entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    const auto nbytes = static_cast<std::streamsize>(e.end - e.begin);
+    if (nbytes > 0) f.read(static_cast<char*>(t.data_ptr()), nbytes);
+    TORCH_CHECK(nbytes == 0 || f.gcount() == nbytes, who, ": could not read \"", e.name, "\"'s bytes");
+    out.emplace_back(e.name, device.is_cpu() ? std::move(t) : t.to(device));
+  }
+  return out;
+}
+
+// What perf::load takes for a .safetensors file: its 8 first bytes a header length that fits the file, and the
+// header an object. A torch.save file starts with "PK" (a zip) or pickle's 0x80 0x02.
+PERF_INLINE bool looks_like_safetensors(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  unsigned char b[9] = {};
+  f.read(reinterpret_cast<char*>(b), 9);
+  if (f.gcount() != 9 || b[8] != '{') return false;
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
+  return n <= 100000000 && 8 + n <= std::filesystem::file_size(path);
+}
+
+// Writes a file beside `path`, then renames it over `path`: an earlier file there survives a failed write.
+template <class Write>
+void write_then_rename(const std::string& path, const std::string& who, Write&& write) {
+  namespace fs = std::filesystem;
+  const fs::path target(path);
+  TORCH_CHECK(!target.filename().empty(), who, ": '", path, "' names no file");
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  TORCH_CHECK(fs::is_directory(dir), who, ": the directory of '", path, "' does not exist");
+  const fs::path tmp = dir / (target.filename().string() + ".perf-tmp");
+  try {
+    write(tmp.string());
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    throw;
+  }
+  std::error_code ec;
+  fs::rename(tmp, target, ec);
+  TORCH_CHECK(!ec, who, ": could not move the written file over '", path, "': ", ec.message());
+}
+
 }  // namespace detail
 
 PERF_INLINE c10::Dict<std::string, at::Tensor> state_dict(ModuleRef module) {
@@ -978,15 +1389,9 @@ PERF_INLINE void save(const c10::IValue& value, const std::string& path) {
   w.bytes.push_back(2);
   w.value(value, "");
   w.bytes.push_back(static_cast<char>(detail::op::kStop));
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  TORCH_CHECK(!target.filename().empty(), "perf::save: '", path, "' names no file");
-  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-  TORCH_CHECK(fs::is_directory(dir), "perf::save: the directory of '", path, "' does not exist");
   // Python names the archive's folder after the file; written beside it under another name, then renamed.
-  const fs::path tmp = dir / (target.filename().string() + ".perf-tmp");
-  try {
-    caffe2::serialize::PyTorchStreamWriter writer(tmp.string());
+  detail::write_then_rename(path, "perf::save", [&](const std::string& tmp) {
+    caffe2::serialize::PyTorchStreamWriter writer(tmp);
     writer.writeRecord("data.pkl", w.bytes.data(), w.bytes.size());
     writer.writeRecord("byteorder", "little", 6);  // no .format_version: Python then reads offsets from the zip
     for (const auto& [key, t] : w.storages) {
@@ -997,14 +1402,7 @@ PERF_INLINE void save(const c10::IValue& value, const std::string& path) {
       writer.writeRecord("data/" + key, bytes.data_ptr(), static_cast<size_t>(nbytes));
     }
     writer.writeEndOfFile();
-  } catch (...) {
-    std::error_code ec;
-    fs::remove(tmp, ec);
-    throw;
-  }
-  std::error_code ec;
-  fs::rename(tmp, target, ec);
-  TORCH_CHECK(!ec, "perf::save: could not move the written file over '", path, "': ", ec.message());
+  });
 }
 
 PERF_INLINE c10::IValue load(const std::string& path) {
@@ -1014,7 +1412,10 @@ PERF_INLINE c10::IValue load(const std::string& path) {
     char magic[4] = {};
     f.read(magic, sizeof magic);
     if (std::string(magic, static_cast<size_t>(f.gcount())) != std::string("PK\x03\x04", 4)) {
-      return detail::load_legacy(path);
+      if (!detail::looks_like_safetensors(path)) return detail::load_legacy(path);
+      c10::impl::GenericDict out(c10::StringType::get(), c10::TensorType::get());
+      for (auto& [name, t] : detail::read_safetensors(path, c10::kCPU, "perf::load: " + path)) out.insert(name, t);
+      return out;
     }
   }
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
@@ -1042,6 +1443,103 @@ PERF_INLINE c10::IValue load(const std::string& path) {
     TORCH_CHECK(what.rfind("perf::load: ", 0) == 0, "perf::load: ", path, ": ", what);
     throw;
   }
+}
+
+PERF_INLINE c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device) {
+  c10::Dict<std::string, at::Tensor> out;
+  for (auto& [name, t] : detail::read_safetensors(path, device, "perf::load_safetensors: " + path)) {
+    out.insert(name, std::move(t));
+  }
+  return out;
+}
+
+PERF_INLINE std::map<std::string, std::string> safetensors_metadata(const std::string& path) {
+  const std::string who = "perf::safetensors_metadata: " + path;
+  TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
+  std::ifstream f(path, std::ios::binary);
+  return detail::read_safetensors_header(f, who).metadata;
+}
+
+PERF_INLINE void save_safetensors(const c10::IValue& tensors, const std::string& path,
+                                  const std::map<std::string, std::string>& metadata) {
+  const std::string who = "perf::save_safetensors";
+  TORCH_CHECK(tensors.isGenericDict(), who, ": the tensors are a ", tensors.tagKind(),
+              ", not a dict of name -> tensor (perf::state_dict, or perf::load_safetensors)");
+  struct Item {
+    std::string name;
+    at::Tensor t;
+    std::string dtype;
+  };
+  std::vector<Item> items;
+  for (const auto& kv : tensors.toGenericDict()) {
+    TORCH_CHECK(kv.key().isString(), who, ": a key is not a string: ", kv.key());
+    const std::string& name = kv.key().toStringRef();
+    TORCH_CHECK(name != "__metadata__", who, ": \"__metadata__\" is the header's metadata, not a tensor's name");
+    TORCH_CHECK(detail::python_str(name), who, ": the name \"", name, "\" is not UTF-8 text (the header is JSON)");
+    TORCH_CHECK(kv.value().isTensor() && kv.value().toTensor().defined(), who, ": \"", name, "\" is a ",
+                kv.value().tagKind(), ", not a tensor");
+    const at::Tensor& t = kv.value().toTensor();
+    TORCH_CHECK(t.layout() == c10::kStrided && !t.is_quantized(), who, ": \"", name, "\" is a ", t.layout(),
+                t.is_quantized() ? " quantized" : "", " tensor; the format holds dense ones (.to_dense() it first)");
+    const auto& table = detail::safetensors_dtypes();
+    const auto it =
+        std::find_if(table.begin(), table.end(), [&](const auto& d) { return d.second == t.scalar_type(); });
+    TORCH_CHECK(it != table.end(), who, ": \"", name, "\" is ", t.scalar_type(),
+                ", which the format has no name for; it holds ", detail::safetensors_dtype_list());
+    items.push_back({name, t, it->first});
+  }
+  for (const auto& [k, v] : metadata) {
+    TORCH_CHECK(detail::python_str(k) && detail::python_str(v), who, ": the metadata \"", k,
+                "\" is not UTF-8 text (the header is JSON)");
+  }
+  // As Python's writer orders them: the widest elements first (each tensor then starts aligned), then by name.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    const auto wa = a.t.element_size(), wb = b.t.element_size();
+    return wa != wb ? wa > wb : a.name < b.name;
+  });
+  std::string header = "{";
+  if (!metadata.empty()) {
+    header += "\"__metadata__\":{";
+    for (const auto& [k, v] : metadata) {
+      if (header.back() != '{') header += ',';
+      detail::json_string(header, k);
+      header += ':';
+      detail::json_string(header, v);
+    }
+    header += '}';
+  }
+  uint64_t at = 0;
+  for (const auto& item : items) {
+    if (header.size() > 1) header += ',';
+    detail::json_string(header, item.name);
+    header += ":{\"dtype\":\"" + item.dtype + "\",\"shape\":[";
+    const auto sizes = item.t.sizes();
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      // The header counts F4 values, two a byte of torch's float4_e2m1fn_x2.
+      const int64_t size = item.dtype == "F4" && d + 1 == sizes.size() ? 2 * sizes[d] : sizes[d];
+      header += (d ? "," : "") + std::to_string(size);
+    }
+    const auto nbytes = static_cast<uint64_t>(item.t.numel() * item.t.element_size());
+    header += "],\"data_offsets\":[" + std::to_string(at) + "," + std::to_string(at + nbytes) + "]}";
+    at += nbytes;
+  }
+  header += '}';
+  header.append((8 - header.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as Python's writer pads it
+  detail::write_then_rename(path, who, [&](const std::string& tmp) {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(f, who, ": could not open '", tmp, "' to write");
+    char len[8];
+    for (int k = 0; k < 8; ++k) len[k] = static_cast<char>((header.size() >> (8 * k)) & 0xff);
+    f.write(len, 8);
+    f.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (const auto& item : items) {
+      // One tensor at a time on the host, as its values: a view, a transpose, a conjugate resolved.
+      const at::Tensor host = item.t.detach().resolve_conj().resolve_neg().to(c10::kCPU).contiguous();
+      f.write(static_cast<const char*>(host.data_ptr()), static_cast<std::streamsize>(host.nbytes()));
+    }
+    f.flush();
+    TORCH_CHECK(f.good(), who, ": could not write '", tmp, "'");
+  });
 }
 
 }  // namespace perf
