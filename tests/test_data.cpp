@@ -1059,6 +1059,10 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
   PERF_EXPECT_THROW_MSG(perf::load(bad), "perf::load: " + bad + ": \"a\" has data_offsets [0, 4]");
   PERF_EXPECT_THROW_MSG(perf::load_safetensors(dir / "none"),
                         "perf::load_safetensors: " + dir / "none" + ": not a file");
+  if (!test_util::has_cuda()) {
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(good, torch::kCUDA),
+                          "perf::load_safetensors: " + good + ": cannot put tensors on cuda: ");
+  }
 
   // Every truncation and every one-byte change of a real file: an answer or an error naming the reader.
   const std::string bytes = read_bytes(good);

@@ -1263,6 +1263,13 @@ PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors(con
   std::ifstream f(path, std::ios::binary);
   TORCH_CHECK(f, who, ": could not open the file");
   const auto h = read_safetensors_header(f, who);
+  if (!device.is_cpu()) {  // a device this process lacks is refused before the file is read
+    try {
+      at::empty({0}, at::TensorOptions().device(device));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who, ": cannot put tensors on ", device, ": ", e.what_without_backtrace());
+    }
+  }
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(h.entries.size());
   f.seekg(static_cast<std::streamoff>(h.data_start));
@@ -1285,7 +1292,9 @@ PERF_INLINE bool looks_like_safetensors(const std::string& path) {
   if (f.gcount() != 9 || b[8] != '{') return false;
   uint64_t n = 0;
   for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
-  return n <= 100000000 && 8 + n <= std::filesystem::file_size(path);
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  return !ec && n <= 100000000 && 8 + n <= size;
 }
 
 // Writes a file beside `path`, then renames it over `path`: an earlier file there survives a failed write.
@@ -1457,6 +1466,7 @@ PERF_INLINE std::map<std::string, std::string> safetensors_metadata(const std::s
   const std::string who = "perf::safetensors_metadata: " + path;
   TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
   std::ifstream f(path, std::ios::binary);
+  TORCH_CHECK(f, who, ": could not open the file");
   return detail::read_safetensors_header(f, who).metadata;
 }
 
