@@ -238,6 +238,8 @@ void block10_safetensors() {
 // in Python: save_file(model.state_dict(), "model.safetensors"), or from the Hub
 perf::load_state_dict(model, perf::load_safetensors("model.safetensors"));
 perf::save_safetensors(perf::state_dict(model), "tuned.safetensors", {{"format", "pt"}});
+// a sharded checkpoint, through its index
+auto weights = perf::load_safetensors("model.safetensors.index.json", torch::kCUDA);
 
   // clang-format on
 }

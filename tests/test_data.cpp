@@ -1064,6 +1064,52 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
                           "perf::load_safetensors: " + good + ": cannot put tensors on cuda: ");
   }
 
+  // A sharded checkpoint (transformers' model.safetensors.index.json beside its shards), read through its index.
+  {
+    const auto shard = [&](const std::string& name, std::vector<std::string> keys) {
+      c10::Dict<std::string, at::Tensor> part;
+      for (const auto& k : keys) part.insert(k, tensors.at(k));
+      perf::save_safetensors(part, dir / name);
+    };
+    shard("model-00001-of-00002.safetensors", {"w", "half", "count"});
+    shard("model-00002-of-00002.safetensors", {"empty", "f4", "mask"});
+    const auto index = dir / "model.safetensors.index.json";
+    const auto write_index = [&](const std::string& map) {
+      std::ofstream(index, std::ios::trunc) << "{\n  \"metadata\": {\n    \"total_size\": 60\n  },\n"
+                                            << "  \"weight_map\": {\n"
+                                            << map << "\n  }\n}\n";
+    };
+    const std::string one = "model-00001-of-00002.safetensors", two = "model-00002-of-00002.safetensors";
+    const auto entry = [](const std::string& name, const std::string& file) {
+      return "    \"" + name + "\": \"" + file + "\"";
+    };
+    const std::string map = entry("count", one) + ",\n" + entry("empty", two) + ",\n" + entry("f4", two) + ",\n" +
+                            entry("half", one) + ",\n" + entry("mask", two) + ",\n" + entry("w", one);
+    write_index(map);
+    const auto sharded = perf::load_safetensors(index);
+    ASSERT_EQ(sharded.size(), tensors.size());
+    for (const auto& kv : tensors) {
+      EXPECT_TRUE(bytes_of(sharded.at(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
+    }
+    write_index(map + ",\n" + entry("gone", two));
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index),
+                          "the index puts \"gone\" in shard " + two + ", which does not hold it");
+    write_index(entry("count", one) + ",\n" + entry("empty", two) + ",\n" + entry("f4", two) + ",\n" +
+                entry("half", one) + ",\n" + entry("mask", two) + ",\n" + entry("w", two));
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index),
+                          "shard " + one + " holds \"w\", which the index puts in shard " + two);
+    write_index(entry("count", one) + ",\n" + entry("w", one));
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index),
+                          "shard " + one + " holds \"half\", which the index does not name");
+    write_index(map + ",\n" + entry("x", "model-00003-of-00003.safetensors"));
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index),
+                          "perf::load_safetensors: " + dir / "model-00003-of-00003.safetensors" + ": not a file");
+    std::ofstream(index, std::ios::trunc) << "{\"metadata\": {}}";
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index), "the index has no \"weight_map\" object");
+    std::ofstream(index, std::ios::trunc) << "{\"weight_map\": {\"a\": 1,}}";
+    PERF_EXPECT_THROW_MSG(perf::load_safetensors(index), "the index is not valid JSON: a string expected at byte 23");
+  }
+
   // Every truncation and every one-byte change of a real file: an answer or an error naming the reader.
   const std::string bytes = read_bytes(good);
   size_t errors = 0;

@@ -102,6 +102,10 @@ c10::IValue load(const std::string& path);
 /// byte of data is read, as the format's own reader checks it: the tensors
 /// must cover the data exactly, without gaps or overlaps, each the size its
 /// dtype and shape say; a file that fails is refused naming what is wrong.
+/// A path ending in .json is a sharded checkpoint's index (transformers'
+/// model.safetensors.index.json, whose "weight_map" names each tensor's
+/// shard): every shard is read, and each must hold exactly the names the
+/// index gives it.
 c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device = c10::kCPU);
 
 /// Python's `safe_open(path, "pt").metadata()`: the text the header's

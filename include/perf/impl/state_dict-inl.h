@@ -947,20 +947,22 @@ struct JsonValue {
 };
 
 // RFC 8259 JSON, strict (no comments, no trailing commas), nested at most 64 deep: a header is data from a file.
+// `what` names the text in errors, `at` is its first byte's offset in the file.
 class JsonParser {
  public:
-  JsonParser(const std::string& text, std::string who) : s_(text), who_(std::move(who)) {}
+  JsonParser(const std::string& text, std::string who, std::string what = "its header", size_t at = 8)
+      : s_(text), who_(std::move(who)), what_(std::move(what)), at_(at) {}
   JsonValue document() {
     space();
     JsonValue v = value(0);
     space();
-    if (i_ != s_.size()) fail("text after the header's object");
+    if (i_ != s_.size()) fail("text after the JSON value");
     return v;
   }
 
  private:
   [[noreturn]] void fail(const std::string& why) const {
-    TORCH_CHECK(false, who_, ": its header is not valid JSON: ", why, " at byte ", i_ + 8, " of the file");
+    TORCH_CHECK(false, who_, ": ", what_, " is not valid JSON: ", why, " at byte ", i_ + at_, " of the file");
   }
   void space() {
     while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_;
@@ -1118,8 +1120,8 @@ class JsonParser {
   }
 
   const std::string& s_;
-  std::string who_;
-  size_t i_ = 0;
+  std::string who_, what_;
+  size_t at_, i_ = 0;
 };
 
 PERF_INLINE void json_string(std::string& out, const std::string& s) {
@@ -1279,6 +1281,63 @@ PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors(con
     if (nbytes > 0) f.read(static_cast<char*>(t.data_ptr()), nbytes);
     TORCH_CHECK(nbytes == 0 || f.gcount() == nbytes, who, ": could not read \"", e.name, "\"'s bytes");
     out.emplace_back(e.name, device.is_cpu() ? std::move(t) : t.to(device));
+  }
+  return out;
+}
+
+// transformers' sharded checkpoint: an index (model.safetensors.index.json: {"metadata": {...}, "weight_map": {name:
+// shard file}}) beside the shards it names. Each shard is read whole, in the order the map first names it, and must
+// hold exactly the names the map gives it.
+PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors_index(const std::string& path,
+                                                                                   c10::Device device,
+                                                                                   const std::string& who) {
+  TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
+  std::string text;
+  {
+    std::ifstream f(path, std::ios::binary);
+    TORCH_CHECK(f, who, ": could not open the file");
+    text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  TORCH_CHECK(python_str(text), who, ": the index is not UTF-8 text");
+  const JsonValue doc = JsonParser(text, who, "the index", 0).document();
+  const JsonValue* map = nullptr;
+  for (size_t k = 0; doc.kind == JsonValue::Kind::Object && k < doc.keys.size(); ++k) {
+    if (doc.keys[k] == "weight_map") map = &doc.items[k];
+  }
+  TORCH_CHECK(map && map->kind == JsonValue::Kind::Object, who,
+              ": the index has no \"weight_map\" object of name -> shard file (transformers' "
+              "model.safetensors.index.json)");
+  std::vector<std::string> shards;
+  std::unordered_map<std::string, std::string> shard_of;
+  for (size_t k = 0; k < map->keys.size(); ++k) {
+    TORCH_CHECK(map->items[k].kind == JsonValue::Kind::String, who, ": the weight_map gives \"", map->keys[k],
+                "\" a shard that is not a file name");
+    const std::string& shard = map->items[k].text;
+    if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
+    shard_of[map->keys[k]] = shard;
+  }
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& shard : shards) {
+    const std::string file = (dir / shard).string();
+    size_t held = 0;
+    for (auto& [name, t] : read_safetensors(file, device, "perf::load_safetensors: " + file)) {
+      const auto it = shard_of.find(name);
+      TORCH_CHECK(it != shard_of.end() && it->second == shard, who, ": shard ", shard, " holds \"", name,
+                  "\", which the index ", it == shard_of.end() ? "does not name" : "puts in shard " + it->second);
+      out.emplace_back(name, std::move(t));
+      ++held;
+    }
+    const auto wanted = static_cast<size_t>(
+        std::count_if(shard_of.begin(), shard_of.end(), [&](const auto& kv) { return kv.second == shard; }));
+    if (held != wanted) {
+      std::unordered_set<std::string> read;
+      for (const auto& kv : out) read.insert(kv.first);
+      for (size_t k = 0; k < map->keys.size(); ++k) {
+        TORCH_CHECK(map->items[k].text != shard || read.count(map->keys[k]), who, ": the index puts \"", map->keys[k],
+                    "\" in shard ", shard, ", which does not hold it");
+      }
+    }
   }
   return out;
 }
@@ -1455,8 +1514,11 @@ PERF_INLINE c10::IValue load(const std::string& path) {
 }
 
 PERF_INLINE c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device) {
+  const std::string who = "perf::load_safetensors: " + path;
+  const bool index = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
   c10::Dict<std::string, at::Tensor> out;
-  for (auto& [name, t] : detail::read_safetensors(path, device, "perf::load_safetensors: " + path)) {
+  for (auto& [name, t] :
+       index ? detail::read_safetensors_index(path, device, who) : detail::read_safetensors(path, device, who)) {
     out.insert(name, std::move(t));
   }
   return out;
