@@ -443,6 +443,20 @@ std::string data_pkl(const std::string& path) {
   return std::string(static_cast<const char*>(ptr.get()), n);
 }
 
+// Writes `bytes` to `path` and reads it with `read`: whether it was refused. A refusal must be a c10::Error whose
+// message starts with `prefix` (the reader naming itself), never a crash or another exception.
+template <class Read>
+bool refused_when_read(const std::string& path, const std::string& bytes, Read&& read, const std::string& prefix) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  try {
+    read(path);
+    return false;
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()).rfind(prefix, 0), 0u) << e.what_without_backtrace();
+    return true;
+  }
+}
+
 }  // namespace
 
 TEST(StateDict, APythonStateDictLoadsIntoTheLibTorchTwinAndBack) {
@@ -693,21 +707,12 @@ TEST(StateDict, AFileOfTheFormatBeforePyTorch16ReadsAsTheZipFileOfTheSameValue) 
   EXPECT_TRUE(old.at("w").toTensor().equal(torch::arange(12.f).reshape({3, 4})));
 
   // Every truncation and every third byte changed: an answer or an error naming the file, never a crash.
-  std::string bytes;
-  {
-    std::ifstream f(old2, std::ios::binary);
-    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  }
+  const std::string bytes = read_bytes(old2);
   const auto damaged = dir / "damaged.pt";
   size_t refused = 0;
   const auto attempt = [&](const std::string& b) {
-    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << b;
-    try {
-      perf::load(damaged);
-    } catch (const c10::Error& e) {
-      ++refused;
-      EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("perf::load: ", 0), 0u) << e.what_without_backtrace();
-    }
+    refused += refused_when_read(
+        damaged, b, [](const std::string& p) { perf::load(p); }, "perf::load: ");
   };
   for (size_t n = 0; n < bytes.size(); n += (n < 600 ? 1 : 97)) attempt(bytes.substr(0, n));
   EXPECT_GT(refused, 600u) << "every truncation is refused";
@@ -1114,14 +1119,8 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
   const std::string bytes = read_bytes(good);
   size_t errors = 0;
   const auto attempt = [&](const std::string& b) {
-    std::ofstream(bad, std::ios::binary | std::ios::trunc) << b;
-    try {
-      perf::load_safetensors(bad);
-    } catch (const c10::Error& e) {
-      ++errors;
-      EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("perf::load_safetensors: ", 0), 0u)
-          << e.what_without_backtrace();
-    }
+    errors += refused_when_read(
+        bad, b, [](const std::string& p) { perf::load_safetensors(p); }, "perf::load_safetensors: ");
   };
   for (size_t n = 0; n < bytes.size(); ++n) attempt(bytes.substr(0, n));
   EXPECT_EQ(errors, bytes.size()) << "every truncation is refused";
