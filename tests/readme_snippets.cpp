@@ -178,7 +178,7 @@ std::cout << model;
 
   // clang-format on
 }
-void block_attention(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+void block_attention(torch::Tensor x, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tokens) {
   // clang-format off
 auto layer_options = torch::nn::TransformerEncoderLayerOptions(512, 8).dim_feedforward(2048);
 perf::TransformerEncoder encoder(torch::nn::TransformerEncoderOptions(
@@ -188,6 +188,11 @@ auto y = encoder(x, causal);                                    // (L, N, E): ca
 
 perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));
 auto [out, no_weights] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
+
+// a pre-LayerNorm (GPT-style) stack on (N, L, E) batches: Python's norm_first and batch_first
+perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(layer_options, 6),
+                             perf::TransformerLayerOptions().norm_first(true).batch_first(true));
+auto h = gpt(tokens, torch::nn::TransformerImpl::generate_square_subsequent_mask(tokens.size(1)));  // (N, L, E)
   // clang-format on
 }
 void block10() {

@@ -1630,6 +1630,85 @@ TEST(Attention, TransformerLayersAndStacksEqualPythonsInTrainingAndEval) {
   EXPECT_LE(test_util::max_diff(copied(x), stock(x)), 1e-5);
 }
 
+// What LibTorch's layer options lack and Python's layers take: norm_first and batch_first
+// (perf::TransformerLayerOptions).
+TEST(Attention, NormFirstAndBatchFirstLayersAndStacksEqualPythons) {
+  test_util::TempDir dir;
+  const auto file = dir / "pre.pt";
+  test_util::python(
+      std::string(ATTENTION_PY) +
+      "xb, memb = x.transpose(0, 1).contiguous(), mem.transpose(0, 1).contiguous()\n"
+      "out['xb'], out['memb'] = xb, memb\n"
+      "kw = dict(dropout=0.0, norm_first=True, batch_first=True)\n"
+      "pre = perturb(nn.TransformerEncoderLayer(E, H, 32, **kw))\n"
+      "pre_seq = perturb(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, norm_first=True))\n"
+      "post_bf = perturb(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True))\n"
+      "pre_dec = perturb(nn.TransformerDecoderLayer(E, H, 32, **kw))\n"
+      "enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, **kw), 2, norm=nn.LayerNorm(E),\n"
+      "                            enable_nested_tensor=False)\n"
+      "dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, 32, **kw), 2, norm=nn.LayerNorm(E))\n"
+      "perturb(enc.layers[1]); perturb(dec.layers[1])\n"
+      "for k, mod in [('pre', pre), ('pre_seq', pre_seq), ('post_bf', post_bf), ('pre_dec', pre_dec), ('enc', enc),\n"
+      "               ('dec', dec)]: out[k] = mod.state_dict()\n"
+      "g = 'self_attn.in_proj_weight'\n"
+      "record('pre', pre, lambda mod: mod(xb, src_mask=causal, is_causal=True, src_key_padding_mask=kpl), g)\n"
+      "record('pre_seq', pre_seq, lambda mod: mod(x, src_mask=causal, is_causal=True), 'linear1.weight')\n"
+      "record('post_bf', post_bf, lambda mod: mod(xb, src_key_padding_mask=kpl), g)\n"
+      "record('pre_dec', pre_dec, lambda mod: mod(xb, memb, tgt_mask=causal, tgt_is_causal=True,\n"
+      "       memory_key_padding_mask=kpm), 'multihead_attn.in_proj_weight')\n"
+      "record('enc', enc, lambda mod: mod(xb, mask=causal), 'layers.1.' + g)\n"
+      "record('dec', dec, lambda mod: mod(xb, memb, tgt_mask=causal, memory_key_padding_mask=kpm), 'layers.1.' + g)\n"
+      "enc.eval()\n"
+      "with torch.no_grad(): record('enc_eval', enc, lambda mod: mod(xb, mask=causal, src_key_padding_mask=kpl), '')\n"
+      "torch.save(out, '" +
+      file + "')\n");
+  const auto py = perf::load(file).toGenericDict();
+  const auto t = [&](const std::string& k) { return py.at(k).toTensor(); };
+  const auto x = t("x"), xb = t("xb"), memb = t("memb"), causal = t("causal"), kpl = t("kpl"), kpm = t("kpm"),
+             none = at::Tensor();
+  using namespace torch::nn;
+  const auto layer_options = TransformerEncoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0);
+  const auto decoder_options = TransformerDecoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0);
+  const auto pre_bf = perf::TransformerLayerOptions().norm_first(true).batch_first(true);
+  perf::TransformerEncoderLayer pre(layer_options, pre_bf);
+  perf::TransformerEncoderLayer pre_seq(layer_options, perf::TransformerLayerOptions().norm_first(true));
+  perf::TransformerEncoderLayer post_bf(layer_options, perf::TransformerLayerOptions().batch_first(true));
+  perf::TransformerDecoderLayer pre_dec(decoder_options, pre_bf);
+  perf::TransformerEncoder enc(TransformerEncoderOptions(TransformerEncoderLayer(layer_options), 2)
+                                   .norm(AnyModule(LayerNorm(LayerNormOptions({16})))),
+                               pre_bf);
+  perf::TransformerDecoder dec(TransformerDecoderOptions(TransformerDecoderLayer(decoder_options), 2)
+                                   .norm(AnyModule(LayerNorm(LayerNormOptions({16})))),
+                               pre_bf);
+  // The same parameters and names as without the options: Python's state_dicts load strictly.
+  perf::load_state_dict(pre, py.at("pre"));
+  perf::load_state_dict(pre_seq, py.at("pre_seq"));
+  perf::load_state_dict(post_bf, py.at("post_bf"));
+  perf::load_state_dict(pre_dec, py.at("pre_dec"));
+  perf::load_state_dict(enc, py.at("enc"));
+  perf::load_state_dict(dec, py.at("dec"));
+  const std::string g = "self_attn.in_proj_weight";
+  const std::vector<AttentionCase> cases = {
+      {"pre", pre.get(), g, [&] { return pre(xb, causal, kpl, true); }},
+      {"pre_seq", pre_seq.get(), "linear1.weight", [&] { return pre_seq(x, causal, none, true); }},
+      {"post_bf", post_bf.get(), g, [&] { return post_bf(xb, none, kpl); }},
+      {"pre_dec", pre_dec.get(), "multihead_attn.in_proj_weight",
+       [&] { return pre_dec(xb, memb, causal, none, none, kpm, true); }},
+      {"enc", enc.get(), "layers.1." + g, [&] { return enc(xb, causal); }},
+      {"dec", dec.get(), "layers.1." + g, [&] { return dec(xb, memb, causal, none, none, kpm); }},
+  };
+  expect_like_python(cases, py);
+  enc->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(test_util::max_diff(enc(xb, causal, kpl), t("enc_eval.y")), 1e-5);
+  EXPECT_TRUE(enc->layers[0]->as<perf::TransformerEncoderLayerImpl>()->layer_options.norm_first())
+      << "the stack's layers carry its layer options";
+  // The options change the result: the same weights without them answer otherwise.
+  perf::TransformerEncoderLayer post(layer_options);
+  perf::load_state_dict(post, py.at("pre"));
+  EXPECT_GT(test_util::max_diff(post(x), pre(xb).transpose(0, 1)), 1e-2);
+}
+
 TEST(Attention, DropoutRunsInTrainingOnlyAndKeepsTheMean) {
   // Queries and keys all zero, values the input, the output projection the identity: each output is the
   // mean of the kept values, scaled by 1 / (1 - p). With values of one, exactly one in eval mode.

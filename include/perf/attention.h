@@ -4,6 +4,10 @@
 //   auto y = layer(x, causal_mask, torch::Tensor(), /*is_causal=*/true);
 //   perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));            // for torch::nn's
 //   auto [out, none] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
+//   // what LibTorch's options lack: Python's norm_first (pre-LayerNorm) and batch_first
+//   perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(torch::nn::TransformerEncoderLayerOptions(512,
+//   8), 6),
+//                                perf::TransformerLayerOptions().norm_first(true).batch_first(true));
 //
 // LibTorch's MultiheadAttention (and the TransformerEncoderLayer built on it)
 // always computes the attention matrix, softmax and dropout one by one, with
@@ -17,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <perf/config.h>
+#include <torch/arg.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/transformercoder.h>
@@ -50,6 +55,18 @@ at::Tensor multi_head_attention(torch::nn::MultiheadAttentionImpl& attn, const a
                                 const at::Tensor& value, const at::Tensor& key_padding_mask = {},
                                 const at::Tensor& attn_mask = {}, bool is_causal = false);
 
+/// What Python's transformer layers take and LibTorch's options
+/// (TransformerEncoderLayerOptions, TransformerDecoderLayerOptions) lack; both
+/// false by default, as in Python. The parameters and state_dict do not change.
+struct TransformerLayerOptions {
+  /// Python's `norm_first`: each block normalizes its input, then adds its
+  /// output to it (pre-LayerNorm, as GPT-style models), instead of normalizing
+  /// the sum.
+  TORCH_ARG(bool, norm_first) = false;
+  /// Python's `batch_first`: inputs and outputs are (N, L, E), not (L, N, E).
+  TORCH_ARG(bool, batch_first) = false;
+};
+
 /// torch::nn::MultiheadAttention whose forward is Python's: with
 /// `need_weights=false` it runs perf::multi_head_attention and returns an
 /// undefined tensor for the weights; with `need_weights=true` (the default, as
@@ -76,9 +93,14 @@ TORCH_MODULE(MultiheadAttention);
 class TransformerEncoderLayerImpl : public torch::nn::TransformerEncoderLayerImpl {
  public:
   using torch::nn::TransformerEncoderLayerImpl::TransformerEncoderLayerImpl;
+  TransformerEncoderLayerImpl(const torch::nn::TransformerEncoderLayerOptions& options_,
+                              TransformerLayerOptions layer_options_)
+      : torch::nn::TransformerEncoderLayerImpl(options_), layer_options(layer_options_) {}
 
   at::Tensor forward(const at::Tensor& src, const at::Tensor& src_mask = {},
                      const at::Tensor& src_key_padding_mask = {}, bool is_causal = false);
+
+  TransformerLayerOptions layer_options;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())}, {2, torch::nn::AnyValue(at::Tensor())},
@@ -92,11 +114,16 @@ TORCH_MODULE(TransformerEncoderLayer);
 class TransformerDecoderLayerImpl : public torch::nn::TransformerDecoderLayerImpl {
  public:
   using torch::nn::TransformerDecoderLayerImpl::TransformerDecoderLayerImpl;
+  TransformerDecoderLayerImpl(const torch::nn::TransformerDecoderLayerOptions& options_,
+                              TransformerLayerOptions layer_options_)
+      : torch::nn::TransformerDecoderLayerImpl(options_), layer_options(layer_options_) {}
 
   at::Tensor forward(const at::Tensor& tgt, const at::Tensor& memory, const at::Tensor& tgt_mask = {},
                      const at::Tensor& memory_mask = {}, const at::Tensor& tgt_key_padding_mask = {},
                      const at::Tensor& memory_key_padding_mask = {}, bool tgt_is_causal = false,
                      bool memory_is_causal = false);
+
+  TransformerLayerOptions layer_options;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(at::Tensor())}, {3, torch::nn::AnyValue(at::Tensor())},
@@ -107,18 +134,20 @@ TORCH_MODULE(TransformerDecoderLayer);
 
 /// torch::nn::TransformerEncoder of perf::TransformerEncoderLayer: the
 /// options' layer copied `num_layers` times (its weights too, as LibTorch and
-/// Python copy it), then `norm` if given; the same names and state_dict as
-/// LibTorch's and Python's. `is_causal` unset: true where `mask` is the causal
-/// mask, as Python detects it.
+/// Python copy it), each with `layer_options`, then `norm` if given; the same
+/// names and state_dict as LibTorch's and Python's. `is_causal` unset: true
+/// where `mask` is the causal mask, as Python detects it.
 class TransformerEncoderImpl : public torch::nn::Cloneable<TransformerEncoderImpl> {
  public:
-  explicit TransformerEncoderImpl(torch::nn::TransformerEncoderOptions options_);
+  explicit TransformerEncoderImpl(torch::nn::TransformerEncoderOptions options_,
+                                  TransformerLayerOptions layer_options_ = {});
 
   at::Tensor forward(const at::Tensor& src, const at::Tensor& mask = {}, const at::Tensor& src_key_padding_mask = {},
                      std::optional<bool> is_causal = std::nullopt);
   PERF_INLINE void reset() override;  // inline in the class: no key function, no vtable in every TU
 
   torch::nn::TransformerEncoderOptions options;
+  TransformerLayerOptions layer_options;
   torch::nn::ModuleList layers = nullptr;
   torch::nn::AnyModule norm;
 
@@ -132,7 +161,8 @@ TORCH_MODULE(TransformerEncoder);
 /// TransformerEncoder above; `tgt_is_causal` unset: detected from `tgt_mask`.
 class TransformerDecoderImpl : public torch::nn::Cloneable<TransformerDecoderImpl> {
  public:
-  explicit TransformerDecoderImpl(torch::nn::TransformerDecoderOptions options_);
+  explicit TransformerDecoderImpl(torch::nn::TransformerDecoderOptions options_,
+                                  TransformerLayerOptions layer_options_ = {});
 
   at::Tensor forward(const at::Tensor& tgt, const at::Tensor& memory, const at::Tensor& tgt_mask = {},
                      const at::Tensor& memory_mask = {}, const at::Tensor& tgt_key_padding_mask = {},
@@ -141,6 +171,7 @@ class TransformerDecoderImpl : public torch::nn::Cloneable<TransformerDecoderImp
   PERF_INLINE void reset() override;  // inline in the class: no key function, no vtable in every TU
 
   torch::nn::TransformerDecoderOptions options;
+  TransformerLayerOptions layer_options;
   torch::nn::ModuleList layers = nullptr;
   torch::nn::AnyModule norm;
 

@@ -52,13 +52,14 @@ PERF_INLINE bool detect_is_causal(const at::Tensor& mask, std::optional<bool> is
 // "layers", then "norm" where the options give one.
 template <typename Perf, typename Layer>
 void register_stack(torch::nn::Module& self, const Layer& layer, int64_t n, const torch::nn::AnyModule& norm_option,
-                    torch::nn::ModuleList& layers, torch::nn::AnyModule& norm) {
+                    const TransformerLayerOptions& layer_options, torch::nn::ModuleList& layers,
+                    torch::nn::AnyModule& norm) {
   TORCH_CHECK(!layer.is_empty(), "perf::Transformer{Encoder,Decoder}: the options hold no layer");
   TORCH_CHECK(n >= 1, "perf::Transformer{Encoder,Decoder}: num_layers is ", n, "; it must be at least 1");
   torch::nn::ModuleList list;
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < n; ++i) {
-    auto copy = std::make_shared<Perf>(layer->options);
+    auto copy = std::make_shared<Perf>(layer->options, layer_options);
     const auto from = layer->named_parameters(), to = copy->named_parameters();
     for (const auto& kv : from) to[kv.key()].set_data(kv.value().detach().clone());
     copy->train(layer->is_training());
@@ -178,10 +179,23 @@ PERF_INLINE std::tuple<at::Tensor, at::Tensor> MultiheadAttentionImpl::forward(
 
 PERF_INLINE at::Tensor TransformerEncoderLayerImpl::forward(const at::Tensor& src, const at::Tensor& src_mask,
                                                             const at::Tensor& src_key_padding_mask, bool is_causal) {
-  // Python's TransformerEncoderLayer (norm_first=False, which is all LibTorch's has).
-  const at::Tensor a = multi_head_attention(*self_attn, src, src, src, src_key_padding_mask, src_mask, is_causal);
-  const at::Tensor x = norm1(src + dropout1(a));
-  return norm2(x + dropout2(linear2(dropout(detail::activate(options.activation(), linear1(x))))));
+  // Python's TransformerEncoderLayer: its _sa_block and _ff_block, the norms after (LibTorch's only order) or before.
+  const bool batch_first = layer_options.batch_first();
+  at::Tensor x = batch_first ? src.transpose(0, 1) : src;
+  const auto sa = [&](const at::Tensor& h) {
+    return dropout1(multi_head_attention(*self_attn, h, h, h, src_key_padding_mask, src_mask, is_causal));
+  };
+  const auto ff = [&](const at::Tensor& h) {
+    return dropout2(linear2(dropout(detail::activate(options.activation(), linear1(h)))));
+  };
+  if (layer_options.norm_first()) {
+    x = x + sa(norm1(x));
+    x = x + ff(norm2(x));
+  } else {
+    x = norm1(x + sa(x));
+    x = norm2(x + ff(x));
+  }
+  return batch_first ? x.transpose(0, 1) : x;
 }
 
 PERF_INLINE at::Tensor TransformerDecoderLayerImpl::forward(const at::Tensor& tgt, const at::Tensor& memory,
@@ -189,28 +203,47 @@ PERF_INLINE at::Tensor TransformerDecoderLayerImpl::forward(const at::Tensor& tg
                                                             const at::Tensor& tgt_key_padding_mask,
                                                             const at::Tensor& memory_key_padding_mask,
                                                             bool tgt_is_causal, bool memory_is_causal) {
-  // Python's TransformerDecoderLayer (norm_first=False).
-  at::Tensor x = norm1(
-      tgt + dropout1(multi_head_attention(*self_attn, tgt, tgt, tgt, tgt_key_padding_mask, tgt_mask, tgt_is_causal)));
-  x = norm2(x + dropout2(multi_head_attention(*multihead_attn, x, memory, memory, memory_key_padding_mask, memory_mask,
-                                              memory_is_causal)));
-  return norm3(x + dropout3(linear2(dropout(detail::activate(options.activation(), linear1(x))))));
+  // Python's TransformerDecoderLayer: its _sa_block, _mha_block and _ff_block, the norms after or before.
+  const bool batch_first = layer_options.batch_first();
+  at::Tensor x = batch_first ? tgt.transpose(0, 1) : tgt;
+  const at::Tensor mem = batch_first ? memory.transpose(0, 1) : memory;
+  const auto sa = [&](const at::Tensor& h) {
+    return dropout1(multi_head_attention(*self_attn, h, h, h, tgt_key_padding_mask, tgt_mask, tgt_is_causal));
+  };
+  const auto mha = [&](const at::Tensor& h) {
+    return dropout2(
+        multi_head_attention(*multihead_attn, h, mem, mem, memory_key_padding_mask, memory_mask, memory_is_causal));
+  };
+  const auto ff = [&](const at::Tensor& h) {
+    return dropout3(linear2(dropout(detail::activate(options.activation(), linear1(h)))));
+  };
+  if (layer_options.norm_first()) {
+    x = x + sa(norm1(x));
+    x = x + mha(norm2(x));
+    x = x + ff(norm3(x));
+  } else {
+    x = norm1(x + sa(x));
+    x = norm2(x + mha(x));
+    x = norm3(x + ff(x));
+  }
+  return batch_first ? x.transpose(0, 1) : x;
 }
 
-PERF_INLINE TransformerEncoderImpl::TransformerEncoderImpl(torch::nn::TransformerEncoderOptions options_)
-    : options(std::move(options_)) {
+PERF_INLINE TransformerEncoderImpl::TransformerEncoderImpl(torch::nn::TransformerEncoderOptions options_,
+                                                           TransformerLayerOptions layer_options_)
+    : options(std::move(options_)), layer_options(layer_options_) {
   reset();
 }
 
 PERF_INLINE void TransformerEncoderImpl::reset() {
   detail::register_stack<TransformerEncoderLayerImpl>(*this, options.encoder_layer(), options.num_layers(),
-                                                      options.norm(), layers, norm);
+                                                      options.norm(), layer_options, layers, norm);
 }
 
 PERF_INLINE at::Tensor TransformerEncoderImpl::forward(const at::Tensor& src, const at::Tensor& mask,
                                                        const at::Tensor& src_key_padding_mask,
                                                        std::optional<bool> is_causal) {
-  const bool causal = detail::detect_is_causal(mask, is_causal, src.size(0));
+  const bool causal = detail::detect_is_causal(mask, is_causal, src.size(layer_options.batch_first() ? 1 : 0));
   at::Tensor out = src;
   for (const auto& layer : *layers) {
     out = layer->as<TransformerEncoderLayerImpl>()->forward(out, mask, src_key_padding_mask, causal);
@@ -218,14 +251,15 @@ PERF_INLINE at::Tensor TransformerEncoderImpl::forward(const at::Tensor& src, co
   return norm.is_empty() ? out : norm.forward(out);
 }
 
-PERF_INLINE TransformerDecoderImpl::TransformerDecoderImpl(torch::nn::TransformerDecoderOptions options_)
-    : options(std::move(options_)) {
+PERF_INLINE TransformerDecoderImpl::TransformerDecoderImpl(torch::nn::TransformerDecoderOptions options_,
+                                                           TransformerLayerOptions layer_options_)
+    : options(std::move(options_)), layer_options(layer_options_) {
   reset();
 }
 
 PERF_INLINE void TransformerDecoderImpl::reset() {
   detail::register_stack<TransformerDecoderLayerImpl>(*this, options.decoder_layer(), options.num_layers(),
-                                                      options.norm(), layers, norm);
+                                                      options.norm(), layer_options, layers, norm);
 }
 
 PERF_INLINE at::Tensor TransformerDecoderImpl::forward(const at::Tensor& tgt, const at::Tensor& memory,
@@ -233,7 +267,7 @@ PERF_INLINE at::Tensor TransformerDecoderImpl::forward(const at::Tensor& tgt, co
                                                        const at::Tensor& tgt_key_padding_mask,
                                                        const at::Tensor& memory_key_padding_mask,
                                                        std::optional<bool> tgt_is_causal, bool memory_is_causal) {
-  const bool causal = detail::detect_is_causal(tgt_mask, tgt_is_causal, tgt.size(0));
+  const bool causal = detail::detect_is_causal(tgt_mask, tgt_is_causal, tgt.size(layer_options.batch_first() ? 1 : 0));
   at::Tensor out = tgt;
   for (const auto& layer : *layers) {
     out = layer->as<TransformerDecoderLayerImpl>()->forward(out, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
