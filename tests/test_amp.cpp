@@ -1709,6 +1709,64 @@ TEST(Attention, NormFirstAndBatchFirstLayersAndStacksEqualPythons) {
   EXPECT_GT(test_util::max_diff(post(x), pre(xb).transpose(0, 1)), 1e-2);
 }
 
+// LibTorch's clone() of a class derived from one of its modules makes the base class: a perf stack's clone then
+// held LibTorch's layers, and its forward crashed on them. perf's clone as themselves.
+TEST(Attention, ACloneIsPerfsClassWithItsOptionsWeightsAndModes) {
+  using namespace torch::nn;
+  torch::manual_seed(3);
+  const auto options = TransformerEncoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0);
+  const auto pre_bf = perf::TransformerLayerOptions().norm_first(true).batch_first(true);
+  perf::TransformerEncoder enc(
+      TransformerEncoderOptions(TransformerEncoderLayer(options), 2).norm(AnyModule(LayerNorm(LayerNormOptions({16})))),
+      pre_bf);
+  perf::TransformerDecoderLayer dec(TransformerDecoderLayerOptions(16, 4).dim_feedforward(32).dropout(0.0), pre_bf);
+  perf::MultiheadAttention mha(MultiheadAttentionOptions(16, 4));
+  {
+    torch::NoGradGuard no_grad;  // away from the values a fresh module starts with
+    for (auto& p : enc->parameters()) p.add_(0.1 * torch::randn_like(p));
+    for (auto& p : dec->parameters()) p.add_(0.1 * torch::randn_like(p));
+    for (auto& p : mha->parameters()) p.add_(0.1 * torch::randn_like(p));
+  }
+  const auto layer = [](perf::TransformerEncoder& e, size_t i) {
+    return e->layers[i]->as<perf::TransformerEncoderLayerImpl>();
+  };
+  layer(enc, 1)->linear1->weight.requires_grad_(false);
+  enc->layers[0]->eval();
+  auto copy = std::dynamic_pointer_cast<perf::TransformerEncoderImpl>(enc->clone());
+  ASSERT_TRUE(copy);
+  perf::TransformerEncoder enc_copy(copy);
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_NE(layer(enc_copy, i), nullptr) << "the stack's layers stay perf's";
+    EXPECT_TRUE(layer(enc_copy, i)->layer_options.norm_first() && layer(enc_copy, i)->layer_options.batch_first());
+  }
+  EXPECT_FALSE(enc_copy->layers[0]->is_training());
+  EXPECT_FALSE(layer(enc_copy, 0)->self_attn->is_training());
+  EXPECT_TRUE(enc_copy->layers[1]->is_training());
+  EXPECT_FALSE(layer(enc_copy, 1)->linear1->weight.requires_grad());
+  EXPECT_TRUE(layer(enc_copy, 1)->linear2->weight.requires_grad());
+
+  const auto x = torch::randn({3, 7, 16}), mem = torch::randn({3, 5, 16});
+  const auto causal = TransformerImpl::generate_square_subsequent_mask(7);
+  enc->eval();
+  enc_copy->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(enc_copy(x, causal).equal(enc(x, causal)));
+  layer(enc_copy, 0)->linear2->bias.add_(1);
+  EXPECT_FALSE(enc_copy(x, causal).equal(enc(x, causal))) << "the copy has its own weights";
+
+  auto dec_copy = std::dynamic_pointer_cast<perf::TransformerDecoderLayerImpl>(dec->clone());
+  ASSERT_TRUE(dec_copy);
+  EXPECT_TRUE(dec_copy->layer_options.norm_first() && dec_copy->layer_options.batch_first());
+  dec->eval();
+  dec_copy->eval();
+  EXPECT_TRUE(dec_copy->forward(x, mem, causal).equal(dec(x, mem, causal)));
+  auto mha_copy = std::dynamic_pointer_cast<perf::MultiheadAttentionImpl>(mha->clone());
+  ASSERT_TRUE(mha_copy);
+  const auto q = x.transpose(0, 1);
+  EXPECT_TRUE(std::get<0>(mha_copy->forward(q, q, q, at::Tensor(), false))
+                  .equal(std::get<0>(mha(q, q, q, at::Tensor(), false))));
+}
+
 TEST(Attention, DropoutRunsInTrainingOnlyAndKeepsTheMean) {
   // Queries and keys all zero, values the input, the output projection the identity: each output is the
   // mean of the kept values, scaled by 1 / (1 - p). With values of one, exactly one in eval mode.

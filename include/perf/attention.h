@@ -79,6 +79,9 @@ class MultiheadAttentionImpl : public torch::nn::MultiheadAttentionImpl {
                                              const at::Tensor& key_padding_mask = {}, bool need_weights = true,
                                              const at::Tensor& attn_mask = {}, bool average_attn_weights = true,
                                              bool is_causal = false);
+  /// A copy of this perf class (LibTorch's Cloneable would make the base class), its options, weights and mode.
+  PERF_INLINE std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt)
+      const override;  // inline in the class: no key function
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(at::Tensor())}, {4, torch::nn::AnyValue(true)},
@@ -101,6 +104,9 @@ class TransformerEncoderLayerImpl : public torch::nn::TransformerEncoderLayerImp
                      const at::Tensor& src_key_padding_mask = {}, bool is_causal = false);
 
   TransformerLayerOptions layer_options;
+  /// A copy of this perf class (LibTorch's Cloneable would make the base class), its options, weights and mode.
+  PERF_INLINE std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt)
+      const override;  // inline in the class: no key function
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(at::Tensor())}, {2, torch::nn::AnyValue(at::Tensor())},
@@ -124,6 +130,9 @@ class TransformerDecoderLayerImpl : public torch::nn::TransformerDecoderLayerImp
                      bool memory_is_causal = false);
 
   TransformerLayerOptions layer_options;
+  /// A copy of this perf class (LibTorch's Cloneable would make the base class), its options, weights and mode.
+  PERF_INLINE std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt)
+      const override;  // inline in the class: no key function
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(at::Tensor())}, {3, torch::nn::AnyValue(at::Tensor())},

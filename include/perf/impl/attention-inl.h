@@ -72,6 +72,32 @@ void register_stack(torch::nn::Module& self, const Layer& layer, int64_t n, cons
   }
 }
 
+// LibTorch's clone() of a class derived from one of its modules makes the base class (Cloneable<Base>), which for
+// perf's transformer stacks left layers their forward cannot use. So perf's classes clone as themselves: a module
+// built from `args` (the same options), given a copy of every parameter and buffer (moved to `device` where given),
+// each parameter's requires_grad and each submodule's training mode.
+template <typename Impl, typename... Args>
+std::shared_ptr<torch::nn::Module> clone_as(const torch::nn::Module& self, const std::optional<torch::Device>& device,
+                                            const Args&... args) {
+  torch::NoGradGuard no_grad;
+  auto copy = std::make_shared<Impl>(args...);
+  const auto copy_data = [&](const at::Tensor& from, at::Tensor to) {
+    to.set_data(device && from.device() != *device ? from.to(*device) : from.clone());
+  };
+  auto params = copy->named_parameters();
+  for (const auto& kv : self.named_parameters()) {
+    copy_data(kv.value(), params[kv.key()]);
+    params[kv.key()].requires_grad_(kv.value().requires_grad());
+  }
+  auto buffers = copy->named_buffers();
+  for (const auto& kv : self.named_buffers()) copy_data(kv.value(), buffers[kv.key()]);
+  copy->train(self.is_training());
+  auto modules = copy->named_modules("", /*include_self=*/false);
+  for (const auto& kv : self.named_modules("", false))
+    modules[kv.key()]->train(kv.value()->is_training());  // parents first
+  return copy;
+}
+
 // (len, N, E) -> (N, heads, len, head_dim): a view where the projection's output allows one.
 PERF_INLINE at::Tensor split_heads(const at::Tensor& x, int64_t heads, int64_t head_dim) {
   return x.reshape({x.size(0), x.size(1), heads, head_dim}).permute({1, 2, 0, 3});
@@ -175,6 +201,21 @@ PERF_INLINE std::tuple<at::Tensor, at::Tensor> MultiheadAttentionImpl::forward(
               "perf::MultiheadAttention: is_causal is a hint that attn_mask is the causal mask, and needs it");
   return torch::nn::MultiheadAttentionImpl::forward(query, key, value, key_padding_mask, true, attn_mask,
                                                     average_attn_weights);
+}
+
+PERF_INLINE std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  return detail::clone_as<MultiheadAttentionImpl>(*this, device, options);
+}
+
+PERF_INLINE std::shared_ptr<torch::nn::Module> TransformerEncoderLayerImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  return detail::clone_as<TransformerEncoderLayerImpl>(*this, device, options, layer_options);
+}
+
+PERF_INLINE std::shared_ptr<torch::nn::Module> TransformerDecoderLayerImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  return detail::clone_as<TransformerDecoderLayerImpl>(*this, device, options, layer_options);
 }
 
 PERF_INLINE at::Tensor TransformerEncoderLayerImpl::forward(const at::Tensor& src, const at::Tensor& src_mask,
