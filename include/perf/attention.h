@@ -5,8 +5,8 @@
 //   perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));            // for torch::nn's
 //   auto [out, none] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
 //   // what LibTorch's options lack: Python's norm_first (pre-LayerNorm) and batch_first
-//   perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(torch::nn::TransformerEncoderLayerOptions(512,
-//   8), 6),
+//   auto layer_options = torch::nn::TransformerEncoderLayerOptions(512, 8);
+//   perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(layer_options, 6),
 //                                perf::TransformerLayerOptions().norm_first(true).batch_first(true));
 //
 // LibTorch's MultiheadAttention (and the TransformerEncoderLayer built on it)

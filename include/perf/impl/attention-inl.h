@@ -93,8 +93,9 @@ std::shared_ptr<torch::nn::Module> clone_as(const torch::nn::Module& self, const
   for (const auto& kv : self.named_buffers()) copy_data(kv.value(), buffers[kv.key()]);
   copy->train(self.is_training());
   auto modules = copy->named_modules("", /*include_self=*/false);
-  for (const auto& kv : self.named_modules("", false))
-    modules[kv.key()]->train(kv.value()->is_training());  // parents first
+  for (const auto& kv : self.named_modules("", false)) {  // parents first, so each keeps its own mode
+    modules[kv.key()]->train(kv.value()->is_training());
+  }
   return copy;
 }
 
