@@ -1140,6 +1140,9 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
   auto sparse = tensors.copy();
   sparse.insert("s", torch::eye(3).to_sparse());
   PERF_EXPECT_THROW_MSG(perf::save_safetensors(sparse, good), "\"s\" is a Sparse tensor; the format holds dense ones");
+  auto f4_scalar = tensors.copy();
+  f4_scalar.insert("s4", torch::tensor(0x12, torch::kUInt8).view(c10::kFloat4_e2m1fn_x2));
+  PERF_EXPECT_THROW_MSG(perf::save_safetensors(f4_scalar, good), "\"s4\" is a 0-dim float4_e2m1fn_x2");
   auto meta_name = tensors.copy();
   meta_name.insert("__metadata__", torch::ones(1));
   PERF_EXPECT_THROW_MSG(perf::save_safetensors(meta_name, good), "\"__metadata__\" is the header's metadata");

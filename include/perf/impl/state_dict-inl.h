@@ -1558,6 +1558,8 @@ PERF_INLINE void save_safetensors(const c10::IValue& tensors, const std::string&
         std::find_if(table.begin(), table.end(), [&](const auto& d) { return d.second == t.scalar_type(); });
     TORCH_CHECK(it != table.end(), who, ": \"", name, "\" is ", t.scalar_type(),
                 ", which the format has no name for; it holds ", detail::safetensors_dtype_list());
+    TORCH_CHECK(it->first != "F4" || t.dim() > 0, who, ": \"", name,
+                "\" is a 0-dim float4_e2m1fn_x2; the format counts F4 values along the last dimension");
     items.push_back({name, t, it->first});
   }
   for (const auto& [k, v] : metadata) {
