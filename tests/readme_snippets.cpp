@@ -243,8 +243,9 @@ void block10_safetensors() {
 // in Python: save_file(model.state_dict(), "model.safetensors"), or from the Hub
 perf::load_state_dict(model, perf::load_safetensors("model.safetensors"));
 perf::save_safetensors(perf::state_dict(model), "tuned.safetensors", {{"format", "pt"}});
-// a sharded checkpoint, through its index
+// a sharded checkpoint, through its index, and one written in shards of at most 2 GB
 auto weights = perf::load_safetensors("model.safetensors.index.json", torch::kCUDA);
+perf::save_safetensors_sharded(perf::state_dict(model), "checkpoint/", 2000000000);
 
   // clang-format on
 }

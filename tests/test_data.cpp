@@ -973,6 +973,19 @@ TEST(StateDict, ASafetensorsFileReadsAsPythonsSafetensorsReadsItAndBack) {
   ASSERT_EQ(back.size(), 2u);
   EXPECT_EQ(back[0], "True []");
   EXPECT_EQ(back[1], "True");
+  // Sharded, read by Python through the index as transformers reads it: the same tensors.
+  const auto files = perf::save_safetensors_sharded(out, dir.path, 64);
+  EXPECT_GT(files.size(), 3u);
+  EXPECT_EQ(test_util::python(std::string(SAFETENSORS_PY) + "import json, os\nidx = json.load(open('" + files.back() +
+                              "'))\n"
+                              "b = {}\n"
+                              "for f in sorted(set(idx['weight_map'].values())): b.update(load_file(os.path.join('" +
+                              dir.path +
+                              "', f)))\n"
+                              "a = tensors()\n"
+                              "print(sorted(b) == sorted(idx['weight_map']), [k for k in a if not same(a[k], b[k])], "
+                              "idx['metadata']['total_size'] == sum(t.nbytes for t in b.values()))\n"),
+            "True [] True");
   // The data starts 8-byte aligned, as Python's writer pads the header.
   const auto file = read_bytes(cpp_file);
   uint64_t header_len = 0;
@@ -1113,6 +1126,33 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
     PERF_EXPECT_THROW_MSG(perf::load_safetensors(index), "the index has no \"weight_map\" object");
     std::ofstream(index, std::ios::trunc) << "{\"weight_map\": {\"a\": 1,}}";
     PERF_EXPECT_THROW_MSG(perf::load_safetensors(index), "the index is not valid JSON: a string expected at byte 23");
+  }
+
+  // Written sharded, as huggingface_hub splits a state_dict: in order, a new shard where the next would pass the limit.
+  {
+    test_util::TempDir out;
+    const auto files = perf::save_safetensors_sharded(tensors, out.path, 25, {{"source", "perf"}});
+    ASSERT_EQ(files, (std::vector<std::string>{out / "model-00001-of-00002.safetensors",
+                                               out / "model-00002-of-00002.safetensors",
+                                               out / "model.safetensors.index.json"}));
+    EXPECT_EQ(perf::load_safetensors(files[0]).size(), 1u) << "w (24 bytes) alone: the next would pass 25";
+    EXPECT_EQ(perf::safetensors_metadata(files[1]),
+              (std::map<std::string, std::string>{{"format", "pt"}, {"source", "perf"}}));
+    const auto back = perf::load_safetensors(files[2]);
+    ASSERT_EQ(back.size(), tensors.size());
+    for (const auto& kv : tensors) EXPECT_TRUE(bytes_of(back.at(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
+    EXPECT_NE(read_bytes(files[2]).find("\"total_size\": 44"), std::string::npos) << read_bytes(files[2]);
+    test_util::TempDir one;
+    EXPECT_EQ(perf::save_safetensors_sharded(tensors, one.path), (std::vector<std::string>{one / "model.safetensors"}))
+        << "one shard: model.safetensors, no index";
+    test_util::TempDir none;
+    auto last_bad = tensors.copy();
+    last_bad.insert("z", torch::ones({2}, torch::kComplexDouble));
+    PERF_EXPECT_THROW_MSG(perf::save_safetensors_sharded(last_bad, none.path, 25),
+                          "perf::save_safetensors_sharded: \"z\" is ComplexDouble");
+    EXPECT_TRUE(std::filesystem::is_empty(none.path)) << "refused before the first shard is written";
+    PERF_EXPECT_THROW_MSG(perf::save_safetensors_sharded(tensors, none.path, 0), "max_shard_bytes is 0");
+    PERF_EXPECT_THROW_MSG(perf::save_safetensors_sharded(tensors, none / "missing"), "is not a directory");
   }
 
   // Every truncation and every one-byte change of a real file: an answer or an error naming the reader.

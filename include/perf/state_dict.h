@@ -11,6 +11,9 @@
 //   // Hugging Face's .safetensors files, as Python's safetensors.torch.load_file / save_file
 //   perf::load_state_dict(model, perf::load_safetensors("model.safetensors"));
 //   perf::save_safetensors(perf::state_dict(model), "trained.safetensors", {{"format", "pt"}});
+//   // a sharded checkpoint (transformers' model.safetensors.index.json and its shards), read and written
+//   auto weights = perf::load_safetensors("llama/model.safetensors.index.json");
+//   perf::save_safetensors_sharded(perf::state_dict(model), "checkpoint/", /*max_shard_bytes=*/2000000000);
 //
 // LibTorch's own torch::save/torch::load write and read a TorchScript archive
 // that Python's torch.load does not read, and LibTorch's torch::pickle_load
@@ -124,6 +127,19 @@ std::map<std::string, std::string> safetensors_metadata(const std::string& path)
 /// at the end, so an earlier file at `path` survives a failed save.
 void save_safetensors(const c10::IValue& tensors, const std::string& path,
                       const std::map<std::string, std::string>& metadata = {});
+
+/// huggingface_hub's `save_torch_state_dict(tensors, directory,
+/// max_shard_size)`: the tensors in shards of at most `max_shard_bytes` each,
+/// filled in the dict's order (a larger tensor alone in its own shard), named
+/// `model-00001-of-00003.safetensors` and so on, with the index
+/// `model.safetensors.index.json` (`total_size` and the `weight_map`) that
+/// transformers and perf::load_safetensors read them through; one shard is
+/// written as `model.safetensors` without an index. Each shard's metadata is
+/// `{"format": "pt"}` and `metadata`. Returns the paths written, the index
+/// last. Everything is checked before the first file is written.
+std::vector<std::string> save_safetensors_sharded(const c10::IValue& tensors, const std::string& directory,
+                                                  int64_t max_shard_bytes = 5000000000,
+                                                  const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace perf
 

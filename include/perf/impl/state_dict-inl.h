@@ -1356,6 +1356,46 @@ PERF_INLINE bool looks_like_safetensors(const std::string& path) {
   return !ec && n <= 100000000 && 8 + n <= size;
 }
 
+// What save_safetensors writes, each tensor with its dtype's name in the format; everything the format cannot hold
+// is refused here, before a file is opened.
+struct SafetensorsItem {
+  std::string name;
+  at::Tensor t;
+  std::string dtype;
+};
+
+PERF_INLINE std::vector<SafetensorsItem> safetensors_items(const c10::IValue& tensors,
+                                                           const std::map<std::string, std::string>& metadata,
+                                                           const std::string& who) {
+  TORCH_CHECK(tensors.isGenericDict(), who, ": the tensors are a ", tensors.tagKind(),
+              ", not a dict of name -> tensor (perf::state_dict, or perf::load_safetensors)");
+  std::vector<SafetensorsItem> items;
+  for (const auto& kv : tensors.toGenericDict()) {
+    TORCH_CHECK(kv.key().isString(), who, ": a key is not a string: ", kv.key());
+    const std::string& name = kv.key().toStringRef();
+    TORCH_CHECK(name != "__metadata__", who, ": \"__metadata__\" is the header's metadata, not a tensor's name");
+    TORCH_CHECK(python_str(name), who, ": the name \"", name, "\" is not UTF-8 text (the header is JSON)");
+    TORCH_CHECK(kv.value().isTensor() && kv.value().toTensor().defined(), who, ": \"", name, "\" is a ",
+                kv.value().tagKind(), ", not a tensor");
+    const at::Tensor& t = kv.value().toTensor();
+    TORCH_CHECK(t.layout() == c10::kStrided && !t.is_quantized(), who, ": \"", name, "\" is a ", t.layout(),
+                t.is_quantized() ? " quantized" : "", " tensor; the format holds dense ones (.to_dense() it first)");
+    const auto& table = safetensors_dtypes();
+    const auto it =
+        std::find_if(table.begin(), table.end(), [&](const auto& d) { return d.second == t.scalar_type(); });
+    TORCH_CHECK(it != table.end(), who, ": \"", name, "\" is ", t.scalar_type(),
+                ", which the format has no name for; it holds ", safetensors_dtype_list());
+    TORCH_CHECK(it->first != "F4" || t.dim() > 0, who, ": \"", name,
+                "\" is a 0-dim float4_e2m1fn_x2; the format counts F4 values along the last dimension");
+    items.push_back({name, t, it->first});
+  }
+  for (const auto& [k, v] : metadata) {
+    TORCH_CHECK(python_str(k) && python_str(v), who, ": the metadata \"", k,
+                "\" is not UTF-8 text (the header is JSON)");
+  }
+  return items;
+}
+
 // Writes a file beside `path`, then renames it over `path`: an earlier file there survives a failed write.
 template <class Write>
 void write_then_rename(const std::string& path, const std::string& who, Write&& write) {
@@ -1535,39 +1575,9 @@ PERF_INLINE std::map<std::string, std::string> safetensors_metadata(const std::s
 PERF_INLINE void save_safetensors(const c10::IValue& tensors, const std::string& path,
                                   const std::map<std::string, std::string>& metadata) {
   const std::string who = "perf::save_safetensors";
-  TORCH_CHECK(tensors.isGenericDict(), who, ": the tensors are a ", tensors.tagKind(),
-              ", not a dict of name -> tensor (perf::state_dict, or perf::load_safetensors)");
-  struct Item {
-    std::string name;
-    at::Tensor t;
-    std::string dtype;
-  };
-  std::vector<Item> items;
-  for (const auto& kv : tensors.toGenericDict()) {
-    TORCH_CHECK(kv.key().isString(), who, ": a key is not a string: ", kv.key());
-    const std::string& name = kv.key().toStringRef();
-    TORCH_CHECK(name != "__metadata__", who, ": \"__metadata__\" is the header's metadata, not a tensor's name");
-    TORCH_CHECK(detail::python_str(name), who, ": the name \"", name, "\" is not UTF-8 text (the header is JSON)");
-    TORCH_CHECK(kv.value().isTensor() && kv.value().toTensor().defined(), who, ": \"", name, "\" is a ",
-                kv.value().tagKind(), ", not a tensor");
-    const at::Tensor& t = kv.value().toTensor();
-    TORCH_CHECK(t.layout() == c10::kStrided && !t.is_quantized(), who, ": \"", name, "\" is a ", t.layout(),
-                t.is_quantized() ? " quantized" : "", " tensor; the format holds dense ones (.to_dense() it first)");
-    const auto& table = detail::safetensors_dtypes();
-    const auto it =
-        std::find_if(table.begin(), table.end(), [&](const auto& d) { return d.second == t.scalar_type(); });
-    TORCH_CHECK(it != table.end(), who, ": \"", name, "\" is ", t.scalar_type(),
-                ", which the format has no name for; it holds ", detail::safetensors_dtype_list());
-    TORCH_CHECK(it->first != "F4" || t.dim() > 0, who, ": \"", name,
-                "\" is a 0-dim float4_e2m1fn_x2; the format counts F4 values along the last dimension");
-    items.push_back({name, t, it->first});
-  }
-  for (const auto& [k, v] : metadata) {
-    TORCH_CHECK(detail::python_str(k) && detail::python_str(v), who, ": the metadata \"", k,
-                "\" is not UTF-8 text (the header is JSON)");
-  }
+  auto items = detail::safetensors_items(tensors, metadata, who);
   // As Python's writer orders them: the widest elements first (each tensor then starts aligned), then by name.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+  std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
     const auto wa = a.t.element_size(), wb = b.t.element_size();
     return wa != wb ? wa > wb : a.name < b.name;
   });
@@ -1614,6 +1624,72 @@ PERF_INLINE void save_safetensors(const c10::IValue& tensors, const std::string&
     f.flush();
     TORCH_CHECK(f.good(), who, ": could not write '", tmp, "'");
   });
+}
+
+PERF_INLINE std::vector<std::string> save_safetensors_sharded(const c10::IValue& tensors, const std::string& directory,
+                                                              int64_t max_shard_bytes,
+                                                              const std::map<std::string, std::string>& metadata) {
+  const std::string who = "perf::save_safetensors_sharded";
+  TORCH_CHECK(max_shard_bytes > 0, who, ": max_shard_bytes is ", max_shard_bytes, "; it must be positive");
+  TORCH_CHECK(std::filesystem::is_directory(directory), who, ": '", directory, "' is not a directory");
+  detail::safetensors_items(tensors, metadata, who);  // all refused before the first shard is written
+  // huggingface_hub's split: in the dict's order, a new shard where the next tensor would pass the limit.
+  std::vector<c10::impl::GenericDict> shards;
+  int64_t shard_bytes = 0, total = 0;
+  for (const auto& kv : tensors.toGenericDict()) {
+    const auto bytes = static_cast<int64_t>(kv.value().toTensor().nbytes());  // a tensor: checked above
+    if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
+      shards.emplace_back(c10::StringType::get(), c10::TensorType::get());
+      shard_bytes = 0;
+    }
+    shards.back().insert(kv.key(), kv.value());
+    shard_bytes += bytes;
+    total += bytes;
+  }
+  if (shards.empty()) shards.emplace_back(c10::StringType::get(), c10::TensorType::get());
+  auto shard_metadata = metadata;
+  shard_metadata.emplace("format", "pt");
+  const size_t n = shards.size();
+  const auto name = [&](size_t i) {
+    if (n == 1) return std::string("model.safetensors");
+    char suffix[32];
+    std::snprintf(suffix, sizeof suffix, "-%05zu-of-%05zu", i + 1, n);
+    return "model" + std::string(suffix) + ".safetensors";
+  };
+  const std::filesystem::path dir(directory);
+  std::vector<std::string> written;
+  std::string map;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string file = (dir / name(i)).string();
+    save_safetensors(shards[i], file, shard_metadata);
+    written.push_back(file);
+    for (const auto& kv : shards[i]) {
+      map += map.empty() ? "\n    " : ",\n    ";
+      detail::json_string(map, kv.key().toStringRef());
+      map += ": ";
+      detail::json_string(map, name(i));
+    }
+  }
+  if (n == 1) return written;
+  // The index's metadata: total_size, then the caller's (whose own total_size wins, as huggingface_hub merges them).
+  std::string index = "{\n  \"metadata\": {";
+  if (!metadata.count("total_size")) index += "\n    \"total_size\": " + std::to_string(total);
+  for (const auto& [k, v] : metadata) {
+    index += index.back() == '{' ? "\n    " : ",\n    ";
+    detail::json_string(index, k);
+    index += ": ";
+    detail::json_string(index, v);
+  }
+  index += "\n  },\n  \"weight_map\": {" + map + "\n  }\n}\n";
+  const std::string index_path = (dir / "model.safetensors.index.json").string();
+  detail::write_then_rename(index_path, who, [&](const std::string& tmp) {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << index;
+    f.flush();
+    TORCH_CHECK(f.good(), who, ": could not write '", tmp, "'");
+  });
+  written.push_back(index_path);
+  return written;
 }
 
 }  // namespace perf
