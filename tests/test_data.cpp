@@ -976,16 +976,18 @@ TEST(StateDict, ASafetensorsFileReadsAsPythonsSafetensorsReadsItAndBack) {
   // Sharded, read by Python through the index as transformers reads it: the same tensors.
   const auto files = perf::save_safetensors_sharded(out, dir.path, 64);
   EXPECT_GT(files.size(), 3u);
-  EXPECT_EQ(test_util::python(std::string(SAFETENSORS_PY) + "import json, os\nidx = json.load(open('" + files.back() +
-                              "'))\n"
-                              "b = {}\n"
-                              "for f in sorted(set(idx['weight_map'].values())): b.update(load_file(os.path.join('" +
-                              dir.path +
-                              "', f)))\n"
-                              "a = tensors()\n"
-                              "print(sorted(b) == sorted(idx['weight_map']), [k for k in a if not same(a[k], b[k])], "
-                              "idx['metadata']['total_size'] == sum(t.nbytes for t in b.values()))\n"),
-            "True [] True");
+  EXPECT_EQ(
+      test_util::python(
+          std::string(SAFETENSORS_PY) + "import json, os\nidx = json.load(open('" + files.back() +
+          "'))\n"
+          "b = {}\n"
+          "for f in sorted(set(idx['weight_map'].values())): b.update(load_file(os.path.join('" +
+          dir.path +
+          "', f)))\n"
+          "a = tensors()\n"
+          "print(sorted(b) == sorted(idx['weight_map']), [k for k in a if not same(a[k], b[k])], "
+          "idx['metadata']['total_size'] == sum(t.nbytes for k, t in b.items() if k not in ('tied', 'slice')))\n"),
+      "True [] True");
   // The data starts 8-byte aligned, as Python's writer pads the header.
   const auto file = read_bytes(cpp_file);
   uint64_t header_len = 0;
@@ -1131,17 +1133,27 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
   // Written sharded, as huggingface_hub splits a state_dict: in order, a new shard where the next would pass the limit.
   {
     test_util::TempDir out;
-    const auto files = perf::save_safetensors_sharded(tensors, out.path, 25, {{"source", "perf"}});
+    auto tied = tensors.copy();
+    tied.insert("w_tied", tensors.at("w"));  // shares w's storage: in w's shard, counted once
+    const auto files = perf::save_safetensors_sharded(tied, out.path, 25, {{"source", "perf"}});
     ASSERT_EQ(files, (std::vector<std::string>{out / "model-00001-of-00002.safetensors",
                                                out / "model-00002-of-00002.safetensors",
                                                out / "model.safetensors.index.json"}));
-    EXPECT_EQ(perf::load_safetensors(files[0]).size(), 1u) << "w (24 bytes) alone: the next would pass 25";
+    EXPECT_EQ(perf::load_safetensors(files[0]).size(), 2u) << "w (24 bytes) and its tie: the next would pass 25";
     EXPECT_EQ(perf::safetensors_metadata(files[1]),
               (std::map<std::string, std::string>{{"format", "pt"}, {"source", "perf"}}));
     const auto back = perf::load_safetensors(files[2]);
-    ASSERT_EQ(back.size(), tensors.size());
-    for (const auto& kv : tensors) EXPECT_TRUE(bytes_of(back.at(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
+    ASSERT_EQ(back.size(), tied.size());
+    for (const auto& kv : tied) EXPECT_TRUE(bytes_of(back.at(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
     EXPECT_NE(read_bytes(files[2]).find("\"total_size\": 44"), std::string::npos) << read_bytes(files[2]);
+    // A tensor over the limit goes alone into a shard of its own, and the shard being filled goes on after it.
+    test_util::TempDir big;
+    auto order = c10::Dict<std::string, at::Tensor>();
+    for (const char* k : {"half", "w", "count"}) order.insert(k, tensors.at(k));
+    const auto big_files = perf::save_safetensors_sharded(order, big.path, 20);
+    ASSERT_EQ(big_files.size(), 3u);
+    EXPECT_EQ(perf::load_safetensors(big_files[0]).size(), 1u) << "w (24 bytes > 20) first, alone";
+    EXPECT_EQ(perf::load_safetensors(big_files[1]).size(), 2u) << "half and count (16 bytes)";
     test_util::TempDir one;
     EXPECT_EQ(perf::save_safetensors_sharded(tensors, one.path), (std::vector<std::string>{one / "model.safetensors"}))
         << "one shard: model.safetensors, no index";

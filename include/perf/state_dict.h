@@ -130,7 +130,8 @@ void save_safetensors(const c10::IValue& tensors, const std::string& path,
 
 /// huggingface_hub's `save_torch_state_dict(tensors, directory,
 /// max_shard_size)`: the tensors in shards of at most `max_shard_bytes` each,
-/// filled in the dict's order (a larger tensor alone in its own shard), named
+/// filled in the dict's order (a larger tensor alone in its own shard; tensors
+/// sharing a storage, as tied weights, in the first one's, counted once), named
 /// `model-00001-of-00003.safetensors` and so on, with the index
 /// `model.safetensors.index.json` (`total_size` and the `weight_map`) that
 /// transformers and perf::load_safetensors read them through; one shard is

@@ -1633,20 +1633,48 @@ PERF_INLINE std::vector<std::string> save_safetensors_sharded(const c10::IValue&
   TORCH_CHECK(max_shard_bytes > 0, who, ": max_shard_bytes is ", max_shard_bytes, "; it must be positive");
   TORCH_CHECK(std::filesystem::is_directory(directory), who, ": '", directory, "' is not a directory");
   detail::safetensors_items(tensors, metadata, who);  // all refused before the first shard is written
-  // huggingface_hub's split: in the dict's order, a new shard where the next tensor would pass the limit.
-  std::vector<c10::impl::GenericDict> shards;
-  int64_t shard_bytes = 0, total = 0;
+  // huggingface_hub's split (split_state_dict_into_shards_factory): in the dict's order, a new shard where the next
+  // tensor would pass the limit, a tensor over the limit alone in a shard of its own, each tensor counted by its
+  // storage's size, and tensors that share a storage (tied weights, views) in the shard of the first, counted once.
+  using Shard = c10::impl::GenericDict;
+  const auto new_shard = [] { return Shard(c10::StringType::get(), c10::TensorType::get()); };
+  std::vector<Shard> shards;
+  Shard current = new_shard();
+  int64_t current_bytes = 0, total = 0;
+  std::vector<std::pair<const c10::StorageImpl*, std::vector<c10::IValue>>> shared;  // storage -> its tensors' names
   for (const auto& kv : tensors.toGenericDict()) {
-    const auto bytes = static_cast<int64_t>(kv.value().toTensor().nbytes());  // a tensor: checked above
-    if (shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes)) {
-      shards.emplace_back(c10::StringType::get(), c10::TensorType::get());
-      shard_bytes = 0;
+    const at::Tensor& t = kv.value().toTensor();  // a tensor: checked above
+    const auto* storage = t.storage().unsafeGetStorageImpl();
+    auto it = std::find_if(shared.begin(), shared.end(), [&](const auto& s) { return s.first == storage; });
+    if (it != shared.end()) {
+      it->second.push_back(kv.key());  // placed with the first below
+      continue;
     }
-    shards.back().insert(kv.key(), kv.value());
-    shard_bytes += bytes;
+    shared.push_back({storage, {kv.key()}});
+    const auto bytes = static_cast<int64_t>(t.storage().nbytes());
     total += bytes;
+    if (bytes > max_shard_bytes) {
+      shards.push_back(new_shard());
+      shards.back().insert(kv.key(), kv.value());
+      continue;
+    }
+    if (current_bytes + bytes > max_shard_bytes) {
+      shards.push_back(current);
+      current = new_shard();
+      current_bytes = 0;
+    }
+    current.insert(kv.key(), kv.value());
+    current_bytes += bytes;
   }
-  if (shards.empty()) shards.emplace_back(c10::StringType::get(), c10::TensorType::get());
+  if (!current.empty() || shards.empty()) shards.push_back(current);
+  const auto all = tensors.toGenericDict();
+  for (const auto& [storage, names] : shared) {
+    for (auto& shard : shards) {
+      if (!shard.contains(names.front())) continue;
+      for (size_t k = 1; k < names.size(); ++k) shard.insert(names[k], all.at(names[k]));
+      break;
+    }
+  }
   auto shard_metadata = metadata;
   shard_metadata.emplace("format", "pt");
   const size_t n = shards.size();
