@@ -193,6 +193,7 @@ auto [out, no_weights] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
 perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(layer_options, 6),
                              perf::TransformerLayerOptions().norm_first(true).batch_first(true));
 auto h = gpt(tokens, torch::nn::TransformerImpl::generate_square_subsequent_mask(tokens.size(1)));  // (N, L, E)
+
   // clang-format on
 }
 void block10() {

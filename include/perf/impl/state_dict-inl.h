@@ -1143,6 +1143,16 @@ PERF_INLINE void json_string(std::string& out, const std::string& s) {
   out += '"';
 }
 
+// The format's own limit on the header (safetensors' MAX_HEADER_SIZE): past it, a damaged or foreign file.
+constexpr uint64_t kSafetensorsMaxHeader = 100000000;
+
+// The header's length: the file's first 8 bytes, little-endian.
+PERF_INLINE uint64_t safetensors_header_length(const unsigned char* b) {
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
+  return n;
+}
+
 struct SafetensorsEntry {
   std::string name;
   c10::ScalarType dtype;
@@ -1163,11 +1173,9 @@ PERF_INLINE SafetensorsHeader read_safetensors_header(std::ifstream& f, const st
   unsigned char len[8] = {};
   f.read(reinterpret_cast<char*>(len), 8);
   TORCH_CHECK(f.gcount() == 8, who, ": the file is shorter than the 8 bytes of a .safetensors header's length");
-  uint64_t n = 0;
-  for (int k = 7; k >= 0; --k) n = (n << 8) | len[k];
-  // The format's own limit (safetensors' MAX_HEADER_SIZE): a header past it is a damaged or foreign file.
-  TORCH_CHECK(n <= 100000000, who, ": the header's length, ", n,
-              " bytes, is over the format's limit of 100000000 (not a .safetensors file, or a damaged one)");
+  const uint64_t n = safetensors_header_length(len);
+  TORCH_CHECK(n <= kSafetensorsMaxHeader, who, ": the header's length, ", n, " bytes, is over the format's limit of ",
+              kSafetensorsMaxHeader, " (not a .safetensors file, or a damaged one)");
   TORCH_CHECK(8 + n <= file_size, who, ": the header's length, ", n, " bytes, runs past the end of the file (",
               file_size, " bytes): a truncated file");
   std::string text(n, '\0');
@@ -1318,25 +1326,19 @@ PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors_ind
   }
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<std::string> read;
   for (const auto& shard : shards) {
     const std::string file = (dir / shard).string();
-    size_t held = 0;
     for (auto& [name, t] : read_safetensors(file, device, "perf::load_safetensors: " + file)) {
       const auto it = shard_of.find(name);
       TORCH_CHECK(it != shard_of.end() && it->second == shard, who, ": shard ", shard, " holds \"", name,
                   "\", which the index ", it == shard_of.end() ? "does not name" : "puts in shard " + it->second);
+      read.insert(name);
       out.emplace_back(name, std::move(t));
-      ++held;
     }
-    const auto wanted = static_cast<size_t>(
-        std::count_if(shard_of.begin(), shard_of.end(), [&](const auto& kv) { return kv.second == shard; }));
-    if (held != wanted) {
-      std::unordered_set<std::string> read;
-      for (const auto& kv : out) read.insert(kv.first);
-      for (size_t k = 0; k < map->keys.size(); ++k) {
-        TORCH_CHECK(map->items[k].text != shard || read.count(map->keys[k]), who, ": the index puts \"", map->keys[k],
-                    "\" in shard ", shard, ", which does not hold it");
-      }
+    for (size_t k = 0; k < map->keys.size(); ++k) {
+      TORCH_CHECK(map->items[k].text != shard || read.count(map->keys[k]), who, ": the index puts \"", map->keys[k],
+                  "\" in shard ", shard, ", which does not hold it");
     }
   }
   return out;
@@ -1349,11 +1351,10 @@ PERF_INLINE bool looks_like_safetensors(const std::string& path) {
   unsigned char b[9] = {};
   f.read(reinterpret_cast<char*>(b), 9);
   if (f.gcount() != 9 || b[8] != '{') return false;
-  uint64_t n = 0;
-  for (int k = 7; k >= 0; --k) n = (n << 8) | b[k];
+  const uint64_t n = safetensors_header_length(b);
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
-  return !ec && n <= 100000000 && 8 + n <= size;
+  return !ec && n <= kSafetensorsMaxHeader && 8 + n <= size;
 }
 
 // What save_safetensors writes, each tensor with its dtype's name in the format; everything the format cannot hold
