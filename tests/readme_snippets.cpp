@@ -247,6 +247,10 @@ perf::save_safetensors(perf::state_dict(model), "tuned.safetensors", {{"format",
 // a sharded checkpoint, through its index, and one written in shards of at most 2 GB
 auto weights = perf::load_safetensors("model.safetensors.index.json", torch::kCUDA);
 perf::save_safetensors_sharded(perf::state_dict(model), "checkpoint/", 2000000000);
+// one tensor at a time, as Python's safe_open: the shards mapped, read where touched
+perf::SafetensorsFile file("model.safetensors.index.json", torch::kCUDA);
+for (const auto& name : file.keys()) std::cout << name << " " << file.get_tensor(name).sizes() << "\n";
+auto rows = file.get_slice("embed.weight", {torch::indexing::Slice(0, 1000)});  // rows 0-999 only
 
   // clang-format on
 }

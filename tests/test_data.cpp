@@ -918,6 +918,18 @@ bool python_has_safetensors() {
          "True";
 }
 
+// `w` and a tensor of each kind perf's own round trips cover: half, a 0-dim integer, an empty one, packed float4, bool.
+c10::Dict<std::string, at::Tensor> safetensors_sample(const at::Tensor& w) {
+  auto tensors = c10::Dict<std::string, at::Tensor>();
+  tensors.insert("w", w);
+  tensors.insert("half", torch::randn({4}).to(torch::kHalf));
+  tensors.insert("count", torch::tensor(7));
+  tensors.insert("empty", torch::zeros({0, 2}));
+  tensors.insert("f4", torch::tensor({0x12, 0x34}, torch::kUInt8).view(c10::kFloat4_e2m1fn_x2).reshape({1, 2}));
+  tensors.insert("mask", torch::tensor({true, false}));
+  return tensors;
+}
+
 // A .safetensors file of this header text and these data bytes.
 void write_safetensors(const std::string& path, const std::string& header, const std::string& data) {
   std::string len(8, '\0');
@@ -949,6 +961,30 @@ TEST(StateDict, ASafetensorsFileReadsAsPythonsSafetensorsReadsItAndBack) {
     EXPECT_TRUE(bytes_of(a).equal(bytes_of(b))) << kv.key();
   }
   EXPECT_EQ(perf::safetensors_metadata(py_file), kSafetensorsMeta);
+  // Opened as Python's safe_open opens it: the names in both of its orders, a slice, a dtype and the metadata.
+  {
+    const perf::SafetensorsFile f(py_file);
+    const auto py = test_util::lines(
+        test_util::python(std::string(SAFETENSORS_PY) + "with safe_open('" + py_file +
+                          "', 'pt') as f:\n"
+                          "    print(*f.keys())\n    print(*f.offset_keys())\n    s = f.get_slice('f64')\n"
+                          "    print(*s[1:, 1].tolist())\n    print(*s.get_shape(), s.get_dtype())\n"));
+    ASSERT_EQ(py.size(), 4u);
+    const auto joined = [](const std::vector<std::string>& list) {
+      std::string out;
+      for (const auto& n : list) out += (out.empty() ? "" : " ") + n;
+      return out;
+    };
+    EXPECT_EQ(joined(f.keys()), py[0]);
+    EXPECT_EQ(joined(f.offset_keys()), py[1]);
+    using namespace torch::indexing;
+    const auto s = f.get_slice("f64", {Slice(1, None), 1});
+    EXPECT_EQ(test_util::max_diff(s, torch::tensor(test_util::parse_numbers(py[2]), torch::kDouble)), 0.0);
+    EXPECT_EQ(py[3], "3 2 F64");
+    EXPECT_EQ(f.shape("f64"), (std::vector<int64_t>{3, 2}));
+    EXPECT_EQ(f.dtype("f64"), torch::kDouble);
+    EXPECT_EQ(f.metadata(), kSafetensorsMeta);
+  }
   // perf::load reads it too (a dict of the same tensors), so one call loads either kind of file.
   const auto generic = perf::load(py_file).toGenericDict();
   ASSERT_EQ(generic.size(), loaded.size());
@@ -1011,13 +1047,7 @@ TEST(StateDict, ASafetensorsFileReadsAsPythonsSafetensorsReadsItAndBack) {
 TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeverCrash) {
   test_util::TempDir dir;
   // perf's own round trip (no Python needed): every dtype the format names, metadata, an empty and a 0-dim tensor.
-  auto tensors = c10::Dict<std::string, at::Tensor>();
-  tensors.insert("w", torch::randn({3, 2}));
-  tensors.insert("half", torch::randn({4}).to(torch::kHalf));
-  tensors.insert("count", torch::tensor(7));
-  tensors.insert("empty", torch::zeros({0, 2}));
-  tensors.insert("f4", torch::tensor({0x12, 0x34}, torch::kUInt8).view(c10::kFloat4_e2m1fn_x2).reshape({1, 2}));
-  tensors.insert("mask", torch::tensor({true, false}));
+  const auto tensors = safetensors_sample(torch::randn({3, 2}));
   const auto good = dir / "good.safetensors";
   perf::save_safetensors(tensors, good, {{"format", "pt"}});
   const auto read = perf::load_safetensors(good);
@@ -1209,6 +1239,146 @@ TEST(StateDict, SafetensorsFilesThatBreakTheFormatAreRefusedByWhatIsWrongAndNeve
       "perf::save_safetensors: the directory of '" + dir.path + "/no/such/dir/w.safetensors' does not exist");
 }
 
+namespace {
+
+// The lines of /proc/self/maps that map `path`: how a test sees that a file is mapped, and how.
+std::vector<std::string> mappings_of(const std::string& path) {
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> out;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.size() >= path.size() && line.compare(line.size() - path.size(), path.size(), path) == 0) {
+      out.push_back(line);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// perf::SafetensorsFile (Python's safe_open): the header read once, each tensor the file's own bytes, mapped
+// copy-on-write; slices; names refused by what the file holds; a sharded checkpoint through its index.
+TEST(StateDict, ASafetensorsFileMapsTheFileAndGivesItsTensorsByNameAsSafeOpen) {
+  test_util::TempDir dir;
+  const auto tensors = safetensors_sample(torch::arange(24.f).reshape({6, 4}));
+  const auto good = dir / "good.safetensors";
+  perf::save_safetensors(tensors, good, {{"format", "pt"}});
+  const std::string before = read_bytes(good);
+  {
+    const perf::SafetensorsFile f(good);
+    EXPECT_EQ(f.path(), good);
+    EXPECT_TRUE(f.device().is_cpu());
+    EXPECT_EQ(f.keys(), (std::vector<std::string>{"count", "empty", "f4", "half", "mask", "w"}));
+    // perf's writer orders them as Python's: the widest elements first, then by name.
+    EXPECT_EQ(f.offset_keys(), (std::vector<std::string>{"count", "empty", "w", "half", "f4", "mask"}));
+    EXPECT_TRUE(f.contains("w"));
+    EXPECT_FALSE(f.contains("W"));
+    EXPECT_EQ(f.metadata(), (std::map<std::string, std::string>{{"format", "pt"}}));
+    for (const auto& kv : tensors) {
+      const at::Tensor t = f.get_tensor(kv.key());
+      EXPECT_EQ(t.scalar_type(), kv.value().scalar_type()) << kv.key();
+      EXPECT_EQ(f.dtype(kv.key()), kv.value().scalar_type()) << kv.key();
+      EXPECT_EQ(t.sizes(), kv.value().sizes()) << kv.key();
+      EXPECT_EQ(f.shape(kv.key()), kv.value().sizes().vec()) << kv.key();
+      EXPECT_TRUE(bytes_of(t).equal(bytes_of(kv.value()))) << kv.key();
+    }
+    // The file mapped once, private and writable, as Python's safe_open maps it; each call for a name gives the same
+    // memory, and a write to it reaches neither the file nor another mapping of it.
+    const auto maps = mappings_of(good);
+    ASSERT_EQ(maps.size(), 1u);
+    EXPECT_NE(maps[0].find(" rw-p "), std::string::npos) << maps[0];
+    at::Tensor w = f.get_tensor("w");
+    EXPECT_EQ(w.data_ptr(), f.get_tensor("w").data_ptr());
+    w[0][0] = 42;
+    EXPECT_EQ(f.get_tensor("w")[0][0].item<float>(), 42.f);
+    EXPECT_EQ(read_bytes(good), before);
+    EXPECT_EQ(perf::SafetensorsFile(good).get_tensor("w")[0][0].item<float>(), 0.f);
+    EXPECT_EQ(perf::load_safetensors(good).at("w")[0][0].item<float>(), 0.f);
+    // Slices, as Python's get_slice(name)[...]: rows of a row-major tensor are its bytes in the file, no copy.
+    using namespace torch::indexing;
+    const at::Tensor rows = f.get_slice("w", {Slice(2, 4), Slice()});
+    EXPECT_TRUE(rows.equal(torch::arange(8.f, 16.f).reshape({2, 4})));
+    EXPECT_EQ(static_cast<const char*>(rows.data_ptr()), static_cast<const char*>(w.data_ptr()) + 2 * 4 * 4);
+    const at::Tensor column = f.get_slice("w", {Slice(), 1});
+    EXPECT_TRUE(column.is_contiguous());
+    EXPECT_TRUE(column.equal(torch::tensor({1.f, 5.f, 9.f, 13.f, 17.f, 21.f})));
+    EXPECT_TRUE(
+        f.get_slice("w", {Slice(None, None, 2), Slice(-1, None)}).equal(torch::tensor({{3.f}, {11.f}, {19.f}})));
+    PERF_EXPECT_THROW_MSG(f.get_slice("w", {10}), "perf::SafetensorsFile::get_slice: \"w\" (shape [6, 4]): ");
+    PERF_EXPECT_THROW_MSG(f.get_tensor("nope"), "perf::SafetensorsFile::get_tensor: " + good +
+                                                    " holds no tensor \"nope\" (it holds 6: \"count\", \"empty\", "
+                                                    "\"f4\", \"half\", \"mask\", ...)");
+    PERF_EXPECT_THROW_MSG(f.shape("nope"), "perf::SafetensorsFile::shape: ");
+    PERF_EXPECT_THROW_MSG(f.get_slice("nope", {0}), "perf::SafetensorsFile::get_slice: ");
+    const auto all = f.get_tensors();
+    std::vector<std::string> order;
+    for (const auto& kv : all) order.push_back(kv.key());
+    EXPECT_EQ(order, f.offset_keys());
+    EXPECT_EQ(all.at("w").data_ptr(), w.data_ptr()) << "get_tensors() maps too";
+  }
+  // A tensor keeps the mapping after the file object is gone; the last one unmaps it.
+  at::Tensor kept;
+  {
+    const perf::SafetensorsFile f(good);
+    kept = f.get_tensor("w");
+  }
+  EXPECT_EQ(mappings_of(good).size(), 1u);
+  EXPECT_TRUE(kept.equal(torch::arange(24.f).reshape({6, 4})));
+  kept.reset();
+  EXPECT_TRUE(mappings_of(good).empty()) << "unmapped with its last tensor";
+  // perf::load_safetensors (Python's load_file) maps the file too.
+  {
+    const auto loaded = perf::load_safetensors(good);
+    EXPECT_EQ(mappings_of(good).size(), 1u);
+    EXPECT_TRUE(loaded.at("w").equal(tensors.at("w")));
+  }
+  EXPECT_TRUE(mappings_of(good).empty());
+
+  // Bytes that do not start at a multiple of their element size (the format allows it; Python's writer and perf's
+  // never make it) are copied instead of mapped.
+  const auto odd = dir / "odd.safetensors";
+  std::string header = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const float b_values[2] = {1.5f, -2.f};
+  write_safetensors(odd, header, std::string("\x07", 1) + std::string(reinterpret_cast<const char*>(b_values), 8));
+  {
+    const perf::SafetensorsFile f(odd);
+    const at::Tensor b = f.get_tensor("b");
+    EXPECT_TRUE(b.equal(torch::tensor({1.5f, -2.f})));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data_ptr()) % 4, 0u);
+    EXPECT_NE(b.data_ptr(), f.get_tensor("b").data_ptr()) << "a copy each time";
+    EXPECT_EQ(f.get_tensor("a").item<uint8_t>(), 7);
+    EXPECT_EQ(f.get_tensor("a").data_ptr(), f.get_tensor("a").data_ptr()) << "mapped";
+  }
+
+  // A sharded checkpoint, opened through its index: every name, each from its shard; the index's metadata.
+  {
+    test_util::TempDir out;
+    const auto files = perf::save_safetensors_sharded(tensors, out.path, 40, {{"source", "perf"}});
+    ASSERT_GT(files.size(), 2u);
+    const perf::SafetensorsFile f(files.back());
+    EXPECT_EQ(f.keys(), (std::vector<std::string>{"count", "empty", "f4", "half", "mask", "w"}));
+    EXPECT_EQ(f.offset_keys().size(), 6u);
+    for (const auto& kv : tensors)
+      EXPECT_TRUE(bytes_of(f.get_tensor(kv.key())).equal(bytes_of(kv.value()))) << kv.key();
+    EXPECT_EQ(f.metadata().at("source"), "perf");
+    EXPECT_EQ(f.metadata().at("total_size"), std::to_string(96 + 8 + 0 + 8 + 2 + 2));
+    EXPECT_EQ(mappings_of(files[0]).size(), 1u) << "every shard mapped";
+    EXPECT_EQ(mappings_of(files[1]).size(), 1u);
+  }
+
+  // Refused: a missing file, a damaged one (the same checks as load_safetensors), a device this process lacks.
+  PERF_EXPECT_THROW_MSG(perf::SafetensorsFile(dir / "none"), "perf::SafetensorsFile: " + dir / "none" + ": not a file");
+  const auto bad = dir / "bad.safetensors";
+  write_safetensors(bad, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  PERF_EXPECT_THROW_MSG(perf::SafetensorsFile{bad},
+                        "perf::SafetensorsFile: " + bad + ": \"a\" has data_offsets [0, 4], but its dtype");
+  if (!test_util::has_cuda()) {
+    PERF_EXPECT_THROW_MSG(perf::SafetensorsFile(good, torch::kCUDA),
+                          "perf::SafetensorsFile: " + good + ": cannot put tensors on cuda: ");
+  }
+}
+
 TEST(StateDict, OnGpuACudaModelSavesItsDeviceAndLoadsBackIntoOneOnTheGpu) {
   if (!test_util::has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   test_util::TempDir dir;
@@ -1238,4 +1408,13 @@ TEST(StateDict, OnGpuACudaModelSavesItsDeviceAndLoadsBackIntoOneOnTheGpu) {
     EXPECT_TRUE(on_gpu.at(kv.key()).is_cuda()) << kv.key();
     EXPECT_TRUE(on_gpu.at(kv.key()).equal(kv.value())) << kv.key();
   }
+  // Opened lazily onto the GPU (Python's safe_open(..., device="cuda")): a tensor, and a slice of one, copied there.
+  const perf::SafetensorsFile f(dir / "cuda.safetensors", torch::kCUDA);
+  const at::Tensor weight = perf::state_dict(net).at("head.weight");
+  EXPECT_TRUE(f.get_tensor("head.weight").is_cuda());
+  EXPECT_TRUE(f.get_tensor("head.weight").equal(weight));
+  using namespace torch::indexing;
+  const at::Tensor column = f.get_slice("head.weight", {Slice(), 1});
+  EXPECT_TRUE(column.is_cuda() && column.is_contiguous());
+  EXPECT_TRUE(column.equal(weight.index({Slice(), 1})));
 }

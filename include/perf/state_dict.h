@@ -14,6 +14,9 @@
 //   // a sharded checkpoint (transformers' model.safetensors.index.json and its shards), read and written
 //   auto weights = perf::load_safetensors("llama/model.safetensors.index.json");
 //   perf::save_safetensors_sharded(perf::state_dict(model), "checkpoint/", /*max_shard_bytes=*/2000000000);
+//   // one tensor at a time, as Python's safe_open: the file mapped into memory, read where touched
+//   perf::SafetensorsFile file("model.safetensors", torch::kCUDA);
+//   at::Tensor rows = file.get_slice("embed.weight", {torch::indexing::Slice(0, 1000)});
 //
 // LibTorch's own torch::save/torch::load write and read a TorchScript archive
 // that Python's torch.load does not read, and LibTorch's torch::pickle_load
@@ -23,6 +26,7 @@
 // PyTorch's do, so a C++ model and its Python twin share one file.
 #pragma once
 
+#include <ATen/TensorIndexing.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -35,6 +39,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -99,8 +104,10 @@ c10::IValue load(const std::string& path);
 
 /// Python's `safetensors.torch.load_file(path, device)`: the tensors of a
 /// .safetensors file (Hugging Face's weight format: a JSON header, then each
-/// tensor's bytes) by name, in the file's order, each in its own memory on
-/// `device`. Every dtype Python's safetensors reads for torch (float8s,
+/// tensor's bytes) by name, in the file's order, on `device`. On the CPU, as
+/// Python's, they are the file's bytes mapped into memory, copy-on-write
+/// (SafetensorsFile, below, says what that means); on another device each is
+/// copied there from the mapping. Every dtype Python's safetensors reads for torch (float8s,
 /// unsigned ints and packed float4 too). The header is checked whole before a
 /// byte of data is read, as the format's own reader checks it: the tensors
 /// must cover the data exactly, without gaps or overlaps, each the size its
@@ -141,6 +148,63 @@ void save_safetensors(const c10::IValue& tensors, const std::string& path,
 std::vector<std::string> save_safetensors_sharded(const c10::IValue& tensors, const std::string& directory,
                                                   int64_t max_shard_bytes = 5000000000,
                                                   const std::map<std::string, std::string>& metadata = {});
+
+namespace detail {
+struct SafetensorsFileState;
+}
+
+/// Python's `safetensors.safe_open(path, framework="pt", device)`: a
+/// .safetensors file opened once, its header checked whole (as
+/// load_safetensors checks it), its tensors read one at a time, by name. A
+/// path ending in .json opens a sharded checkpoint through its index, every
+/// shard at once, each checked to hold exactly the names the index gives it.
+///
+/// The file is mapped into memory, as Python's is. On the CPU a tensor is the
+/// file's bytes themselves: nothing is read until it is touched, and each
+/// call for a name gives the same memory. Writing to a tensor writes a private
+/// copy of its pages, never the file. Tensors keep the mapping alive after
+/// the SafetensorsFile is gone. (A tensor whose bytes do not start at a
+/// multiple of its element size, which Python's writer and perf's never
+/// produce, is copied instead.) On another device each tensor is copied there
+/// straight from the mapping, and get_slice copies only the slice. As with
+/// Python's, a file cut short while mapped (rewritten in place) makes a read
+/// of its lost pages crash the process (SIGBUS); perf::save_safetensors
+/// writes a new file and renames it over the old one, which leaves a mapping
+/// of the old file whole.
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const std::string& path, c10::Device device = c10::kCPU);
+
+  /// The tensors' names, sorted (Python's `keys()`).
+  std::vector<std::string> keys() const;
+  /// The names in the order of the file's data (Python's `offset_keys()`);
+  /// through an index, shard by shard in the order the index first names them.
+  std::vector<std::string> offset_keys() const;
+  bool contains(const std::string& name) const;
+  /// A tensor's dtype and shape, from the header, without reading it (Python's
+  /// `get_slice(name).get_dtype()` and `get_shape()`).
+  c10::ScalarType dtype(const std::string& name) const;
+  std::vector<int64_t> shape(const std::string& name) const;
+
+  /// Python's `get_tensor(name)`, on the file's device.
+  at::Tensor get_tensor(const std::string& name) const;
+  /// Python's `get_slice(name)[indices]`: `file.get_slice("embed.weight",
+  /// {Slice(0, 1000), Slice()})` with `using namespace torch::indexing`,
+  /// contiguous, on the file's device; only the slice is copied (on the CPU,
+  /// nothing where the slice is contiguous in the file).
+  at::Tensor get_slice(const std::string& name, at::ArrayRef<at::indexing::TensorIndex> indices) const;
+  /// Python's `get_tensors()`: every tensor, in offset_keys()'s order.
+  c10::Dict<std::string, at::Tensor> get_tensors() const;
+
+  /// Python's `metadata()`: the header's `__metadata__`. Through an index,
+  /// the index's "metadata" (transformers': `total_size`), numbers as text.
+  const std::map<std::string, std::string>& metadata() const;
+  c10::Device device() const;
+  const std::string& path() const;
+
+ private:
+  std::shared_ptr<const detail::SafetensorsFileState> state_;
+};
 
 }  // namespace perf
 

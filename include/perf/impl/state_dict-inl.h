@@ -4,14 +4,20 @@
 #pragma once
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/irange.h>
 #include <caffe2/serialize/inline_container.h>
+#include <fcntl.h>
 #include <perf/state_dict.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -1266,39 +1272,73 @@ PERF_INLINE SafetensorsHeader read_safetensors_header(std::ifstream& f, const st
   return h;
 }
 
-PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path,
-                                                                             c10::Device device,
-                                                                             const std::string& who) {
+// One .safetensors file mapped into memory, private and writable (copy-on-write: a write never reaches the file), as
+// Python's safetensors maps it. Tensors on the CPU point into it and hold it alive.
+struct SafetensorsMapping {
+  std::string path;
+  SafetensorsHeader header;
+  char* base = nullptr;
+  size_t size = 0;
+  SafetensorsMapping() = default;
+  SafetensorsMapping(const SafetensorsMapping&) = delete;
+  SafetensorsMapping& operator=(const SafetensorsMapping&) = delete;
+  ~SafetensorsMapping() {
+    if (base) ::munmap(base, size);
+  }
+};
+
+PERF_INLINE std::shared_ptr<SafetensorsMapping> map_safetensors(const std::string& path, const std::string& who) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
-  std::ifstream f(path, std::ios::binary);
-  TORCH_CHECK(f, who, ": could not open the file");
-  const auto h = read_safetensors_header(f, who);
-  if (!device.is_cpu()) {  // a device this process lacks is refused before the file is read
-    try {
-      at::empty({0}, at::TensorOptions().device(device));
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, who, ": cannot put tensors on ", device, ": ", e.what_without_backtrace());
-    }
+  auto m = std::make_shared<SafetensorsMapping>();
+  m->path = path;
+  {
+    std::ifstream f(path, std::ios::binary);
+    TORCH_CHECK(f, who, ": could not open the file");
+    m->header = read_safetensors_header(f, who);
   }
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  out.reserve(h.entries.size());
-  f.seekg(static_cast<std::streamoff>(h.data_start));
-  for (const auto& e : h.entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-    const auto nbytes = static_cast<std::streamsize>(e.end - e.begin);
-    if (nbytes > 0) f.read(static_cast<char*>(t.data_ptr()), nbytes);
-    TORCH_CHECK(nbytes == 0 || f.gcount() == nbytes, who, ": could not read \"", e.name, "\"'s bytes");
-    out.emplace_back(e.name, device.is_cpu() ? std::move(t) : t.to(device));
+  const uint64_t expected = m->header.data_start + (m->header.entries.empty() ? 0 : m->header.entries.back().end);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, who, ": could not open the file: ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != expected) {
+    ::close(fd);
+    TORCH_CHECK(false, who, ": the file changed while it was opened (", expected, " bytes by its header, ", st.st_size,
+                " now)");
   }
-  return out;
+  void* p = ::mmap(nullptr, expected, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  TORCH_CHECK(p != MAP_FAILED, who, ": could not map the file into memory: ", std::strerror(err));
+  m->base = static_cast<char*>(p);
+  m->size = expected;
+  return m;
+}
+
+// A tensor over its bytes in the mapping (a copy where they do not start aligned to its element size).
+PERF_INLINE at::Tensor mapped_tensor(const std::shared_ptr<SafetensorsMapping>& m, const SafetensorsEntry& e) {
+  const auto options = at::TensorOptions().dtype(e.dtype);
+  const uint64_t nbytes = e.end - e.begin;
+  if (nbytes == 0) return at::empty(e.shape, options);
+  char* bytes = m->base + m->header.data_start + e.begin;
+  if (reinterpret_cast<uintptr_t>(bytes) % c10::elementSize(e.dtype) != 0) {
+    at::Tensor t = at::empty(e.shape, options);
+    std::memcpy(t.data_ptr(), bytes, nbytes);
+    return t;
+  }
+  return at::from_blob(
+      bytes, e.shape, [keep = m](void*) {}, options);
 }
 
 // transformers' sharded checkpoint: an index (model.safetensors.index.json: {"metadata": {...}, "weight_map": {name:
-// shard file}}) beside the shards it names. Each shard is read whole, in the order the map first names it, and must
-// hold exactly the names the map gives it.
-PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors_index(const std::string& path,
-                                                                                   c10::Device device,
-                                                                                   const std::string& who) {
+// shard file}}) beside the shards it names.
+struct SafetensorsIndex {
+  std::vector<std::string> shards;                        // in the order the map first names them
+  std::unordered_map<std::string, std::string> shard_of;  // name -> shard file
+  std::vector<std::string> names;                         // the map's, in its order
+  std::map<std::string, std::string> metadata;            // text and numbers, as text
+};
+
+PERF_INLINE SafetensorsIndex read_safetensors_index(const std::string& path, const std::string& who) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
   std::string text;
   {
@@ -1308,44 +1348,117 @@ PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> read_safetensors_ind
   }
   TORCH_CHECK(python_str(text), who, ": the index is not UTF-8 text");
   const JsonValue doc = JsonParser(text, who, "the index", 0).document();
-  const JsonValue* map = nullptr;
+  const JsonValue *map = nullptr, *metadata = nullptr;
   for (size_t k = 0; doc.kind == JsonValue::Kind::Object && k < doc.keys.size(); ++k) {
     if (doc.keys[k] == "weight_map") map = &doc.items[k];
+    if (doc.keys[k] == "metadata") metadata = &doc.items[k];
   }
   TORCH_CHECK(map && map->kind == JsonValue::Kind::Object, who,
               ": the index has no \"weight_map\" object of name -> shard file (transformers' "
               "model.safetensors.index.json)");
-  std::vector<std::string> shards;
-  std::unordered_map<std::string, std::string> shard_of;
+  SafetensorsIndex index;
   for (size_t k = 0; k < map->keys.size(); ++k) {
     TORCH_CHECK(map->items[k].kind == JsonValue::Kind::String, who, ": the weight_map gives \"", map->keys[k],
                 "\" a shard that is not a file name");
     const std::string& shard = map->items[k].text;
-    if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
-    shard_of[map->keys[k]] = shard;
+    if (std::find(index.shards.begin(), index.shards.end(), shard) == index.shards.end()) index.shards.push_back(shard);
+    index.shard_of[map->keys[k]] = shard;
+    index.names.push_back(map->keys[k]);
   }
-  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::unordered_set<std::string> read;
-  for (const auto& shard : shards) {
-    const std::string file = (dir / shard).string();
-    for (auto& [name, t] : read_safetensors(file, device, "perf::load_safetensors: " + file)) {
-      const auto it = shard_of.find(name);
-      TORCH_CHECK(it != shard_of.end() && it->second == shard, who, ": shard ", shard, " holds \"", name,
-                  "\", which the index ", it == shard_of.end() ? "does not name" : "puts in shard " + it->second);
-      read.insert(name);
-      out.emplace_back(name, std::move(t));
+  for (size_t k = 0; metadata && metadata->kind == JsonValue::Kind::Object && k < metadata->keys.size(); ++k) {
+    const auto kind = metadata->items[k].kind;
+    if (kind == JsonValue::Kind::String || kind == JsonValue::Kind::Number) {
+      index.metadata[metadata->keys[k]] = metadata->items[k].text;
     }
-    for (size_t k = 0; k < map->keys.size(); ++k) {
-      TORCH_CHECK(map->items[k].text != shard || read.count(map->keys[k]), who, ": the index puts \"", map->keys[k],
-                  "\" in shard ", shard, ", which does not hold it");
+  }
+  return index;
+}
+
+struct SafetensorsFileState {
+  std::string path;
+  c10::Device device = c10::kCPU;
+  std::vector<std::shared_ptr<SafetensorsMapping>> files;            // one, or an index's shards
+  std::unordered_map<std::string, std::pair<size_t, size_t>> where;  // name -> (file, entry)
+  std::map<std::string, std::string> metadata;
+};
+
+// Opens `path` (a .safetensors file, or a .json index of shards), checks every header (and the index against its
+// shards) and maps the files: nothing of the data is read.
+PERF_INLINE std::shared_ptr<SafetensorsFileState> open_safetensors(const std::string& path, c10::Device device,
+                                                                   const std::string& reader) {
+  const std::string who = reader + ": " + path;
+  auto state = std::make_shared<SafetensorsFileState>();
+  state->path = path;
+  state->device = device;
+  const bool is_index = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  if (!is_index) {
+    state->files.push_back(map_safetensors(path, who));
+    state->metadata = state->files[0]->header.metadata;
+  } else {
+    const SafetensorsIndex index = read_safetensors_index(path, who);
+    const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    for (const auto& shard : index.shards) {
+      const std::string file = (dir / shard).string();
+      state->files.push_back(map_safetensors(file, reader + ": " + file));
+      std::unordered_set<std::string> held;
+      for (const auto& e : state->files.back()->header.entries) {
+        const auto it = index.shard_of.find(e.name);
+        TORCH_CHECK(it != index.shard_of.end() && it->second == shard, who, ": shard ", shard, " holds \"", e.name,
+                    "\", which the index ",
+                    it == index.shard_of.end() ? "does not name" : "puts in shard " + it->second);
+        held.insert(e.name);
+      }
+      for (const auto& name : index.names) {
+        TORCH_CHECK(index.shard_of.at(name) != shard || held.count(name), who, ": the index puts \"", name,
+                    "\" in shard ", shard, ", which does not hold it");
+      }
+    }
+    state->metadata = index.metadata;
+  }
+  for (size_t f = 0; f < state->files.size(); ++f) {
+    const auto& entries = state->files[f]->header.entries;
+    for (size_t e = 0; e < entries.size(); ++e) state->where.emplace(entries[e].name, std::make_pair(f, e));
+  }
+  if (!device.is_cpu()) {  // a device this process lacks is refused before anything is read
+    try {
+      at::empty({0}, at::TensorOptions().device(device));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who, ": cannot put tensors on ", device, ": ", e.what_without_backtrace());
+    }
+  }
+  return state;
+}
+
+// `name`'s file and header entry, or an error naming what the file holds.
+PERF_INLINE std::pair<const std::shared_ptr<SafetensorsMapping>*, const SafetensorsEntry*> safetensors_find(
+    const SafetensorsFileState& state, const std::string& name, const char* method) {
+  const auto it = state.where.find(name);
+  if (it == state.where.end()) {
+    std::vector<std::string> names;
+    for (const auto& kv : state.where) names.push_back(kv.first);
+    std::sort(names.begin(), names.end());
+    std::string some;
+    for (size_t k = 0; k < names.size() && k < 5; ++k) some += (k ? ", \"" : "\"") + names[k] + "\"";
+    TORCH_CHECK(false, "perf::SafetensorsFile::", method, ": ", state.path, " holds no tensor \"", name,
+                "\" (it holds ", names.size(), names.empty() ? "" : ": ", some, names.size() > 5 ? ", ..." : "", ")");
+  }
+  const auto& file = state.files[it->second.first];
+  return {&file, &file->header.entries[it->second.second]};
+}
+
+// Every tensor, in the files' order, on `state.device`.
+PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> safetensors_tensors(const SafetensorsFileState& state) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.reserve(state.where.size());
+  for (const auto& file : state.files) {
+    for (const auto& e : file->header.entries) {
+      at::Tensor t = mapped_tensor(file, e);
+      out.emplace_back(e.name, state.device.is_cpu() ? std::move(t) : t.to(state.device));
     }
   }
   return out;
 }
 
-// What perf::load takes for a .safetensors file: its 8 first bytes a header length that fits the file, and the
-// header an object. A torch.save file starts with "PK" (a zip) or pickle's 0x80 0x02.
 PERF_INLINE bool looks_like_safetensors(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   unsigned char b[9] = {};
@@ -1523,7 +1636,8 @@ PERF_INLINE c10::IValue load(const std::string& path) {
     if (std::string(magic, static_cast<size_t>(f.gcount())) != std::string("PK\x03\x04", 4)) {
       if (!detail::looks_like_safetensors(path)) return detail::load_legacy(path);
       c10::impl::GenericDict out(c10::StringType::get(), c10::TensorType::get());
-      for (auto& [name, t] : detail::read_safetensors(path, c10::kCPU, "perf::load: " + path)) out.insert(name, t);
+      const auto state = detail::open_safetensors(path, c10::kCPU, "perf::load");
+      for (auto& [name, t] : detail::safetensors_tensors(*state)) out.insert(name, t);
       return out;
     }
   }
@@ -1555,13 +1669,9 @@ PERF_INLINE c10::IValue load(const std::string& path) {
 }
 
 PERF_INLINE c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device) {
-  const std::string who = "perf::load_safetensors: " + path;
-  const bool index = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  const auto state = detail::open_safetensors(path, device, "perf::load_safetensors");
   c10::Dict<std::string, at::Tensor> out;
-  for (auto& [name, t] :
-       index ? detail::read_safetensors_index(path, device, who) : detail::read_safetensors(path, device, who)) {
-    out.insert(name, std::move(t));
-  }
+  for (auto& [name, t] : detail::safetensors_tensors(*state)) out.insert(name, std::move(t));
   return out;
 }
 
@@ -1720,5 +1830,64 @@ PERF_INLINE std::vector<std::string> save_safetensors_sharded(const c10::IValue&
   written.push_back(index_path);
   return written;
 }
+
+PERF_INLINE SafetensorsFile::SafetensorsFile(const std::string& path, c10::Device device)
+    : state_(detail::open_safetensors(path, device, "perf::SafetensorsFile")) {}
+
+PERF_INLINE std::vector<std::string> SafetensorsFile::keys() const {
+  std::vector<std::string> names = offset_keys();
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+PERF_INLINE std::vector<std::string> SafetensorsFile::offset_keys() const {
+  std::vector<std::string> names;
+  names.reserve(state_->where.size());
+  for (const auto& file : state_->files) {
+    for (const auto& e : file->header.entries) names.push_back(e.name);
+  }
+  return names;
+}
+
+PERF_INLINE bool SafetensorsFile::contains(const std::string& name) const { return state_->where.count(name) > 0; }
+
+PERF_INLINE c10::ScalarType SafetensorsFile::dtype(const std::string& name) const {
+  return detail::safetensors_find(*state_, name, "dtype").second->dtype;
+}
+
+PERF_INLINE std::vector<int64_t> SafetensorsFile::shape(const std::string& name) const {
+  return detail::safetensors_find(*state_, name, "shape").second->shape;
+}
+
+PERF_INLINE at::Tensor SafetensorsFile::get_tensor(const std::string& name) const {
+  const auto [file, entry] = detail::safetensors_find(*state_, name, "get_tensor");
+  at::Tensor t = detail::mapped_tensor(*file, *entry);
+  return state_->device.is_cpu() ? t : t.to(state_->device);
+}
+
+PERF_INLINE at::Tensor SafetensorsFile::get_slice(const std::string& name,
+                                                  at::ArrayRef<at::indexing::TensorIndex> indices) const {
+  const auto [file, entry] = detail::safetensors_find(*state_, name, "get_slice");
+  at::Tensor slice;
+  try {
+    slice = detail::mapped_tensor(*file, *entry).index(indices);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "perf::SafetensorsFile::get_slice: \"", name, "\" (shape ", c10::IntArrayRef(entry->shape),
+                "): ", e.what_without_backtrace());
+  }
+  return state_->device.is_cpu() ? slice.contiguous()
+                                 : slice.to(state_->device, /*non_blocking=*/false,
+                                            /*copy=*/false, c10::MemoryFormat::Contiguous);
+}
+
+PERF_INLINE c10::Dict<std::string, at::Tensor> SafetensorsFile::get_tensors() const {
+  c10::Dict<std::string, at::Tensor> out;
+  for (auto& [name, t] : detail::safetensors_tensors(*state_)) out.insert(name, std::move(t));
+  return out;
+}
+
+PERF_INLINE const std::map<std::string, std::string>& SafetensorsFile::metadata() const { return state_->metadata; }
+PERF_INLINE c10::Device SafetensorsFile::device() const { return state_->device; }
+PERF_INLINE const std::string& SafetensorsFile::path() const { return state_->path; }
 
 }  // namespace perf
