@@ -1709,6 +1709,60 @@ TEST(Attention, NormFirstAndBatchFirstLayersAndStacksEqualPythons) {
   EXPECT_GT(test_util::max_diff(post(x), pre(xb).transpose(0, 1)), 1e-2);
 }
 
+// Python's nn.MultiheadAttention(batch_first=True): (N, L, E) in and out, the weights (N, L, S), on both paths.
+TEST(Attention, ABatchFirstMultiheadAttentionEqualsPythons) {
+  test_util::TempDir dir;
+  const auto file = dir / "mha_bf.pt";
+  test_util::python(
+      std::string(ATTENTION_PY) +
+      "xb, kvb = x.transpose(0, 1).contiguous(), kv.transpose(0, 1).contiguous()\n"
+      "out['xb'], out['kvb'] = xb, kvb\n"
+      "m = perturb(nn.MultiheadAttention(E, H, batch_first=True))\n"
+      "out['m'] = m.state_dict()\n"
+      "a = lambda mod, q, k, v, **kw: mod(q, k, v, need_weights=False, **kw)[0]\n"
+      "record('self', m, lambda mod: a(mod, xb, xb, xb), 'in_proj_weight')\n"
+      "record('cross_padding', m, lambda mod: a(mod, xb, kvb, kvb, key_padding_mask=kpm), 'in_proj_weight')\n"
+      "record('causal', m, lambda mod: a(mod, xb, xb, xb, attn_mask=causal, is_causal=True), 'out_proj.weight')\n"
+      "record('weights', m, lambda mod: mod(xb, kvb, kvb)[0], 'in_proj_weight')\n"
+      "out['weights.attn'] = m(xb, kvb, kvb)[1].detach()\n"
+      "m.eval()\n"
+      "with torch.no_grad(): record('eval', m, lambda mod: a(mod, xb, xb, xb, key_padding_mask=kpl), '')\n"
+      "torch.save(out, '" +
+      file + "')\n");
+  const auto py = perf::load(file).toGenericDict();
+  const auto t = [&](const std::string& k) { return py.at(k).toTensor(); };
+  perf::MultiheadAttention m(torch::nn::MultiheadAttentionOptions(16, 4), perf::AttentionOptions().batch_first(true));
+  perf::load_state_dict(m, py.at("m"));  // the same names and shapes as without the option
+  const auto xb = t("xb"), kvb = t("kvb"), none = at::Tensor();
+  const auto a = [](perf::MultiheadAttention& mod, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& padding,
+                    const at::Tensor& mask, bool is_causal = false) {
+    return std::get<0>(mod(q, kv, kv, padding, /*need_weights=*/false, mask, true, is_causal));
+  };
+  const std::vector<AttentionCase> cases = {
+      {"self", m.get(), "in_proj_weight", [&] { return a(m, xb, xb, none, none); }},
+      {"cross_padding", m.get(), "in_proj_weight", [&] { return a(m, xb, kvb, t("kpm"), none); }},
+      {"causal", m.get(), "out_proj.weight", [&] { return a(m, xb, xb, none, t("causal"), true); }},
+      {"weights", m.get(), "in_proj_weight", [&] { return std::get<0>(m(xb, kvb, kvb)); }},
+  };
+  expect_like_python(cases, py);
+  EXPECT_EQ(std::get<0>(m(xb, kvb, kvb)).sizes(), xb.sizes()) << "(N, L, E) out";
+  EXPECT_LE(test_util::max_diff(std::get<1>(m(xb, kvb, kvb)), t("weights.attn")), 1e-5) << "(N, L, S) weights";
+  // A clone keeps the option, and the option is the sequence-first module on the transposed batch.
+  const auto copy = std::dynamic_pointer_cast<perf::MultiheadAttentionImpl>(m->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(copy->attention_options.batch_first());
+  m->eval();
+  copy->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_LE(test_util::max_diff(a(m, xb, xb, t("kpl"), none), t("eval.y")), 1e-5);
+  EXPECT_LE(test_util::max_diff(std::get<0>(copy->forward(xb, xb, xb, t("kpl"), false)), t("eval.y")), 1e-5);
+  perf::MultiheadAttention seq(torch::nn::MultiheadAttentionOptions(16, 4));
+  perf::load_state_dict(seq, py.at("m"));
+  seq->eval();
+  EXPECT_LE(test_util::max_diff(a(seq, t("x"), t("x"), none, none).transpose(0, 1), a(m, xb, xb, none, none)), 1e-5)
+      << "the same weights without the option, on (L, N, E)";
+}
+
 // LibTorch's clone() of a class derived from one of its modules makes the base class: a perf stack's clone then
 // held LibTorch's layers, and its forward crashed on them. perf's clone as themselves.
 TEST(Attention, ACloneIsPerfsClassWithItsOptionsWeightsAndModes) {

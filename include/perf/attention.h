@@ -4,6 +4,8 @@
 //   auto y = layer(x, causal_mask, torch::Tensor(), /*is_causal=*/true);
 //   perf::MultiheadAttention mha(torch::nn::MultiheadAttentionOptions(512, 8));            // for torch::nn's
 //   auto [out, none] = mha(q, k, v, torch::Tensor(), /*need_weights=*/false);
+//   perf::MultiheadAttention mha_bf(torch::nn::MultiheadAttentionOptions(512, 8),
+//                                   perf::AttentionOptions().batch_first(true));  // (N, L, E) in and out
 //   // what LibTorch's options lack: Python's norm_first (pre-LayerNorm) and batch_first
 //   auto layer_options = torch::nn::TransformerEncoderLayerOptions(512, 8);
 //   perf::TransformerEncoder gpt(torch::nn::TransformerEncoderOptions(layer_options, 6),
@@ -67,6 +69,15 @@ struct TransformerLayerOptions {
   TORCH_ARG(bool, batch_first) = false;
 };
 
+/// What Python's nn.MultiheadAttention takes and LibTorch's
+/// MultiheadAttentionOptions lacks; false by default, as in Python. The
+/// parameters and state_dict do not change.
+struct AttentionOptions {
+  /// Python's `batch_first`: query, key, value and the output are (N, L, E),
+  /// not (L, N, E). The attention weights are (N, L, S) either way.
+  TORCH_ARG(bool, batch_first) = false;
+};
+
 /// torch::nn::MultiheadAttention whose forward is Python's: with
 /// `need_weights=false` it runs perf::multi_head_attention and returns an
 /// undefined tensor for the weights; with `need_weights=true` (the default, as
@@ -74,6 +85,10 @@ struct TransformerLayerOptions {
 class MultiheadAttentionImpl : public torch::nn::MultiheadAttentionImpl {
  public:
   using torch::nn::MultiheadAttentionImpl::MultiheadAttentionImpl;
+  MultiheadAttentionImpl(const torch::nn::MultiheadAttentionOptions& options_, AttentionOptions attention_options_)
+      : torch::nn::MultiheadAttentionImpl(options_), attention_options(attention_options_) {}
+
+  AttentionOptions attention_options;
 
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                              const at::Tensor& key_padding_mask = {}, bool need_weights = true,

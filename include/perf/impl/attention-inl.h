@@ -195,18 +195,24 @@ PERF_INLINE at::Tensor multi_head_attention(torch::nn::MultiheadAttentionImpl& a
 PERF_INLINE std::tuple<at::Tensor, at::Tensor> MultiheadAttentionImpl::forward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_padding_mask,
     bool need_weights, const at::Tensor& attn_mask, bool average_attn_weights, bool is_causal) {
+  // Python's batch_first: batched (N, L, E) inputs seen as (L, N, E), and the output turned back.
+  const bool batch_first = attention_options.batch_first() && query.dim() == 3;
+  const auto in = [&](const at::Tensor& x) { return batch_first ? x.transpose(0, 1) : x; };
   if (!need_weights) {
-    return {multi_head_attention(*this, query, key, value, key_padding_mask, attn_mask, is_causal), at::Tensor()};
+    const at::Tensor out =
+        multi_head_attention(*this, in(query), in(key), in(value), key_padding_mask, attn_mask, is_causal);
+    return {in(out), at::Tensor()};
   }
   TORCH_CHECK(!is_causal || attn_mask.defined(),
               "perf::MultiheadAttention: is_causal is a hint that attn_mask is the causal mask, and needs it");
-  return torch::nn::MultiheadAttentionImpl::forward(query, key, value, key_padding_mask, true, attn_mask,
-                                                    average_attn_weights);
+  auto [out, weights] = torch::nn::MultiheadAttentionImpl::forward(in(query), in(key), in(value), key_padding_mask,
+                                                                   true, attn_mask, average_attn_weights);
+  return {in(out), weights};
 }
 
 PERF_INLINE std::shared_ptr<torch::nn::Module> MultiheadAttentionImpl::clone(
     const std::optional<torch::Device>& device) const {
-  return detail::clone_as<MultiheadAttentionImpl>(*this, device, options);
+  return detail::clone_as<MultiheadAttentionImpl>(*this, device, options, attention_options);
 }
 
 PERF_INLINE std::shared_ptr<torch::nn::Module> TransformerEncoderLayerImpl::clone(
