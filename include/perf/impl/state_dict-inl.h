@@ -1275,7 +1275,6 @@ PERF_INLINE SafetensorsHeader read_safetensors_header(std::ifstream& f, const st
 // One .safetensors file mapped into memory, private and writable (copy-on-write: a write never reaches the file), as
 // Python's safetensors maps it. Tensors on the CPU point into it and hold it alive.
 struct SafetensorsMapping {
-  std::string path;
   SafetensorsHeader header;
   char* base = nullptr;
   size_t size = 0;
@@ -1290,7 +1289,6 @@ struct SafetensorsMapping {
 PERF_INLINE std::shared_ptr<SafetensorsMapping> map_safetensors(const std::string& path, const std::string& who) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), who, ": not a file");
   auto m = std::make_shared<SafetensorsMapping>();
-  m->path = path;
   {
     std::ifstream f(path, std::ios::binary);
     TORCH_CHECK(f, who, ": could not open the file");
