@@ -107,14 +107,15 @@ c10::IValue load(const std::string& path);
 /// tensor's bytes) by name, in the file's order, on `device`. On the CPU, as
 /// Python's, they are the file's bytes mapped into memory, copy-on-write
 /// (SafetensorsFile, below, says what that means); on another device each is
-/// copied there from the mapping. Every dtype Python's safetensors reads for torch (float8s,
-/// unsigned ints and packed float4 too). The header is checked whole before a
-/// byte of data is read, as the format's own reader checks it: the tensors
-/// must cover the data exactly, without gaps or overlaps, each the size its
-/// dtype and shape say; a file that fails is refused naming what is wrong.
+/// copied there from the mapping. Every dtype Python's safetensors reads for
+/// torch (float8s, unsigned ints and packed float4 too). The header is checked
+/// whole before a byte of data is read, as the format's own reader checks it:
+/// the tensors must cover the data exactly, without gaps or overlaps, each the
+/// size its dtype and shape say; a file that fails is refused naming what is
+/// wrong.
 /// A path ending in .json is a sharded checkpoint's index (transformers'
 /// model.safetensors.index.json, whose "weight_map" names each tensor's
-/// shard): every shard is read, and each must hold exactly the names the
+/// shard): every shard is opened, and each must hold exactly the names the
 /// index gives it.
 c10::Dict<std::string, at::Tensor> load_safetensors(const std::string& path, c10::Device device = c10::kCPU);
 

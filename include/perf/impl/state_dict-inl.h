@@ -1457,6 +1457,8 @@ PERF_INLINE std::vector<std::pair<std::string, at::Tensor>> safetensors_tensors(
   return out;
 }
 
+// What perf::load takes for a .safetensors file: its 8 first bytes a header length that fits the file, and the
+// header an object. A torch.save file starts with "PK" (a zip) or pickle's 0x80 0x02.
 PERF_INLINE bool looks_like_safetensors(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   unsigned char b[9] = {};
