@@ -1712,7 +1712,8 @@ PERF_INLINE void save_safetensors(const c10::IValue& tensors, const std::string&
     for (size_t d = 0; d < sizes.size(); ++d) {
       // The header counts F4 values, two a byte of torch's float4_e2m1fn_x2.
       const int64_t size = item.dtype == "F4" && d + 1 == sizes.size() ? 2 * sizes[d] : sizes[d];
-      header += (d ? "," : "") + std::to_string(size);
+      if (d) header += ',';
+      header += std::to_string(size);  // not `"," + to_string()`: GCC 12's -Wrestrict misfires on it in C++20
     }
     const auto nbytes = static_cast<uint64_t>(item.t.numel() * item.t.element_size());
     header += "],\"data_offsets\":[" + std::to_string(at) + "," + std::to_string(at + nbytes) + "]}";
@@ -1791,7 +1792,7 @@ PERF_INLINE std::vector<std::string> save_safetensors_sharded(const c10::IValue&
   const size_t n = shards.size();
   const auto name = [&](size_t i) {
     if (n == 1) return std::string("model.safetensors");
-    char suffix[32];
+    char suffix[48];  // room for two 20-digit numbers
     std::snprintf(suffix, sizeof suffix, "-%05zu-of-%05zu", i + 1, n);
     return "model" + std::string(suffix) + ".safetensors";
   };
