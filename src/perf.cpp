@@ -16,6 +16,7 @@
 #include <perf/impl/distributed-inl.h>
 #include <perf/impl/environment-inl.h>
 #include <perf/impl/gpu_monitor-inl.h>
+#include <perf/impl/lr_scheduler-inl.h>
 #include <perf/impl/memory-inl.h>
 #include <perf/impl/memory_format-inl.h>
 #include <perf/impl/model-inl.h>

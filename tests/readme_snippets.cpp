@@ -11,6 +11,7 @@
 // clang-format off
 #include <perf/compiled.h>
 #include <perf/attention.h>
+#include <perf/lr_scheduler.h>
 #include <perf/perf.h>  // or the one header you need
 #include <perf/state_dict.h>
 #include <torch/torch.h>
@@ -217,6 +218,29 @@ back.insert("optim", opt.state_dict());
 perf::save(back, "run.pt");                        // ... and back in Python, with load_state_dict
 
   // clang-format on
+}
+void block_lr_scheduler() {
+  Net model;
+  // clang-format off
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).weight_decay(0.05));
+// Python: SequentialLR(opt, [LinearLR(opt, 0.01, 1.0, 500), CosineAnnealingLR(opt, 9500, 1e-5)], [500])
+auto warmup = std::make_shared<perf::optim::LinearLR>(opt, /*start_factor=*/0.01, /*end_factor=*/1.0, /*total_iters=*/500);
+auto decay = std::make_shared<perf::optim::CosineAnnealingLR>(opt, /*T_max=*/9500, /*eta_min=*/1e-5);
+perf::optim::SequentialLR scheduler(opt, {warmup, decay}, /*milestones=*/{500});
+for (int64_t step = 0; step < 10000; ++step) {
+  // forward, backward
+  opt.step();
+  scheduler.step();                                 // after the optimizer's step, as in Python
+}
+double last = scheduler.get_last_lr()[0];
+auto ckpt = perf::dict();
+ckpt.insert("optim", opt.state_dict());
+ckpt.insert("sched", scheduler.state_dict());       // Python: scheduler.load_state_dict(ckpt["sched"])
+perf::save(ckpt, "ckpt.pt");
+// the 1cycle policy, rate and momentum (Adam's first beta), stepped once per batch
+perf::optim::OneCycleLR one_cycle(opt, perf::optim::OneCycleLROptions(/*max_lr=*/1e-2, /*total_steps=*/10000).pct_start(0.25));
+  // clang-format on
+  (void)last;
 }
 void block10_state_dict() {
   Net model;

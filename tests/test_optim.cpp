@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <perf/amp.h>
 #include <perf/cuda_graph.h>
+#include <perf/lr_scheduler.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
@@ -2307,4 +2308,485 @@ TEST(OptimFlat, OnGpuFollowsTheModelAndRefusesARebuildUnderCapture) {
   opt.step();  // eagerly: the rebuild happens, and the new parameter joins the buffer
   EXPECT_TRUE(extra.is_alias_of(net->fc->weight));
 #endif
+}
+
+// ---- perf/lr_scheduler.h: Python's learning-rate schedulers ----------------------------------------------------
+
+namespace {
+
+// Two param groups (lr 0.1 and 0.5), as every schedule below runs them in C++ and Python.
+const char* const LRS_PY =
+    "import torch, warnings\n"
+    "from torch.optim import lr_scheduler as L\n"
+    "warnings.simplefilter('ignore')\n"
+    "def groups():\n"
+    "    return [{'params': [torch.nn.Parameter(torch.zeros(2))]},\n"
+    "            {'params': [torch.nn.Parameter(torch.zeros(3))], 'lr': 0.5}]\n"
+    "def sgd():\n"
+    "    return torch.optim.SGD(groups(), lr=0.1, momentum=0.9)\n"
+    "def adamw():\n"
+    "    return torch.optim.AdamW(groups(), lr=0.1)\n"
+    "def momenta(o):\n"
+    "    return [g['betas'][0] if 'betas' in g else g['momentum'] for g in o.param_groups]\n"
+    "def run(o, s, n):\n"
+    "    out = [*s.get_last_lr(), *[g['lr'] for g in o.param_groups], *momenta(o)]\n"
+    "    for _ in range(n):\n"
+    "        o.step()\n"
+    "        s.step()\n"
+    "        out += [*s.get_last_lr(), *[g['lr'] for g in o.param_groups], *momenta(o)]\n"
+    "    print(*[repr(float(x)) for x in out])\n";
+
+std::vector<torch::optim::OptimizerParamGroup> lrs_groups() {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{torch::zeros({2}, torch::requires_grad())});
+  groups.emplace_back(std::vector<at::Tensor>{torch::zeros({3}, torch::requires_grad())});
+  return groups;
+}
+// Python's sgd(): perf's SGD. Group 1 gets lr 0.5.
+std::unique_ptr<torch::optim::Optimizer> lrs_sgd() {
+  auto o = std::make_unique<perf::optim::SGD>(lrs_groups(), perf::optim::SGDOptions(0.1).momentum(0.9));
+  o->param_groups()[1].options().set_lr(0.5);
+  return o;
+}
+// Python's adamw(): LibTorch's AdamW.
+std::unique_ptr<torch::optim::Optimizer> lrs_adamw() {
+  auto o = std::make_unique<torch::optim::AdamW>(lrs_groups(), torch::optim::AdamWOptions(0.1));
+  o->param_groups()[1].options().set_lr(0.5);
+  return o;
+}
+double lrs_momentum(const torch::optim::OptimizerOptions& o) {
+  if (const auto* s = dynamic_cast<const perf::optim::SGDOptions*>(&o)) return s->momentum();
+  return std::get<0>(dynamic_cast<const torch::optim::AdamWOptions&>(o).betas());
+}
+// Python's run(): the rates (get_last_lr and the groups') and momenta after construction and after each step.
+std::vector<double> lrs_run(torch::optim::Optimizer& o, perf::optim::LRScheduler& s, int n) {
+  std::vector<double> out;
+  const auto record = [&] {
+    for (double lr : s.get_last_lr()) out.push_back(lr);
+    for (const auto& g : o.param_groups()) out.push_back(g.options().get_lr());
+    for (const auto& g : o.param_groups()) out.push_back(lrs_momentum(g.options()));
+  };
+  record();
+  for (int i = 0; i < n; ++i) {
+    s.step();
+    record();
+  }
+  return out;
+}
+
+struct LrsCase {
+  const char* what;
+  const char* optimizer;  // "sgd" or "adamw"
+  std::string python;     // the scheduler on `o`
+  std::function<std::shared_ptr<perf::optim::LRScheduler>(torch::optim::Optimizer&)> make;
+};
+
+std::vector<LrsCase> lrs_cases() {
+  namespace po = perf::optim;
+  using Sched = std::shared_ptr<po::LRScheduler>;
+  return {
+      {"LambdaLR", "sgd", "L.LambdaLR(o, lambda e: 0.95 ** e)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::LambdaLR>(o, [](int64_t e) { return std::pow(0.95, static_cast<double>(e)); });
+       }},
+      {"LambdaLR per group", "sgd", "L.LambdaLR(o, [lambda e: 1.0 / (e + 1), lambda e: 0.9 ** e])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::LambdaLR>(
+             o, std::vector<po::LambdaLR::Lambda>{[](int64_t e) { return 1.0 / static_cast<double>(e + 1); },
+                                                  [](int64_t e) { return std::pow(0.9, static_cast<double>(e)); }});
+       }},
+      {"MultiplicativeLR", "sgd", "L.MultiplicativeLR(o, lambda e: 0.97)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::MultiplicativeLR>(o, [](int64_t) { return 0.97; });
+       }},
+      {"StepLR", "sgd", "L.StepLR(o, 3, 0.5)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::StepLR>(o, 3, 0.5); }},
+      {"MultiStepLR", "sgd", "L.MultiStepLR(o, [6, 2, 6, 9], 0.5)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::MultiStepLR>(o, std::vector<int64_t>{6, 2, 6, 9}, 0.5);
+       }},
+      {"ConstantLR", "sgd", "L.ConstantLR(o, 0.5, 4)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::ConstantLR>(o, 0.5, 4); }},
+      {"LinearLR", "sgd", "L.LinearLR(o, 0.25, 0.9, 6)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::LinearLR>(o, 0.25, 0.9, 6); }},
+      {"ExponentialLR", "sgd", "L.ExponentialLR(o, 0.9)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::ExponentialLR>(o, 0.9); }},
+      {"PolynomialLR", "sgd", "L.PolynomialLR(o, 8, 2.0)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::PolynomialLR>(o, 8, 2.0); }},
+      {"CosineAnnealingLR (past T_max: back up, as Python's)", "sgd", "L.CosineAnnealingLR(o, 10, 0.001)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::CosineAnnealingLR>(o, 10, 0.001); }},
+      {"CosineAnnealingWarmRestarts", "sgd", "L.CosineAnnealingWarmRestarts(o, 3, 2, 0.01)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::CosineAnnealingWarmRestarts>(o, 3, 2, 0.01);
+       }},
+      {"CyclicLR triangular2, momentum", "sgd",
+       "L.CyclicLR(o, 0.01, [0.1, 0.2], step_size_up=4, step_size_down=2, mode='triangular2')",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::CyclicLR>(
+             o, po::CyclicLROptions(0.01, {0.1, 0.2}).step_size_up(4).step_size_down(2).mode("triangular2"));
+       }},
+      {"CyclicLR exp_range, beta1", "adamw",
+       "L.CyclicLR(o, 0.01, 0.1, step_size_up=3, mode='exp_range', gamma=0.97, base_momentum=0.85, "
+       "max_momentum=0.95)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::CyclicLR>(o, po::CyclicLROptions(0.01, 0.1)
+                                                      .step_size_up(3)
+                                                      .mode("exp_range")
+                                                      .gamma(0.97)
+                                                      .base_momentum(0.85)
+                                                      .max_momentum(0.95));
+       }},
+      {"CyclicLR scale_fn, no momentum", "sgd",
+       "L.CyclicLR(o, 0.01, 0.1, step_size_up=5, scale_fn=lambda x: 1.0 / (x + 1), scale_mode='iterations', "
+       "cycle_momentum=False)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::CyclicLR>(o, po::CyclicLROptions(0.01, 0.1)
+                                                      .step_size_up(5)
+                                                      .scale_fn([](double x) { return 1.0 / (x + 1); })
+                                                      .scale_mode("iterations")
+                                                      .cycle_momentum(false));
+       }},
+      {"OneCycleLR", "sgd", "L.OneCycleLR(o, 0.2, total_steps=40)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::OneCycleLR>(o, po::OneCycleLROptions(0.2, 40));
+       }},
+      {"OneCycleLR three phases, linear, beta1", "adamw",
+       "L.OneCycleLR(o, [0.2, 0.3], total_steps=40, pct_start=0.25, anneal_strategy='linear', three_phase=True)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::OneCycleLR>(
+             o, po::OneCycleLROptions({0.2, 0.3}, 40).pct_start(0.25).anneal_strategy("linear").three_phase(true));
+       }},
+      {"SequentialLR warm-up, cosine, exponential", "sgd",
+       "L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, 5), L.CosineAnnealingLR(o, 20, 0.001), L.ExponentialLR(o, "
+       "0.9)], [5, 25])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         auto a = std::make_shared<po::LinearLR>(o, 0.1, 1.0, 5);
+         auto b = std::make_shared<po::CosineAnnealingLR>(o, 20, 0.001);
+         auto c = std::make_shared<po::ExponentialLR>(o, 0.9);
+         return std::make_shared<po::SequentialLR>(o, std::vector<Sched>{a, b, c}, std::vector<int64_t>{5, 25});
+       }},
+      {"SequentialLR restarts in closed form", "sgd",
+       "L.SequentialLR(o, [L.ConstantLR(o, 0.2, 3), L.PolynomialLR(o, 10, 1.5), L.MultiStepLR(o, [3, 5], 0.5)], "
+       "[4, 15])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         auto a = std::make_shared<po::ConstantLR>(o, 0.2, 3);
+         auto b = std::make_shared<po::PolynomialLR>(o, 10, 1.5);
+         auto c = std::make_shared<po::MultiStepLR>(o, std::vector<int64_t>{3, 5}, 0.5);
+         return std::make_shared<po::SequentialLR>(o, std::vector<Sched>{a, b, c}, std::vector<int64_t>{4, 15});
+       }},
+      {"ChainedScheduler", "sgd", "L.ChainedScheduler([L.ConstantLR(o, 0.5, 6), L.ExponentialLR(o, 0.95)])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::ChainedScheduler>(std::vector<Sched>{
+             std::make_shared<po::ConstantLR>(o, 0.5, 6), std::make_shared<po::ExponentialLR>(o, 0.95)});
+       }},
+  };
+}
+
+}  // namespace
+
+TEST(LRScheduler, EveryScheduleGivesPythonsRatesAndMomentaToTheLastBit) {
+  const int steps = 40;
+  const auto cases = lrs_cases();
+  std::string code = LRS_PY;
+  for (const auto& c : cases)
+    code += std::string("o = ") + c.optimizer + "()\nrun(o, " + c.python + ", " + std::to_string(steps) + ")\n";
+  const auto python = test_util::lines(test_util::python(code));
+  ASSERT_EQ(python.size(), cases.size()) << "one line per schedule from Python";
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].what);
+    auto o = std::string(cases[i].optimizer) == "sgd" ? lrs_sgd() : lrs_adamw();
+    auto s = cases[i].make(*o);
+    const auto cpp = lrs_run(*o, *s, steps);
+    const auto py = test_util::parse_numbers(python[i]);
+    ASSERT_EQ(cpp.size(), py.size());
+    std::size_t first_diff = cpp.size();
+    for (std::size_t k = 0; k < cpp.size() && first_diff == cpp.size(); ++k)
+      if (!perf::detail::same_value(cpp[k], py[k])) first_diff = k;
+    EXPECT_EQ(first_diff, cpp.size()) << "first difference at record " << first_diff / 6 << " entry " << first_diff % 6
+                                      << ": C++ " << (first_diff < cpp.size() ? cpp[first_diff] : 0.0) << ", Python "
+                                      << (first_diff < py.size() ? py[first_diff] : 0.0);
+    EXPECT_EQ(s->get_last_lr().size(), 2u);
+  }
+}
+
+TEST(LRScheduler, AStateDictResumesInPythonAndAPythonOneInCpp) {
+  namespace po = perf::optim;
+  using Sched = std::shared_ptr<po::LRScheduler>;
+  test_util::TempDir dir;
+  const auto from_cpp = dir / "cpp.pt", from_python = dir / "python.pt";
+  struct Resume {
+    const char* what;
+    std::string python;
+    std::function<Sched(torch::optim::Optimizer&)> make;
+  };
+  const std::vector<Resume> cases = {
+      {"SequentialLR", "L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, 5), L.CosineAnnealingLR(o, 12, 0.001)], [5])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::SequentialLR>(
+             o,
+             std::vector<Sched>{std::make_shared<po::LinearLR>(o, 0.1, 1.0, 5),
+                                std::make_shared<po::CosineAnnealingLR>(o, 12, 0.001)},
+             std::vector<int64_t>{5});
+       }},
+      {"OneCycleLR", "L.OneCycleLR(o, 0.3, total_steps=30, three_phase=True)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::OneCycleLR>(o, po::OneCycleLROptions(0.3, 30).three_phase(true));
+       }},
+      {"ChainedScheduler of MultiStepLR (a Counter) and warm restarts",
+       "L.ChainedScheduler([L.MultiStepLR(o, [3, 9, 9], 0.5), L.CosineAnnealingWarmRestarts(o, 4, 2)])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::ChainedScheduler>(
+             std::vector<Sched>{std::make_shared<po::MultiStepLR>(o, std::vector<int64_t>{3, 9, 9}, 0.5),
+                                std::make_shared<po::CosineAnnealingWarmRestarts>(o, 4, 2)});
+       }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    // C++ steps 7 times and saves the optimizer and the scheduler; Python resumes them for 6 steps and saves;
+    // C++ resumes that for 6 more, against Python going on itself.
+    auto o = lrs_sgd();
+    auto s = c.make(*o);
+    lrs_run(*o, *s, 7);
+    auto ckpt = perf::dict();
+    ckpt.insert("optim", dynamic_cast<perf::optim::SGD&>(*o).state_dict());
+    ckpt.insert("sched", s->state_dict());
+    perf::save(ckpt, from_cpp);
+    const auto cpp_on = lrs_run(*o, *s, 12);  // C++ without a break
+    const auto python = test_util::lines(
+        test_util::python(std::string(LRS_PY) + "o = sgd()\ns = " + c.python + "\nc = torch.load('" + from_cpp +
+                          "')\no.load_state_dict(c['optim'])\ns.load_state_dict(c['sched'])\nrun(o, s, 6)\n"
+                          "torch.save({'optim': o.state_dict(), 'sched': s.state_dict()}, '" +
+                          from_python + "')\nrun(o, s, 6)\n"));
+    ASSERT_EQ(python.size(), 2u);
+    // Python's record 0 is the loaded state, records 1-6 its steps 8-13; C++'s records 0-12 are steps 7-19.
+    const auto py_first = test_util::parse_numbers(python[0]);
+    const std::vector<double> cpp_first(cpp_on.begin(), cpp_on.begin() + 7 * 6);
+    EXPECT_EQ(cpp_first, py_first) << "Python resumed C++'s scheduler";
+
+    auto o2 = lrs_sgd();
+    auto s2 = c.make(*o2);
+    const auto resumed = perf::load(from_python).toGenericDict();
+    dynamic_cast<perf::optim::SGD&>(*o2).load_state_dict(resumed.at("optim"));
+    s2->load_state_dict(resumed.at("sched"));
+    const auto cpp_resumed = lrs_run(*o2, *s2, 6);
+    const auto py_second = test_util::parse_numbers(python[1]);
+    EXPECT_EQ(cpp_resumed, py_second) << "C++ resumed Python's scheduler";
+    const std::vector<double> cpp_tail(cpp_on.end() - 7 * 6, cpp_on.end());
+    EXPECT_EQ(cpp_resumed, cpp_tail) << "and went on as the run without a break";
+  }
+}
+
+TEST(LRScheduler, TrainsAsPythonWithBetaCyclingOnPerfsFusedAdamW) {
+  // AdamW + OneCycleLR (the first beta cycles too), 20 steps, from Python's initial weights.
+  test_util::TempDir dir;
+  const auto init = dir / "init.pt";
+  const auto python = test_util::lines(test_util::python(
+      std::string(RESUME_PY) + "torch.manual_seed(0)\nm = model()\ntorch.save(m.state_dict(), '" + init +
+      "')\no = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)\n"
+      "s = torch.optim.lr_scheduler.OneCycleLR(o, 0.05, total_steps=20)\n"
+      "for k in range(20):\n    train(m, o, [k])\n    s.step()\nparams(m)\nprint(o.param_groups[0]['betas'][0])\n"));
+  ASSERT_EQ(python.size(), 2u);
+  auto net = resume_model();
+  perf::load_state_dict(net, perf::load(init));
+  perf::optim::AdamW opt(net->parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  perf::optim::OneCycleLR sched(opt, perf::optim::OneCycleLROptions(0.05, 20));
+  for (int k = 0; k < 20; ++k) {
+    resume_train(net, opt, k, k + 1);
+    sched.step();
+  }
+  const auto python_params = torch::tensor(test_util::parse_numbers(python[0])).to(torch::kFloat);
+  EXPECT_LE(test_util::max_diff(test_util::cat_params(*net), python_params), 1e-6);
+  const auto& options = static_cast<const perf::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  EXPECT_EQ(std::get<0>(options.betas()), test_util::parse_numbers(python[1]).at(0)) << "the last beta1";
+  EXPECT_NE(std::get<0>(options.betas()), 0.9) << "the scheduler cycled it";
+}
+
+TEST(LRScheduler, RefusesWhatPythonRefusesAndChangesNothing) {
+  namespace po = perf::optim;
+  using Sched = std::shared_ptr<po::LRScheduler>;
+  auto o = lrs_sgd();
+  PERF_EXPECT_THROW_MSG((po::LinearLR{*o, 0.0}), "start_factor is 0");
+  PERF_EXPECT_THROW_MSG((po::ConstantLR{*o, 1.5}), "between 0 and 1");
+  PERF_EXPECT_THROW_MSG((po::StepLR{*o, 0}), "step_size is 0");
+  PERF_EXPECT_THROW_MSG((po::CosineAnnealingWarmRestarts{*o, 3, 0}), "T_mult is 0");
+  PERF_EXPECT_THROW_MSG((po::CyclicLR{*o, po::CyclicLROptions(0.01, 0.1).mode("sine")}),
+                        "mode is \"sine\"; valid: \"triangular\", \"triangular2\", \"exp_range\"");
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions({0.1, 0.2, 0.3}, 10)}),
+                        "max_lr has 3 values and the optimizer 2 param groups");
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions(0.1, 10).anneal_strategy("cosine")}),
+                        "anneal_strategy is \"cosine\"; valid: \"cos\", \"linear\"");
+  EXPECT_EQ(o->param_groups()[0].options().get_lr(), 0.1) << "a refused scheduler changed no rate";
+  EXPECT_EQ(lrs_momentum(o->param_groups()[1].options()), 0.9) << "nor a momentum";
+
+  std::vector<at::Tensor> p{torch::zeros({2}, torch::requires_grad())};
+  torch::optim::Adagrad adagrad(p, torch::optim::AdagradOptions(0.1));
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{adagrad, po::OneCycleLROptions(0.1, 10)}), "neither momentum nor betas");
+  po::OneCycleLR no_momentum(adagrad, po::OneCycleLROptions(0.1, 5).cycle_momentum(false));
+  for (int i = 0; i < 5; ++i) no_momentum.step();
+  PERF_EXPECT_THROW_MSG(no_momentum.step(), "Tried to step 6 times. The specified number of total steps is 5");
+
+  auto a = std::make_shared<po::LinearLR>(*o, 0.5);
+  auto other = lrs_sgd();
+  auto b = std::make_shared<po::ExponentialLR>(*other, 0.9);
+  PERF_EXPECT_THROW_MSG((po::SequentialLR{*o, {a, b}, {3}}), "scheduler 1 (ExponentialLR) was made on another");
+  PERF_EXPECT_THROW_MSG((po::SequentialLR{*o, {a}, {3}}), "number of schedulers 1 and the number of milestones");
+  PERF_EXPECT_THROW_MSG((po::ChainedScheduler{std::vector<Sched>{}}), "expects at least one scheduler");
+
+  // Python's group["initial_lr"]: a scheduler made after the warm-up lowered the rate starts from the
+  // first rate; once the optimizer's last scheduler is gone, a new one starts from the rate it finds.
+  EXPECT_EQ(o->param_groups()[0].options().get_lr(), 0.05);
+  auto cosine = std::make_shared<po::CosineAnnealingLR>(*o, 10);
+  EXPECT_EQ(cosine->base_lrs(), (std::vector<double>{0.1, 0.5}));
+  a.reset();
+  cosine.reset();
+  auto fresh = std::make_unique<po::ExponentialLR>(*o, 0.9);
+  EXPECT_EQ(fresh->base_lrs(), (std::vector<double>{0.05, 0.25}));
+  const auto group_of = [&](std::size_t g) {
+    const auto state = dynamic_cast<perf::optim::SGD&>(*o).state_dict();
+    return state.at("param_groups").toList().get(g).toGenericDict();
+  };
+  EXPECT_EQ(group_of(1).at("initial_lr").toDouble(), 0.25) << "the optimizer's state has Python's initial_lr";
+  fresh.reset();
+  EXPECT_FALSE(group_of(1).contains("initial_lr")) << "not once no scheduler is left";
+  // A state of another class, or a damaged one, is refused before anything changes.
+  po::StepLR step(*o, 2);
+  step.step();
+  const auto good = step.state_dict();
+  po::CosineAnnealingLR cos2(*o, 5);
+  PERF_EXPECT_THROW_MSG(cos2.load_state_dict(good), "CosineAnnealingLR::load_state_dict: the state has no \"T_max\"");
+  EXPECT_EQ(cos2.last_epoch(), 0);
+  auto broken = good.copy();
+  broken.insert_or_assign("last_epoch", "three");
+  PERF_EXPECT_THROW_MSG(step.load_state_dict(broken), "\"last_epoch\" is a String, not an int");
+  EXPECT_EQ(step.last_epoch(), 1);
+  auto seq_a = std::make_shared<po::StepLR>(*o, 2);
+  auto seq_b = std::make_shared<po::ExponentialLR>(*o, 0.5);
+  po::SequentialLR seq(*o, {seq_a, seq_b}, {4});
+  for (int i = 0; i < 3; ++i) seq.step();
+  auto seq_state = seq.state_dict();
+  auto children = seq_state.at("_schedulers").toList().copy();
+  auto second = children.get(1).toGenericDict().copy();
+  (void)second.erase("gamma");
+  children.set(1, second);
+  seq_state.insert_or_assign("_schedulers", children);
+  seq_a->step();
+  PERF_EXPECT_THROW_MSG(seq.load_state_dict(seq_state), "ExponentialLR::load_state_dict: the state has no \"gamma\"");
+  EXPECT_EQ(seq_a->last_epoch(), 4) << "the first scheduler's state (epoch 3) was not applied either";
+
+  // A param group added after the scheduler: refused at the step that would need its rate.
+  auto cycling = lrs_sgd();
+  po::CosineAnnealingWarmRestarts restarts(*cycling, 3);
+  cycling->add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({1}, torch::requires_grad())}));
+  PERF_EXPECT_THROW_MSG(restarts.step(), "the optimizer has 3 param groups and the scheduler 2 base_lrs");
+}
+
+TEST(LRScheduler, ReduceLROnPlateauAndFractionalWarmRestartsGivePythonsRates) {
+  namespace po = perf::optim;
+  const std::vector<double> metrics = {1.0,  0.9,  0.95, 0.95, 0.96, 0.97, 0.89, 0.9, 0.9,  0.91, 0.92,
+                                       0.93, 0.94, 0.95, 0.5,  0.5,  0.5,  0.5,  0.5, 0.49, 0.48, 0.47};
+  std::string py_metrics;
+  for (double m : metrics) py_metrics += (py_metrics.empty() ? "" : ", ") + std::to_string(m);
+  struct Plateau {
+    const char* what;
+    std::string python;
+    po::ReduceLROnPlateauOptions options;
+  };
+  const std::vector<Plateau> cases = {
+      {"min, rel", "L.ReduceLROnPlateau(o, patience=2, factor=0.5, cooldown=1)",
+       po::ReduceLROnPlateauOptions().patience(2).factor(0.5).cooldown(1)},
+      {"min, abs, min_lr per group",
+       "L.ReduceLROnPlateau(o, patience=1, factor=0.3, threshold=0.02, threshold_mode='abs', min_lr=[0.01, 0.1])",
+       po::ReduceLROnPlateauOptions().patience(1).factor(0.3).threshold(0.02).threshold_mode("abs").min_lr(
+           {0.01, 0.1})},
+      {"max, rel, eps", "L.ReduceLROnPlateau(o, 'max', patience=0, factor=0.9, eps=0.02)",
+       po::ReduceLROnPlateauOptions().mode("max").patience(0).factor(0.9).eps(0.02)},
+  };
+  test_util::TempDir dir;
+  const auto from_cpp = dir / "plateau.pt";
+  std::string code = LRS_PY + std::string("metrics = [") + py_metrics + "]\n";
+  for (const auto& c : cases)
+    code += "o = sgd()\ns = " + c.python +
+            "\nout = []\nfor m in metrics:\n    s.step(m)\n"
+            "    out += [*s.get_last_lr(), *[g['lr'] for g in o.param_groups], s.best, s.num_bad_epochs]\n"
+            "print(*[repr(float(x)) for x in out])\n";
+  // Python's CosineAnnealingWarmRestarts.step(epoch), fractional epochs as its documentation steps it per batch
+  code +=
+      "o = sgd()\ns = L.CosineAnnealingWarmRestarts(o, 2, 2, 0.01)\nout = []\n"
+      "for e in range(7):\n    for i in range(3):\n        s.step(e + i / 3)\n"
+      "        out += [*s.get_last_lr(), s.T_cur, s.T_i, s.last_epoch]\n"
+      "print(*[repr(float(x)) for x in out])\n";
+  const auto python = test_util::lines(test_util::python(code));
+  ASSERT_EQ(python.size(), cases.size() + 1);
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].what);
+    auto o = lrs_sgd();
+    po::ReduceLROnPlateau s(*o, cases[i].options);
+    std::vector<double> out;
+    for (double m : metrics) {
+      s.step(m);
+      for (double lr : s.get_last_lr()) out.push_back(lr);
+      for (const auto& g : o->param_groups()) out.push_back(g.options().get_lr());
+      out.push_back(s.best());
+      out.push_back(static_cast<double>(s.num_bad_epochs()));
+    }
+    EXPECT_EQ(out, test_util::parse_numbers(python[i]));
+    EXPECT_LT(s.get_last_lr()[1], 0.5) << "the metric sequence reduced the rate";  // (group 0's: not under eps)
+  }
+  auto o = lrs_sgd();
+  po::CosineAnnealingWarmRestarts restarts(*o, 2, 2, 0.01);
+  std::vector<double> out;
+  for (int e = 0; e < 7; ++e) {
+    for (int i = 0; i < 3; ++i) {
+      restarts.step(e + i / 3.0);
+      for (double lr : restarts.get_last_lr()) out.push_back(lr);
+      const auto state = restarts.state_dict();
+      out.push_back(perf::optim::detail::python_number(state, "T_cur", "test", ""));
+      out.push_back(perf::optim::detail::python_number(state, "T_i", "test", ""));
+      out.push_back(static_cast<double>(restarts.last_epoch()));
+    }
+  }
+  EXPECT_EQ(out, test_util::parse_numbers(python.back())) << "CosineAnnealingWarmRestarts.step(epoch)";
+
+  // Python resumes a C++ ReduceLROnPlateau mid-way (its best, counters and cooldown), and the reverse.
+  auto o2 = lrs_sgd();
+  po::ReduceLROnPlateau s(*o2, cases[0].options);
+  for (std::size_t k = 0; k < 9; ++k) s.step(metrics[k]);
+  auto ckpt = perf::dict();
+  ckpt.insert("optim", dynamic_cast<perf::optim::SGD&>(*o2).state_dict());
+  ckpt.insert("sched", s.state_dict());
+  perf::save(ckpt, from_cpp);
+  const auto resumed = test_util::lines(test_util::python(
+      std::string(LRS_PY) + "metrics = [" + py_metrics + "]\no = sgd()\ns = " + cases[0].python + "\nc = torch.load('" +
+      from_cpp +
+      "')\no.load_state_dict(c['optim'])\ns.load_state_dict(c['sched'])\nout = []\n"
+      "for m in metrics[9:]:\n    s.step(m)\n    out += [*s.get_last_lr(), s.best, s.num_bad_epochs]\n"
+      "print(*[repr(float(x)) for x in out])\ntorch.save(s.state_dict(), '" +
+      from_cpp + "')\n"));
+  ASSERT_EQ(resumed.size(), 1u);
+  std::vector<double> cpp_on;
+  for (std::size_t k = 9; k < metrics.size(); ++k) {
+    s.step(metrics[k]);
+    for (double lr : s.get_last_lr()) cpp_on.push_back(lr);
+    cpp_on.push_back(s.best());
+    cpp_on.push_back(static_cast<double>(s.num_bad_epochs()));
+  }
+  EXPECT_EQ(cpp_on, test_util::parse_numbers(resumed[0])) << "Python resumed C++'s ReduceLROnPlateau";
+  po::ReduceLROnPlateau back(*o2, cases[0].options);
+  back.load_state_dict(perf::load(from_cpp));
+  EXPECT_EQ(back.best(), s.best());
+  EXPECT_EQ(back.last_epoch(), s.last_epoch());
+  EXPECT_EQ(back.get_last_lr(), s.get_last_lr());
+  EXPECT_EQ(perf::optim::detail::python_number(back.state_dict(), "cooldown_counter", "test", ""),
+            perf::optim::detail::python_number(s.state_dict(), "cooldown_counter", "test", ""));
+
+  PERF_EXPECT_THROW_MSG((po::ReduceLROnPlateau{*o2, po::ReduceLROnPlateauOptions().factor(1.0)}),
+                        "Factor should be < 1.0.");
+  PERF_EXPECT_THROW_MSG((po::ReduceLROnPlateau{*o2, po::ReduceLROnPlateauOptions().threshold_mode("relative")}),
+                        "threshold_mode is \"relative\"; valid: \"rel\", \"abs\"");
+  PERF_EXPECT_THROW_MSG((po::ReduceLROnPlateau{*o2, po::ReduceLROnPlateauOptions().min_lr({0.1, 0.2, 0.3})}),
+                        "expected 2 min_lrs, got 3");
+  PERF_EXPECT_THROW_MSG(s.step(), "takes the metric, step(metric)");
+  auto plateau = std::make_shared<po::ReduceLROnPlateau>(*o2);
+  PERF_EXPECT_THROW_MSG((po::ChainedScheduler{std::vector<std::shared_ptr<po::LRScheduler>>{plateau}}),
+                        "does not support ReduceLROnPlateau");
 }

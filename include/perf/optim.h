@@ -344,6 +344,8 @@ class SerializableFusedOptimizer : public FusedOptimizer {
   /// step counters on the CPU. `perf::save(opt.state_dict(), path)`
   /// (perf/state_dict.h) writes a file that Python's
   /// `optimizer.load_state_dict(torch.load(path))` takes, to resume the run there.
+  /// While a perf/lr_scheduler.h scheduler made on this optimizer lives, each
+  /// group also has what Python's schedulers keep there (`initial_lr`, ...).
   c10::impl::GenericDict state_dict() const;
   /// Python's `optimizer.load_state_dict(state)`: a torch.optim optimizer's
   /// state of the same kind (Adam, AdamW, SGD; `perf::load` of its file), the
@@ -448,6 +450,18 @@ constexpr const char* adam_name() {
 // parameter's state, to (python_*) and from (from_python_*) perf's options and state. `who` and `where` name
 // the optimizer and the group or parameter in errors.
 PERF_INLINE c10::impl::GenericDict python_dict();
+// What Python's LR schedulers keep in an optimizer's param groups (group["initial_lr"], OneCycleLR's "max_lr",
+// ...), for which LibTorch's groups have no room: perf/lr_scheduler.h records them per optimizer while a
+// scheduler made on it lives (so the address is not reused meanwhile), and state_dict() writes them into each
+// group, as Python's does (Python's OneCycleLR, resumed from the file, reads them there).
+struct SchedulerGroupValues {
+  std::size_t schedulers = 0;
+  std::vector<std::pair<std::string, std::vector<double>>> values;  // in the order Python adds the keys
+  PERF_INLINE std::vector<double>* find(const std::string& key);
+  PERF_INLINE std::vector<double>& operator[](const std::string& key);  // added, empty, if new
+};
+PERF_INLINE std::mutex& scheduler_group_values_mutex();
+PERF_INLINE std::unordered_map<const torch::optim::Optimizer*, SchedulerGroupValues>& scheduler_group_values();
 PERF_INLINE double python_number(const c10::impl::GenericDict& d, const char* key, const std::string& who,
                                  const std::string& where);
 PERF_INLINE bool python_bool(const c10::impl::GenericDict& d, const char* key, std::optional<bool> otherwise,
@@ -833,8 +847,17 @@ c10::impl::GenericDict SerializableFusedOptimizer<ParamState, Options>::state_di
   auto state = detail::python_dict();
   c10::impl::GenericList groups(c10::AnyType::get());
   int64_t index = 0;
+  std::vector<std::pair<std::string, std::vector<double>>> scheduler_values;
+  {
+    std::lock_guard<std::mutex> lock(detail::scheduler_group_values_mutex());
+    const auto found = detail::scheduler_group_values().find(this);
+    if (found != detail::scheduler_group_values().end()) scheduler_values = found->second.values;
+  }
   for (const auto& group : this->param_groups()) {
     auto g = detail::python_group(static_cast<const Options&>(group.options()));
+    const std::size_t group_index = groups.size();
+    for (const auto& [key, values] : scheduler_values)
+      if (group_index < values.size()) g.insert(key, values[group_index]);
     c10::impl::GenericList params(c10::AnyType::get());
     for (const auto& p : group.params()) {
       const auto found = this->state().find(p.unsafeGetTensorImpl());

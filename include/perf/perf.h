@@ -10,6 +10,7 @@
 #include <perf/data.h>
 #include <perf/distributed.h>
 #include <perf/environment.h>
+#include <perf/lr_scheduler.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/model.h>

@@ -335,6 +335,28 @@ PERF_INLINE c10::impl::GenericDict python_dict() {
   return c10::impl::GenericDict(c10::AnyType::get(), c10::AnyType::get());
 }
 
+PERF_INLINE std::vector<double>* SchedulerGroupValues::find(const std::string& key) {
+  for (auto& kv : values)
+    if (kv.first == key) return &kv.second;
+  return nullptr;
+}
+
+PERF_INLINE std::vector<double>& SchedulerGroupValues::operator[](const std::string& key) {
+  if (auto* found = find(key)) return *found;
+  values.emplace_back(key, std::vector<double>());
+  return values.back().second;
+}
+
+PERF_INLINE std::mutex& scheduler_group_values_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+PERF_INLINE std::unordered_map<const torch::optim::Optimizer*, SchedulerGroupValues>& scheduler_group_values() {
+  static std::unordered_map<const torch::optim::Optimizer*, SchedulerGroupValues> values;
+  return values;
+}
+
 PERF_INLINE double python_number(const c10::impl::GenericDict& d, const char* key, const std::string& who,
                                  const std::string& where) {
   TORCH_CHECK(d.contains(key), who, ": the state has no \"", key, "\"", where);
