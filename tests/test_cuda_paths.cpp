@@ -5,6 +5,7 @@
 #include <perf/amp.h>
 #include <perf/cuda_graph.h>
 #include <perf/data.h>
+#include <perf/lr_scheduler.h>
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
@@ -911,6 +912,58 @@ TEST(CudaPaths, OnGpuSchedulerChangesTheReplayedLearningRate) {
   const auto eager = train_with_scheduler(false, torch::kCUDA, &lrs);
   const auto graphed = train_with_scheduler(true, torch::kCUDA, nullptr);
   EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
+}
+
+// perf/lr_scheduler.h's schedulers under a graphed TrainStep: a warm-up and cosine schedule's rate reaches every
+// replay with one capture; OneCycleLR's cycling of Adam's first beta (a constant of the captured fused kernel)
+// makes TrainStep capture again after each step. Both train as the eager loop does.
+TEST(CudaPaths, OnGpuPerfSchedulersUnderAGraphedTrainStepTrainAsTheEagerLoop) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  for (const bool cycle : {false, true}) {
+    SCOPED_TRACE(cycle ? "OneCycleLR, cycling beta1" : "SequentialLR(LinearLR, CosineAnnealingLR)");
+    const auto run = [&](bool trainstep, int64_t* captures) {
+      torch::manual_seed(0);
+      auto model = mlp();
+      model->to(torch::kCUDA);
+      perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
+      std::unique_ptr<perf::optim::LRScheduler> sched;
+      if (cycle) {
+        sched = std::make_unique<perf::optim::OneCycleLR>(opt, perf::optim::OneCycleLROptions(2e-2, 12));
+      } else {
+        std::vector<std::shared_ptr<perf::optim::LRScheduler>> parts{
+            std::make_shared<perf::optim::LinearLR>(opt, 0.1, 1.0, 4),
+            std::make_shared<perf::optim::CosineAnnealingLR>(opt, 8, 1e-4)};
+        sched = std::make_unique<perf::optim::SequentialLR>(opt, parts, std::vector<int64_t>{4});
+      }
+      auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
+        return torch::nn::functional::cross_entropy(model->forward(x), t);
+      };
+      const auto d = make_data(12, 16, torch::kCUDA);
+      std::optional<perf::TrainStep> step;
+      if (trainstep) step.emplace(model, loss_fn, opt, d.xs[0], d.ts[0]);
+      for (size_t i = 0; i < d.xs.size(); ++i) {
+        if (step) {
+          step->step(d.xs[i], d.ts[i]);
+        } else {
+          opt.zero_grad();
+          loss_fn(d.xs[i], d.ts[i]).backward();
+          opt.step();
+        }
+        sched->step();
+      }
+      if (step) *captures = step->captures();
+      return cat_params(*model);
+    };
+    int64_t captures = 0;
+    const auto eager = run(false, nullptr);
+    const auto graphed = run(true, &captures);
+    EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
+    if (cycle) {
+      EXPECT_GE(captures, 11) << "beta1 changed after every step: captured again each time";
+    } else {
+      EXPECT_EQ(captures, 1) << "a changing rate alone needs no new capture";
+    }
+  }
 }
 
 TEST(CudaPaths, OnGpuCaptureInsideAutocastSeesUpdatedWeights) {

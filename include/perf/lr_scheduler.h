@@ -466,4 +466,6 @@ class ChainedScheduler final : public LRScheduler {
 
 }  // namespace perf::optim
 
+#ifdef PERF_HEADER_ONLY
 #include <perf/impl/lr_scheduler-inl.h>
+#endif

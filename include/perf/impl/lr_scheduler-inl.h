@@ -17,9 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <map>
 #include <mutex>
-#include <sstream>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
