@@ -588,7 +588,8 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   EXPECT_FALSE(flags[1].toBool());
   EXPECT_TRUE(flags[2].isNone());
   std::vector<int64_t> ints;
-  for (const auto& v : d.at("ints").toTupleRef().elements()) ints.push_back(v.toInt());
+  const c10::IValue ints_value = d.at("ints");  // held: g++ 13's -Wdangling-reference on a temporary's elements
+  for (const auto& v : ints_value.toTupleRef().elements()) ints.push_back(v.toInt());
   EXPECT_EQ(ints, (std::vector<int64_t>{int64_t{1} << 40, -5, INT64_MIN, 255, 65535, 65536, -1}));
   EXPECT_EQ(d.at("size").toTupleRef().elements().size(), 2u);
   EXPECT_EQ(d.at("device").toDevice(), c10::Device(c10::kCPU));

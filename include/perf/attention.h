@@ -35,10 +35,14 @@
 #include <tuple>
 
 // LibTorch's FORWARD_HAS_DEFAULT_ARGS (what lets a module with default arguments sit in a Sequential or an
-// AnyModule) expands to a TORCH_INTERNAL_ASSERT without a message, which clang's -Wpedantic refuses in C++17.
+// AnyModule) expands to a TORCH_INTERNAL_ASSERT without a message, which clang's -Wpedantic refuses in C++17
+// (clang 14 names it -Wgnu-zero-variadic-macro-arguments, clang 19 -Wc++20-extensions).
 #if defined(__clang__)
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wgnu-zero-variadic-macro-arguments"
+#if __has_warning("-Wc++20-extensions")
+#pragma clang diagnostic ignored "-Wc++20-extensions"
+#endif
 #endif
 
 namespace perf {
