@@ -5,12 +5,15 @@
 // multi-tensor path, on ResNet-50 and on a transformer-shaped set (many small
 // LayerNorm and bias vectors). Also the achieved memory traffic against a
 // device copy's bandwidth, and a probe of the fused kernel's launch geometry
-// over one flat buffer (see launch_probe). --json appends one JSON line per
+// over one flat buffer (see launch_probe); and an EMA of the weights
+// (perf::optim::AveragedModel) over flat(true) buffers against separate
+// tensors. --json appends one JSON line per
 // configuration of each comparison (bench/report_optim.py's rows, beside
 // bench/peer_optim.py's).
 #include <perf/bench.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
+#include <perf/swa_utils.h>
 #include <torch/torch.h>
 
 #if PERF_WITH_CUDA
@@ -76,6 +79,13 @@ std::vector<std::vector<int64_t>> transformer_shapes() {
   s.push_back({d});  // final norm
   return s;
 }
+
+// A module whose parameters are given tensors: what perf::optim::AveragedModel averages.
+struct ParamsImpl : torch::nn::Module {
+  explicit ParamsImpl(const std::vector<torch::Tensor>& ps) {
+    for (size_t i = 0; i < ps.size(); ++i) register_parameter("p" + std::to_string(i), ps[i]);
+  }
+};
 
 std::vector<torch::Tensor> make_params(const torch::Device& device,
                                        const std::vector<std::vector<int64_t>>& shapes = resnet50_shapes()) {
@@ -253,6 +263,35 @@ static int bench_optim_main(int argc, char** argv) {
       "perf AdamW (fused)", [&] { t_opt.step(); }, "perf AdamW (flat)", [&] { t_opt_flat.step(); }, opts);
   std::cout << flat_t << "\n";
 
+  // EMA of the weights after each step (perf::optim::AveragedModel with Python's get_ema_multi_avg_fn(0.999)):
+  // the multi-tensor lerp over tensors each in its own storage, against one lerp over the flat buffer that a
+  // flat(true) optimizer keeps the parameters in. Reads averaged and current, writes averaged: 3 x 4 bytes.
+  std::cout << "\nEMA update (perf::optim::AveragedModel, decay 0.999): model in flat(true) buffers vs not\n\n";
+  auto ema_compare = [&](const std::vector<std::vector<int64_t>>& shapes) {
+    auto plain = make_params(device, shapes), flat = make_params(device, shapes);
+    perf::optim::SGD packer(flat, perf::optim::SGDOptions(0.0).flat(true));
+    packer.step();  // the parameters become views into one buffer (lr 0: their values stay)
+    auto plain_model = std::make_shared<ParamsImpl>(plain), flat_model = std::make_shared<ParamsImpl>(flat);
+    const auto ema_options = perf::optim::AveragedModelOptions().multi_avg_fn(perf::optim::get_ema_multi_avg_fn(0.999));
+    perf::optim::AveragedModel ema_plain(plain_model, std::make_shared<ParamsImpl>(make_params(device, shapes)),
+                                         ema_options);
+    perf::optim::AveragedModel ema_flat(flat_model, std::make_shared<ParamsImpl>(make_params(device, shapes)),
+                                        ema_options);
+    for (int k = 0; k < 2; ++k) {  // the first copies; the second moves the flat copy into the model's layout
+      ema_plain->update_parameters(plain_model);
+      ema_flat->update_parameters(flat_model);
+    }
+    TORCH_CHECK(ema_flat->packed_spans() == 1 && ema_plain->packed_spans() == 0,
+                "bench_optim: the EMA of the flat model is not one span");
+    return perf::compare(
+        "perf EMA (multi-tensor)", [&] { ema_plain->update_parameters(plain_model); }, "perf EMA (flat)",
+        [&] { ema_flat->update_parameters(flat_model); }, opts);
+  };
+  const auto ema_resnet = ema_compare(resnet50_shapes());
+  std::cout << "ResNet-50:\n" << ema_resnet << "\n";
+  const auto ema_t = ema_compare(tshapes);
+  std::cout << "transformer:\n" << ema_t << "\n";
+
   struct Row {
     const perf::Comparison* cmp;
     const char* set;
@@ -269,7 +308,9 @@ static int bench_optim_main(int argc, char** argv) {
                            {&flat_adamw, "ResNet-50", tensors, numel, "AdamW", 7.0},
                            {&flat_adam, "ResNet-50", tensors, numel, "Adam", 7.0},
                            {&flat_sgd, "ResNet-50", tensors, numel, "SGD", 5.0},
-                           {&flat_t, "transformer", t_tensors, t_numel, "AdamW", 7.0}};
+                           {&flat_t, "transformer", t_tensors, t_numel, "AdamW", 7.0},
+                           {&ema_resnet, "ResNet-50 EMA", tensors, numel, "EMA", 3.0},
+                           {&ema_t, "transformer EMA", t_tensors, t_numel, "EMA", 3.0}};
   for (const auto& c : stream_pairs) rows.push_back({&c, "ResNet-50", tensors, numel, "AdamW", 7.0});
   auto achieved = [&](const char* set, const perf::Stats& s, double words, int64_t n) {
     const double gbs = words * 4.0 * static_cast<double>(n) / (s.median_ms * 1e6);

@@ -1,6 +1,6 @@
 """Python peer of bench_optim.cpp: torch.optim AdamW / Adam / SGD(momentum), fused=True and the default
 (foreach), on the same parameter sets (ResNet-50's 161 tensors; AdamW alone on a transformer's 148, 98 of them
-vectors), with the copy_
+vectors), and an EMA of each set's weights (AveragedModel.update_parameters), with the copy_
 bandwidth of the same process, so that the C++ figures can be read against Python's best in the same run. Medians
 per step (CUDA events on a GPU, the host clock on the CPU); with --json, one JSON line per configuration appended
 (the rows bench/report_optim.py reads beside bench_optim's).
@@ -93,6 +93,21 @@ def main():
                                  "params": numel, "optimizer": name, "config": config, "median_ms": ms,
                                  "bytes": words * 4 * numel, "copy_gbs": copy_gbs, "torch": torch.__version__})
                     del opt
+            # An EMA of the weights after each step: Python's AveragedModel with get_ema_multi_avg_fn(0.999)
+            # (reads averaged and current, writes averaged: 3 x 4 bytes a parameter).
+            model = torch.nn.Module()
+            model.params = torch.nn.ParameterList(params)
+            ema = torch.optim.swa_utils.AveragedModel(
+                model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.999))
+            ema.update_parameters(model)  # the first update copies
+            ms = median_ms_on(a.device, lambda: ema.update_parameters(model), a.warmup, a.iters)
+            gbs = 3 * 4 * numel / (ms * 1e6)
+            config = "torch AveragedModel EMA (update_parameters)"
+            print(f"{config}: {ms:.4f} ms, {gbs:.1f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy bandwidth")
+            rows.append({"lang": "python", "device": a.device, "set": f"{set_name} EMA", "tensors": len(params),
+                         "params": numel, "optimizer": "EMA", "config": config, "median_ms": ms,
+                         "bytes": 3 * 4 * numel, "copy_gbs": copy_gbs, "torch": torch.__version__})
+            del ema, model
     if a.json:
         with open(a.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

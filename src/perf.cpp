@@ -25,3 +25,4 @@
 #include <perf/impl/progress-inl.h>
 #include <perf/impl/setup-inl.h>
 #include <perf/impl/state_dict-inl.h>
+#include <perf/impl/swa_utils-inl.h>

@@ -9,6 +9,7 @@
 #include <perf/memory.h>
 #include <perf/memory_format.h>
 #include <perf/optim.h>
+#include <perf/swa_utils.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -964,6 +965,49 @@ TEST(CudaPaths, OnGpuPerfSchedulersUnderAGraphedTrainStepTrainAsTheEagerLoop) {
       EXPECT_EQ(captures, 1) << "a changing rate alone needs no new capture";
     }
   }
+}
+
+// An EMA of a CUDA model trained by a flat(true) optimizer: one lerp over the flat buffer per update, no host
+// sync (Python's AveragedModel reads n_averaged back each update), the numbers of the same average on the CPU.
+TEST(CudaPaths, OnGpuAnEmaOfAFlatModelIsOneLerpWithoutASync) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+#if PERF_WITH_CUDA
+  namespace po = perf::optim;
+  torch::manual_seed(0);
+  auto model = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::BatchNorm1d(32), torch::nn::ReLU(),
+                                     torch::nn::Linear(32, 4));
+  model->to(torch::kCUDA);
+  po::AdamW opt(model->parameters(), po::AdamWOptions(1e-2).flat(true));
+  const auto options = po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.9)).use_buffers(true);
+  po::AveragedModel ema(model, options);
+  auto host = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::BatchNorm1d(32), torch::nn::ReLU(),
+                                    torch::nn::Linear(32, 4));
+  po::AveragedModel reference(host, options);  // the same updates, on the CPU, through the multi-tensor lerp
+  for (int k = 0; k < 6; ++k) {
+    const auto x = torch::randn({64, 16}, torch::kCUDA);
+    opt.zero_grad();
+    model->forward(x).square().mean().backward();
+    opt.step();
+    {
+      perf::detail::SyncDebugGuard no_sync(c10::cuda::SyncDebugMode::L_ERROR);
+      EXPECT_NO_THROW(ema->update_parameters(model)) << "update " << k << " synced with the host";
+    }
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < host->parameters().size(); ++i) host->parameters()[i].copy_(model->parameters()[i]);
+    for (std::size_t i = 0; i < host->buffers().size(); ++i) host->buffers()[i].copy_(model->buffers()[i]);
+    reference->update_parameters(host);
+  }
+  EXPECT_EQ(ema->packed_spans(), 1) << "the flat buffer's parameters in one lerp";
+  EXPECT_EQ(reference->packed_spans(), 0);
+  EXPECT_EQ(ema->n_averaged(), 6);
+  const auto a = ema->module()->named_parameters(), b = reference->module()->named_parameters();
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_LE((a[i].value().cpu() - b[i].value()).abs().max().item<double>(), 1e-6) << a[i].key();
+  const auto ab = ema->module()->named_buffers(), bb = reference->module()->named_buffers();
+  for (std::size_t i = 0; i < ab.size(); ++i)
+    EXPECT_LE((ab[i].value().cpu().to(at::kDouble) - bb[i].value().to(at::kDouble)).abs().max().item<double>(), 1e-6)
+        << ab[i].key();
+#endif
 }
 
 TEST(CudaPaths, OnGpuCaptureInsideAutocastSeesUpdatedWeights) {

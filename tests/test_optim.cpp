@@ -7,6 +7,7 @@
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <perf/state_dict.h>
+#include <perf/swa_utils.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -2474,6 +2475,22 @@ std::vector<LrsCase> lrs_cases() {
          auto c = std::make_shared<po::MultiStepLR>(o, std::vector<int64_t>{3, 5}, 0.5);
          return std::make_shared<po::SequentialLR>(o, std::vector<Sched>{a, b, c}, std::vector<int64_t>{4, 15});
        }},
+      {"SWALR cos", "sgd", "torch.optim.swa_utils.SWALR(o, 0.05, anneal_epochs=6)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::SWALR>(o, 0.05, 6); }},
+      {"SWALR linear, per group", "adamw",
+       "torch.optim.swa_utils.SWALR(o, [0.02, 0.3], anneal_epochs=9, anneal_strategy='linear')",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::SWALR>(o, po::PerGroup{0.02, 0.3}, 9, "linear");
+       }},
+      {"SWALR without annealing", "sgd", "torch.optim.swa_utils.SWALR(o, 0.01, anneal_epochs=0)",
+       [](torch::optim::Optimizer& o) -> Sched { return std::make_shared<po::SWALR>(o, 0.01, 0); }},
+      {"SequentialLR cosine, then SWALR", "sgd",
+       "L.SequentialLR(o, [L.CosineAnnealingLR(o, 30), torch.optim.swa_utils.SWALR(o, 0.04, anneal_epochs=4)], [12])",
+       [](torch::optim::Optimizer& o) -> Sched {
+         auto a = std::make_shared<po::CosineAnnealingLR>(o, 30);
+         auto b = std::make_shared<po::SWALR>(o, 0.04, 4);
+         return std::make_shared<po::SequentialLR>(o, std::vector<Sched>{a, b}, std::vector<int64_t>{12});
+       }},
       {"ChainedScheduler", "sgd", "L.ChainedScheduler([L.ConstantLR(o, 0.5, 6), L.ExponentialLR(o, 0.95)])",
        [](torch::optim::Optimizer& o) -> Sched {
          return std::make_shared<po::ChainedScheduler>(std::vector<Sched>{
@@ -2789,4 +2806,334 @@ TEST(LRScheduler, ReduceLROnPlateauAndFractionalWarmRestartsGivePythonsRates) {
   auto plateau = std::make_shared<po::ReduceLROnPlateau>(*o2);
   PERF_EXPECT_THROW_MSG((po::ChainedScheduler{std::vector<std::shared_ptr<po::LRScheduler>>{plateau}}),
                         "does not support ReduceLROnPlateau");
+}
+
+// ---- perf/swa_utils.h: AveragedModel, SWALR's state, update_bn --------------------------------------------------
+
+namespace {
+
+// A model with every kind of tensor AveragedModel meets: float parameters, float buffers and an int64 one
+// (BatchNorm's num_batches_tracked). Python's twin: SWA_PY's net().
+torch::nn::Sequential swa_net() {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)), torch::nn::BatchNorm2d(4),
+                               torch::nn::ReLU(), torch::nn::Flatten(), torch::nn::Linear(4 * 6 * 6, 5));
+}
+
+const char* const SWA_PY =
+    "import torch\n"
+    "from torch.optim import swa_utils as S\n"
+    "def net():\n"
+    "    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),\n"
+    "                               torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))\n";
+
+// A module's state_dict, copied (perf::state_dict's tensors share the module's storage).
+c10::Dict<std::string, at::Tensor> swa_snapshot(const std::shared_ptr<torch::nn::Module>& module) {
+  c10::Dict<std::string, at::Tensor> out;
+  for (const auto& item : perf::state_dict(module)) out.insert(item.key(), item.value().clone());
+  return out;
+}
+
+// Every tensor of two state dicts: the largest difference (0 where equal), and the keys must be the same.
+double swa_max_diff(const c10::Dict<std::string, at::Tensor>& a, const c10::IValue& b_value) {
+  const auto b = b_value.toGenericDict();
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& item : a) {
+    EXPECT_TRUE(b.contains(item.key())) << item.key();
+    if (!b.contains(item.key())) continue;
+    const at::Tensor x = item.value().to(at::kDouble), y = b.at(item.key()).toTensor().to(at::kDouble);
+    EXPECT_EQ(x.sizes(), y.sizes()) << item.key();
+    worst = std::max(worst, (x - y).abs().max().item<double>());
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST(AveragedModel, AveragesAsPythonsStepByStepPackedOrNot) {
+  namespace po = perf::optim;
+  test_util::TempDir dir;
+  torch::manual_seed(0);
+  auto model = swa_net();
+  auto plain = swa_net();  // the same values each step, but each tensor in its own storage
+  // flat(true): the model's parameters become views into one buffer at its first step.
+  po::SGD opt(model->parameters(), po::SGDOptions(0.05).momentum(0.9).flat(true));
+  struct Case {
+    const char* name;
+    bool packed_model;
+    std::string python;  // AveragedModel's arguments after the model
+    po::AveragedModel<torch::nn::Sequential> averaged;
+    bool exact;  // Python's numbers to the bit; else within float rounding
+  };
+  int custom_calls = 0;
+  const po::MultiAvgFn elementwise_max = [&custom_calls](const std::vector<at::Tensor>& a,
+                                                         const std::vector<at::Tensor>& c, const at::Tensor& n) {
+    ++custom_calls;
+    EXPECT_EQ(n.scalar_type(), at::kLong);
+    at::_foreach_maximum_(a, c);
+  };  // a lambda, as Python's multi_avg_fn takes any callable
+  std::vector<Case> cases;
+  auto add = [&](const char* name, bool packed, std::string py, po::AveragedModelOptions o, bool exact) {
+    cases.push_back({name, packed, std::move(py), po::AveragedModel(packed ? model : plain, o), exact});
+  };
+  add("ema, buffers, packed", true, "multi_avg_fn=S.get_ema_multi_avg_fn(0.9), use_buffers=True",
+      po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.9)).use_buffers(true), true);
+  add("ema, buffers", false, "multi_avg_fn=S.get_ema_multi_avg_fn(0.9), use_buffers=True",
+      po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.9)).use_buffers(true), true);
+  add("swa multi_avg_fn, packed", true, "multi_avg_fn=S.get_swa_multi_avg_fn()",
+      po::AveragedModelOptions().multi_avg_fn(po::get_swa_multi_avg_fn()), true);
+  add("swa default, buffers", false, "use_buffers=True", po::AveragedModelOptions().use_buffers(true), false);
+  add("ema avg_fn", false, "avg_fn=S.get_ema_avg_fn(0.8)", po::AveragedModelOptions().avg_fn(po::get_ema_avg_fn(0.8)),
+      true);
+  add("custom multi_avg_fn", false, "multi_avg_fn=lambda a, c, n: torch._foreach_maximum_(a, c)",
+      po::AveragedModelOptions().multi_avg_fn(elementwise_max), true);
+
+  const int steps = 6;
+  c10::impl::GenericList model_states(c10::AnyType::get());
+  std::vector<std::vector<c10::Dict<std::string, at::Tensor>>> cpp(cases.size());
+  std::vector<int64_t> spans;
+  for (int k = 0; k < steps; ++k) {
+    model->train();
+    const auto x = torch::randn({8, 3, 8, 8});
+    opt.zero_grad();
+    model->forward(x).square().mean().backward();
+    opt.step();
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < model->parameters().size(); ++i) plain->parameters()[i].copy_(model->parameters()[i]);
+      for (std::size_t i = 0; i < model->buffers().size(); ++i) plain->buffers()[i].copy_(model->buffers()[i]);
+    }
+    model_states.push_back(swa_snapshot(model.ptr()));
+    for (std::size_t c = 0; c < cases.size(); ++c) {
+      cases[c].averaged->update_parameters(cases[c].packed_model ? model : plain);
+      cpp[c].push_back(swa_snapshot(cases[c].averaged.ptr()));
+    }
+    spans.push_back(cases[0].averaged->packed_spans());
+    EXPECT_EQ(cases[1].averaged->packed_spans(), 0) << "the plain model's tensors each have a storage";
+  }
+  EXPECT_EQ(custom_calls, steps - 1) << "one (device, dtype) group per update after the first";
+  EXPECT_EQ(spans, (std::vector<int64_t>{0, 1, 1, 1, 1, 1})) << "the first update copies; then one span";
+  EXPECT_EQ(cases[2].averaged->packed_spans(), 1);
+  EXPECT_EQ(cases[0].averaged->n_averaged(), steps);
+
+  // Python: the same model states through Python's AveragedModel, each case's state_dict after each update;
+  // and for the first case, a resume of C++'s state after 3 updates.
+  perf::save(model_states, dir / "states.pt");
+  perf::save(perf::state_dict(cases[0].averaged), dir / "cpp_final.pt");
+  std::string code = std::string(SWA_PY) + "states = torch.load('" + (dir / "states.pt") +
+                     "')\nm = net()\nout = {}\nfor name, args in [";
+  for (const auto& c : cases) code += "('" + std::string(c.name) + "', dict(" + c.python + ")), ";
+  code +=
+      "]:\n"
+      "    a = S.AveragedModel(m, **args)\n"
+      "    out[name] = []\n"
+      "    for s in states:\n"
+      "        m.load_state_dict(s)\n"
+      "        a.update_parameters(m)\n"
+      "        out[name].append({k: v.clone() for k, v in a.state_dict().items()})\n"
+      "torch.save(out, '" +
+      (dir / "python.pt") +
+      "')\n"
+      "a = S.AveragedModel(m, **dict(" +
+      cases[0].python +
+      "))\n"
+      "a.load_state_dict(torch.load('" +
+      (dir / "cpp_final.pt") + "'))\nprint(int(a.n_averaged))\n";
+  EXPECT_EQ(test_util::python(code), std::to_string(steps)) << "Python loads C++'s averaged model";
+  const auto python = perf::load(dir / "python.pt").toGenericDict();
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(cases[c].name);
+    const auto py = python.at(cases[c].name).toList();
+    ASSERT_EQ(py.size(), static_cast<std::size_t>(steps));
+    for (int k = 0; k < steps; ++k) {
+      const double d = swa_max_diff(cpp[c][static_cast<std::size_t>(k)], py.get(static_cast<std::size_t>(k)));
+      if (cases[c].exact) {
+        EXPECT_EQ(d, 0.0) << "update " << k;
+      } else {  // Python's CPU default is a per-tensor formula, perf's a lerp
+        EXPECT_LT(d, 1e-6) << "update " << k;
+      }
+    }
+  }
+
+  // C++ resumes Python's state after 3 updates and goes on as Python did.
+  perf::save(python.at(cases[0].name).toList().get(2), dir / "python_3.pt");
+  po::AveragedModel resumed(model,
+                            po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.9)).use_buffers(true));
+  perf::load_state_dict(resumed, perf::load(dir / "python_3.pt"));
+  EXPECT_EQ(resumed->n_averaged(), 3) << "read back from the loaded buffer";
+  auto replay = swa_net();
+  for (int k = 3; k < steps; ++k) {
+    perf::load_state_dict(replay, model_states.get(static_cast<std::size_t>(k)));
+    resumed->update_parameters(replay);
+  }
+  EXPECT_EQ(swa_max_diff(perf::state_dict(resumed), python.at(cases[0].name).toList().get(steps - 1)), 0.0);
+}
+
+TEST(AveragedModel, RefusesWhatItCannotAverageAndChangesNothing) {
+  namespace po = perf::optim;
+  torch::manual_seed(1);
+  auto model = swa_net();
+  po::AveragedModel ema(model, po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.5)));
+  ema->update_parameters(model);
+  auto other = torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3)), torch::nn::BatchNorm2d(4),
+                                     torch::nn::ReLU(), torch::nn::Flatten(), torch::nn::Linear(4 * 6 * 6, 6));
+  const auto before = perf::state_dict(ema);
+  std::vector<at::Tensor> kept;
+  for (const auto& item : before) kept.push_back(item.value().clone());
+  PERF_EXPECT_THROW_MSG(ema->update_parameters(other), "parameter 4 of the averaged copy is \"4.weight\" ([5, 144]");
+  PERF_EXPECT_THROW_MSG(ema->update_parameters(torch::nn::Sequential(torch::nn::Linear(2, 2))),
+                        "the averaged copy has 6 parameters and the model 2");
+  PERF_EXPECT_THROW_MSG(ema->update_parameters(ema->module()), "the model is the averaged copy itself");
+  EXPECT_EQ(ema->n_averaged(), 1) << "nothing applied";
+  std::size_t i = 0;
+  for (const auto& item : perf::state_dict(ema)) EXPECT_TRUE(item.value().equal(kept[i++])) << item.key();
+
+  PERF_EXPECT_THROW_MSG(
+      po::AveragedModel(
+          model, po::AveragedModelOptions().avg_fn(po::get_swa_avg_fn()).multi_avg_fn(po::get_swa_multi_avg_fn())),
+      "Only one of avg_fn and multi_avg_fn should be provided");
+  PERF_EXPECT_THROW_MSG(po::get_ema_multi_avg_fn(1.5), "Invalid decay value 1.5 provided");
+  PERF_EXPECT_THROW_MSG(po::get_ema_avg_fn(-0.1), "Please provide a value in [0,1] range");
+
+  // A module that is not Cloneable: refused with what to do, and taken as a second instance.
+  struct PlainImpl : torch::nn::Module {
+    PlainImpl() : fc(register_module("fc", torch::nn::Linear(3, 2))) {}
+    at::Tensor forward(const at::Tensor& x) { return fc->forward(x); }
+    torch::nn::Linear fc;
+  };
+  struct Plain : torch::nn::ModuleHolder<PlainImpl> {
+    using torch::nn::ModuleHolder<PlainImpl>::ModuleHolder;
+  };
+  Plain plain;
+  PERF_EXPECT_THROW_MSG(po::AveragedModel{plain}, "derives from torch::nn::Module, not from torch::nn::Cloneable");
+  PERF_EXPECT_THROW_MSG(po::AveragedModel(plain, plain), "the copy is the model itself");
+  po::AveragedModel averaged(plain, Plain());
+  EXPECT_TRUE(averaged->module()->fc->weight.equal(plain->fc->weight)) << "the second instance took the weights";
+  EXPECT_NE(averaged->module()->fc->weight.data_ptr(), plain->fc->weight.data_ptr());
+  const auto x = torch::randn({4, 3});
+  EXPECT_TRUE(averaged->forward(x).equal(plain->forward(x)));
+  averaged->update_parameters(plain);
+  {
+    torch::NoGradGuard no_grad;
+    plain->fc->weight.add_(1.0);
+  }
+  averaged->update_parameters(plain);  // SWA of w and w + 1
+  EXPECT_TRUE(averaged->module()->fc->weight.allclose(plain->fc->weight - 0.5));
+
+  // An fp32 average of a float64 model: each update casts the model's values (Python's lerp refuses two dtypes).
+  auto wide = swa_net();
+  wide->to(at::kDouble);
+  po::AveragedModel narrow(wide, po::AveragedModelOptions().multi_avg_fn(po::get_ema_multi_avg_fn(0.75)));
+  narrow->module()->to(at::kFloat);
+  narrow->update_parameters(wide);
+  std::vector<at::Tensor> first;
+  for (const auto& p : wide->parameters()) first.push_back(p.to(at::kFloat));
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : wide->parameters()) p.add_(1.0);
+  }
+  narrow->update_parameters(wide);
+  for (std::size_t k = 0; k < first.size(); ++k) {
+    EXPECT_EQ(narrow->module()->parameters()[k].scalar_type(), at::kFloat);
+    EXPECT_TRUE(
+        narrow->module()->parameters()[k].equal(at::lerp(first[k], wide->parameters()[k].to(at::kFloat), 0.25)));
+  }
+
+  // n_averaged written from outside (a load, or by hand) is read back once.
+  {
+    torch::NoGradGuard no_grad;
+    ema->named_buffers()["n_averaged"].fill_(7);
+  }
+  EXPECT_EQ(ema->n_averaged(), 7);
+}
+
+TEST(AveragedModel, UpdateBnGivesPythonsStatisticsAndRestoresTheModel) {
+  namespace po = perf::optim;
+  test_util::TempDir dir;
+  torch::manual_seed(2);
+  auto model = torch::nn::Sequential(torch::nn::Linear(4, 6),
+                                     torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(6).momentum(0.3)),
+                                     torch::nn::ReLU(), torch::nn::Linear(6, 3), torch::nn::BatchNorm1d(3));
+  model->eval();
+  std::vector<torch::data::Example<>> batches;
+  c10::impl::GenericList xs(c10::TensorType::get());
+  for (int b = 0; b < 5; ++b) {
+    batches.push_back({torch::randn({8, 4}) * (b + 1) + b, torch::zeros({8})});
+    xs.push_back(batches.back().data);
+  }
+  perf::save(perf::state_dict(model), dir / "model.pt");
+  perf::save(xs, dir / "xs.pt");
+  po::update_bn(batches, model);
+  const auto python = test_util::python(
+      "import torch\nfrom torch.optim import swa_utils as S\n"
+      "m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6, momentum=0.3), torch.nn.ReLU(),\n"
+      "                        torch.nn.Linear(6, 3), torch.nn.BatchNorm1d(3))\n"
+      "m.load_state_dict(torch.load('" +
+      (dir / "model.pt") +
+      "'))\nm.eval()\n"
+      "S.update_bn([(x, torch.zeros(8)) for x in torch.load('" +
+      (dir / "xs.pt") + "')], m)\ntorch.save(m.state_dict(), '" + (dir / "python.pt") + "')\nprint(m.training)\n");
+  EXPECT_EQ(python, "False");
+  EXPECT_LT(swa_max_diff(perf::state_dict(model), perf::load(dir / "python.pt")), 1e-6);
+  EXPECT_EQ(model[4]->named_buffers()["num_batches_tracked"].item<int64_t>(), 5);
+  EXPECT_FALSE(model->is_training()) << "eval() restored";
+  auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(model->ptr(1));
+  EXPECT_EQ(bn->options.momentum(), std::optional<double>(0.3)) << "momentum restored";
+
+  // A list of tensors (its first is the input), an AveragedModel, and a device.
+  po::AveragedModel swa(model);
+  std::vector<std::vector<at::Tensor>> lists;
+  for (const auto& b : batches) lists.push_back({b.data, b.target});
+  po::update_bn(lists, swa, c10::Device(c10::kCPU));
+  EXPECT_TRUE(swa->module()->named_buffers()["1.running_mean"].allclose(model->named_buffers()["1.running_mean"]));
+
+  // A forward that throws midway: the mode and momenta come back all the same.
+  std::vector<at::Tensor> bad = {torch::randn({8, 4}), torch::randn({8, 5})};
+  EXPECT_THROW(po::update_bn(bad, model), c10::Error);
+  EXPECT_FALSE(model->is_training());
+  EXPECT_EQ(bn->options.momentum(), std::optional<double>(0.3));
+  // No BatchNorm: nothing runs, not even the loader.
+  int pulled = 0;
+  struct Counting {
+    int* pulled;
+    std::vector<at::Tensor> v;
+    auto begin() { return ++*pulled, v.begin(); }
+    auto end() { return v.end(); }
+  };
+  auto linear = torch::nn::Sequential(torch::nn::Linear(4, 2));
+  po::update_bn(Counting{&pulled, {torch::randn({2, 4})}}, linear);
+  EXPECT_EQ(pulled, 0);
+}
+
+TEST(SWALR, ResumesPythonsStateAndPythonResumesItsInPerfsOptimizer) {
+  namespace po = perf::optim;
+  test_util::TempDir dir;
+  auto o = lrs_sgd();
+  po::SWALR s(*o, po::PerGroup{0.05, 0.01}, 5, "linear");
+  lrs_run(*o, s, 3);
+  auto ckpt = perf::dict();
+  ckpt.insert("optim", dynamic_cast<perf::optim::SGD&>(*o).state_dict());
+  ckpt.insert("sched", s.state_dict());
+  perf::save(ckpt, dir / "cpp.pt");
+  const auto cpp_on = lrs_run(*o, s, 6);
+  // Python's SWALR reads swa_lr from the optimizer's groups: perf's SGD wrote them into its state_dict.
+  const auto python = test_util::python(std::string(LRS_PY) +
+                                        "o = sgd()\ns = torch.optim.swa_utils.SWALR(o, 0.9, anneal_epochs=2)\n"
+                                        "c = torch.load('" +
+                                        (dir / "cpp.pt") +
+                                        "')\no.load_state_dict(c['optim'])\ns.load_state_dict(c['sched'])\n"
+                                        "print(*[g['swa_lr'] for g in o.param_groups])\nrun(o, s, 6)\n");
+  const auto py = test_util::lines(python);
+  ASSERT_EQ(py.size(), 2u);
+  EXPECT_EQ(test_util::parse_numbers(py[0]), (std::vector<double>{0.05, 0.01}));
+  EXPECT_EQ(test_util::parse_numbers(py[1]), cpp_on);
+  // And refusals, Python's, with nothing applied.
+  PERF_EXPECT_THROW_MSG(po::SWALR(*o, 0.1, 5, "exp"),
+                        "anneal_strategy must by one of 'cos' or 'linear', instead got exp");
+  PERF_EXPECT_THROW_MSG(po::SWALR(*o, 0.1, -1), "anneal_epochs must be equal or greater than 0, got -1");
+  PERF_EXPECT_THROW_MSG(po::SWALR(*o, po::PerGroup{0.1, 0.2, 0.3}),
+                        "swa_lr has 3 values and the optimizer 2 param groups");
+  auto bad = s.state_dict();
+  bad.insert_or_assign("_anneal_strategy", std::string("step"));
+  PERF_EXPECT_THROW_MSG(s.load_state_dict(bad), "\"_anneal_strategy\" is \"step\"");
 }

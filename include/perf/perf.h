@@ -20,3 +20,4 @@
 #include <perf/profile.h>
 #include <perf/setup.h>
 #include <perf/state_dict.h>
+#include <perf/swa_utils.h>
