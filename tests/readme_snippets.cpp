@@ -14,6 +14,7 @@
 #include <perf/lr_scheduler.h>
 #include <perf/perf.h>  // or the one header you need
 #include <perf/state_dict.h>
+#include <perf/swa_utils.h>
 #include <torch/torch.h>
 // clang-format on
 
@@ -241,6 +242,38 @@ perf::save(ckpt, "ckpt.pt");
 perf::optim::OneCycleLR one_cycle(opt, perf::optim::OneCycleLROptions(/*max_lr=*/1e-2, /*total_steps=*/10000).pct_start(0.25));
   // clang-format on
   (void)last;
+}
+void block_swa_utils() {
+  Net model;
+  auto loader = torch::data::make_data_loader(mnist(), perf::loader_options(64));
+  const auto x = torch::randn({1, 3, 8, 8});
+  // clang-format off
+perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3).flat(true));
+// Python: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
+perf::optim::AveragedModel ema(model, Net(),       // Net(): a second instance, for a Net that is not Cloneable
+                               perf::optim::AveragedModelOptions()
+                                   .multi_avg_fn(perf::optim::get_ema_multi_avg_fn(0.999))
+                                   .use_buffers(true));
+for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {
+  // forward, backward
+  opt.step();
+  ema->update_parameters(model);                   // one lerp over the flat buffer, no host sync
+}
+torch::Tensor y = ema->forward(x);                 // or ema->module(): the averaged Net
+perf::save(perf::state_dict(ema), "ema.pt");       // Python: AveragedModel(model, ...).load_state_dict(torch.load("ema.pt"))
+
+// SWA: the equal-weight average of the epochs after 160, at SWALR's annealed rate; then BatchNorm statistics
+perf::optim::AveragedModel swa(model, Net());
+perf::optim::SWALR swa_scheduler(opt, /*swa_lr=*/0.05);
+for (int epoch = 0; epoch < 300; ++epoch) {
+  // an epoch of steps
+  if (epoch > 160) {
+    swa->update_parameters(model);
+    swa_scheduler.step();
+  }
+}
+perf::optim::update_bn(*loader, swa);
+  // clang-format on
 }
 void block10_state_dict() {
   Net model;
