@@ -104,7 +104,8 @@ class AveragedModelBase : public torch::nn::Module {
  public:
   /// Python's update_parameters(model): the first call copies the model's weights, each later one averages
   /// them in; the buffers are averaged (use_buffers) or copied. `model` must have the averaged copy's
-  /// parameters (and buffers) in the same order, shapes and dtypes; checked before anything changes.
+  /// parameters (and buffers) in the same order and shapes, checked before anything changes; where a dtype
+  /// differs (an fp32 average of a bf16 model), the model's values are cast to the copy's.
   PERF_INLINE void update_parameters(ModuleRef model);
   /// Python's n_averaged, as a number: the models averaged so far (no device sync, except once after the
   /// n_averaged buffer was loaded or written from outside).
@@ -115,8 +116,9 @@ class AveragedModelBase : public torch::nn::Module {
   int64_t packed_spans() const { return packed_spans_; }
 
  protected:
-  PERF_INLINE AveragedModelBase(const std::shared_ptr<torch::nn::Module>& copy, const torch::nn::Module& model,
-                                bool copy_values, AveragedModelOptions options);
+  PERF_INLINE AveragedModelBase(const std::shared_ptr<torch::nn::Module>& copy,
+                                const std::shared_ptr<torch::nn::Module>& model, bool copy_values,
+                                AveragedModelOptions options);
   const std::shared_ptr<torch::nn::Module>& averaged_module() const { return copy_; }
 
  private:
@@ -160,13 +162,13 @@ class AveragedModelImpl : public detail::AveragedModelBase {
   /// Python's deepcopy of the model: its clone(), which needs NetImpl to derive from
   /// torch::nn::Cloneable<NetImpl> (otherwise use the constructor below).
   explicit AveragedModelImpl(const ModuleType& model, AveragedModelOptions options = {})
-      : AveragedModelBase(cloned(model, options), *Of::ptr(model), false, options) {
+      : AveragedModelBase(cloned(model, options), Of::ptr(model), false, options) {
     typed_ = std::dynamic_pointer_cast<typename Of::Impl>(averaged_module());
   }
   /// For a module that is not Cloneable: `copy` is a second instance of the model's class (Net(...) with the
   /// same arguments); the model's weights and buffers are copied into it.
   AveragedModelImpl(const ModuleType& model, const ModuleType& copy, AveragedModelOptions options = {})
-      : AveragedModelBase(checked(Of::ptr(model), Of::ptr(copy)), *Of::ptr(model), true, options),
+      : AveragedModelBase(checked(Of::ptr(model), Of::ptr(copy)), Of::ptr(model), true, options),
         typed_(Of::ptr(copy)) {}
 
   /// Python's `averaged.module`: the averaged copy.

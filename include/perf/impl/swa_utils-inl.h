@@ -176,10 +176,12 @@ PERF_INLINE std::shared_ptr<torch::nn::Module> clone_module(const torch::nn::Mod
 }  // namespace detail
 
 PERF_INLINE detail::AveragedModelBase::AveragedModelBase(const std::shared_ptr<torch::nn::Module>& copy,
-                                                         const torch::nn::Module& model, bool copy_values,
-                                                         AveragedModelOptions options)
+                                                         const std::shared_ptr<torch::nn::Module>& model_ptr,
+                                                         bool copy_values, AveragedModelOptions options)
     : copy_(copy), options_(std::move(options)) {
   const std::string w = "perf::optim::AveragedModel";
+  TORCH_CHECK(copy_ && model_ptr, w, ": the model or its copy is null");
+  const torch::nn::Module& model = *model_ptr;
   TORCH_CHECK(!(options_.avg_fn() && options_.multi_avg_fn()), w,
               ": avg_fn and multi_avg_fn are both set; Python's error: \"Only one of avg_fn and multi_avg_fn "
               "should be provided\"");
