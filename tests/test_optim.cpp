@@ -2451,6 +2451,10 @@ std::vector<LrsCase> lrs_cases() {
        [](torch::optim::Optimizer& o) -> Sched {
          return std::make_shared<po::OneCycleLR>(o, po::OneCycleLROptions(0.2, 40));
        }},
+      {"OneCycleLR over epochs x steps_per_epoch", "sgd", "L.OneCycleLR(o, 0.2, epochs=5, steps_per_epoch=8)",
+       [](torch::optim::Optimizer& o) -> Sched {
+         return std::make_shared<po::OneCycleLR>(o, po::OneCycleLROptions(0.2).epochs(5).steps_per_epoch(8));
+       }},
       {"OneCycleLR three phases, linear, beta1", "adamw",
        "L.OneCycleLR(o, [0.2, 0.3], total_steps=40, pct_start=0.25, anneal_strategy='linear', three_phase=True)",
        [](torch::optim::Optimizer& o) -> Sched {
@@ -2632,6 +2636,12 @@ TEST(LRScheduler, RefusesWhatPythonRefusesAndChangesNothing) {
                         "max_lr has 3 values and the optimizer 2 param groups");
   PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions(0.1, 10).anneal_strategy("cosine")}),
                         "anneal_strategy is \"cosine\"; valid: \"cos\", \"linear\"");
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions(0.1).epochs(3)}),
+                        "You must define either total_steps OR (epochs AND steps_per_epoch)");
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions(0.1).epochs(0).steps_per_epoch(5)}),
+                        "Expected positive integer epochs, but got 0");
+  PERF_EXPECT_THROW_MSG((po::OneCycleLR{*o, po::OneCycleLROptions(0.1, -2).epochs(2).steps_per_epoch(5)}),
+                        "Expected positive integer total_steps, but got -2");
   EXPECT_EQ(o->param_groups()[0].options().get_lr(), 0.1) << "a refused scheduler changed no rate";
   EXPECT_EQ(lrs_momentum(o->param_groups()[1].options()), 0.9) << "nor a momentum";
 

@@ -345,9 +345,15 @@ class CyclicLR final : public LRScheduler {
 /// Python's OneCycleLR arguments: `total_steps` (Python's alternative,
 /// epochs and steps_per_epoch, is their product); `anneal_strategy` "cos" or "linear".
 struct OneCycleLROptions {
-  OneCycleLROptions(PerGroup max_lr, int64_t total_steps) : max_lr_(std::move(max_lr)), total_steps_(total_steps) {}
+  /// Python's OneCycleLR(optimizer, max_lr, total_steps): the steps of the cycle, or (none here) epochs and
+  /// steps_per_epoch below, as Python's `epochs=10, steps_per_epoch=len(loader)`.
+  explicit OneCycleLROptions(PerGroup max_lr, std::optional<int64_t> total_steps = std::nullopt)
+      : max_lr_(std::move(max_lr)), total_steps_(total_steps) {}
   TORCH_ARG(PerGroup, max_lr);
-  TORCH_ARG(int64_t, total_steps);
+  TORCH_ARG(std::optional<int64_t>, total_steps);
+  /// Where total_steps is not given: the cycle is epochs * steps_per_epoch steps (Python's).
+  TORCH_ARG(std::optional<int64_t>, epochs) = std::nullopt;
+  TORCH_ARG(std::optional<int64_t>, steps_per_epoch) = std::nullopt;
   TORCH_ARG(double, pct_start) = 0.3;
   TORCH_ARG(std::string, anneal_strategy) = "cos";
   TORCH_ARG(bool, cycle_momentum) = true;
@@ -377,7 +383,7 @@ class OneCycleLR final : public LRScheduler {
   PERF_INLINE std::function<void()> read_state(const c10::impl::GenericDict& state) override;
   PERF_INLINE double group_value(const std::string& key, std::size_t group) const;
   PERF_INLINE double anneal(double start, double end, double pct) const;
-  int64_t total_steps_;
+  int64_t total_steps_ = 0;
   std::vector<Phase> phases_;
   std::string anneal_strategy_;
   bool cycle_momentum_;

@@ -840,10 +840,22 @@ PERF_INLINE std::function<void()> CyclicLR::read_state(const c10::impl::GenericD
 // ---- OneCycleLR ----------------------------------------------------------------------------------------------
 
 PERF_INLINE OneCycleLR::OneCycleLR(torch::optim::Optimizer& optimizer, const OneCycleLROptions& options)
-    : LRScheduler(optimizer), total_steps_(options.total_steps()) {
+    : LRScheduler(optimizer) {
   const std::string w = who("");
-  TORCH_CHECK(total_steps_ > 0, w, ": total_steps is ", total_steps_,
-              "; Python's error: \"Expected positive integer total_steps\" (epochs * steps_per_epoch)");
+  if (options.total_steps()) {  // Python's order: total_steps first, then epochs and steps_per_epoch
+    total_steps_ = *options.total_steps();
+    TORCH_CHECK(total_steps_ > 0, w, ": total_steps is ", total_steps_,
+                "; Python's error: \"Expected positive integer total_steps, but got ", total_steps_, "\"");
+  } else {
+    TORCH_CHECK(options.epochs() && options.steps_per_epoch(), w,
+                ": Python's error: \"You must define either total_steps OR (epochs AND steps_per_epoch)\"");
+    const int64_t epochs = *options.epochs(), per_epoch = *options.steps_per_epoch();
+    TORCH_CHECK(epochs > 0, w, ": epochs is ", epochs, "; Python's error: \"Expected positive integer epochs, but got ",
+                epochs, "\"");
+    TORCH_CHECK(per_epoch > 0, w, ": steps_per_epoch is ", per_epoch,
+                "; Python's error: \"Expected positive integer steps_per_epoch, but got ", per_epoch, "\"");
+    total_steps_ = epochs * per_epoch;
+  }
   const double pct = options.pct_start();
   TORCH_CHECK(pct >= 0 && pct <= 1, w, ": pct_start is ", pct,
               "; Python's error: \"Expected float between 0 and 1 "
