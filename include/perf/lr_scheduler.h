@@ -137,34 +137,42 @@ class LRScheduler {
   friend class ChainedScheduler;
 };
 
-/// Python's LambdaLR: rate = base rate * lr_lambda(epoch); one function, or one per param group.
-class LambdaLR final : public LRScheduler {
+namespace detail {
+/// What LambdaLR and MultiplicativeLR share: a function of the epoch per param group, which their
+/// state_dict() holds as None (Python writes only a callable object's attributes there).
+class LambdaScheduler : public LRScheduler {
  public:
   using Lambda = std::function<double(int64_t)>;
+
+ protected:
+  /// `name`: the class's, for errors (name() is not yet the derived class's here).
+  PERF_INLINE LambdaScheduler(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas, const char* name);
+  PERF_INLINE void write_state(c10::impl::GenericDict& state) const override;
+  PERF_INLINE std::function<void()> read_state(const c10::impl::GenericDict& state) override;
+  std::vector<Lambda> lr_lambdas_;
+};
+}  // namespace detail
+
+/// Python's LambdaLR: rate = base rate * lr_lambda(epoch); one function, or one per param group.
+class LambdaLR final : public detail::LambdaScheduler {
+ public:
   PERF_INLINE LambdaLR(torch::optim::Optimizer& optimizer, Lambda lr_lambda);
   PERF_INLINE LambdaLR(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas);
   const char* name() const override { return "LambdaLR"; }
 
  private:
   PERF_INLINE std::vector<double> get_lr() override;
-  PERF_INLINE void write_state(c10::impl::GenericDict& state) const override;
-  PERF_INLINE std::function<void()> read_state(const c10::impl::GenericDict& state) override;
-  std::vector<Lambda> lr_lambdas_;
 };
 
 /// Python's MultiplicativeLR: rate *= lr_lambda(epoch) at each step after the first.
-class MultiplicativeLR final : public LRScheduler {
+class MultiplicativeLR final : public detail::LambdaScheduler {
  public:
-  using Lambda = std::function<double(int64_t)>;
   PERF_INLINE MultiplicativeLR(torch::optim::Optimizer& optimizer, Lambda lr_lambda);
   PERF_INLINE MultiplicativeLR(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas);
   const char* name() const override { return "MultiplicativeLR"; }
 
  private:
   PERF_INLINE std::vector<double> get_lr() override;
-  PERF_INLINE void write_state(c10::impl::GenericDict& state) const override;
-  PERF_INLINE std::function<void()> read_state(const c10::impl::GenericDict& state) override;
-  std::vector<Lambda> lr_lambdas_;
 };
 
 /// Python's StepLR: rate *= gamma every `step_size` epochs.

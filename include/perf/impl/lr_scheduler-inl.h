@@ -275,23 +275,29 @@ PERF_INLINE void LRScheduler::load_state_dict(const c10::IValue& state) { prepar
 
 // ---- LambdaLR, MultiplicativeLR ------------------------------------------------------------------------------
 
-namespace detail {
-template <typename Lambda>
-std::vector<Lambda> lambdas_per_group(std::vector<Lambda> lambdas, const torch::optim::Optimizer& optimizer,
-                                      const std::string& who) {
-  TORCH_CHECK(lambdas.size() == optimizer.param_groups().size(), who, ": expected ", optimizer.param_groups().size(),
-              " lr_lambdas (one per param group), but got ", lambdas.size());
-  for (std::size_t i = 0; i < lambdas.size(); ++i) TORCH_CHECK(lambdas[i], who, ": lr_lambda ", i, " is empty");
-  return lambdas;
+PERF_INLINE detail::LambdaScheduler::LambdaScheduler(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas,
+                                                     const char* name)
+    : LRScheduler(optimizer), lr_lambdas_(std::move(lr_lambdas)) {
+  const std::string w = std::string("perf::optim::") + name;
+  TORCH_CHECK(lr_lambdas_.size() == optimizer.param_groups().size(), w, ": expected ", optimizer.param_groups().size(),
+              " lr_lambdas (one per param group), but got ", lr_lambdas_.size());
+  for (std::size_t i = 0; i < lr_lambdas_.size(); ++i) TORCH_CHECK(lr_lambdas_[i], w, ": lr_lambda ", i, " is empty");
 }
-}  // namespace detail
+
+PERF_INLINE void detail::LambdaScheduler::write_state(c10::impl::GenericDict& state) const {
+  state.insert("lr_lambdas", detail::lambdas_state(lr_lambdas_.size()));
+}
+
+PERF_INLINE std::function<void()> detail::LambdaScheduler::read_state(const c10::impl::GenericDict& state) {
+  detail::check_lambdas_state(state, lr_lambdas_.size(), who("load_state_dict"));
+  return [] {};
+}
 
 PERF_INLINE LambdaLR::LambdaLR(torch::optim::Optimizer& optimizer, Lambda lr_lambda)
     : LambdaLR(optimizer, std::vector<Lambda>(optimizer.param_groups().size(), std::move(lr_lambda))) {}
 
 PERF_INLINE LambdaLR::LambdaLR(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas)
-    : LRScheduler(optimizer) {
-  lr_lambdas_ = detail::lambdas_per_group(std::move(lr_lambdas), optimizer, who(""));
+    : LambdaScheduler(optimizer, std::move(lr_lambdas), "LambdaLR") {
   start();
 }
 
@@ -303,21 +309,11 @@ PERF_INLINE std::vector<double> LambdaLR::get_lr() {
   return out;
 }
 
-PERF_INLINE void LambdaLR::write_state(c10::impl::GenericDict& state) const {
-  state.insert("lr_lambdas", detail::lambdas_state(lr_lambdas_.size()));
-}
-
-PERF_INLINE std::function<void()> LambdaLR::read_state(const c10::impl::GenericDict& state) {
-  detail::check_lambdas_state(state, lr_lambdas_.size(), who("load_state_dict"));
-  return [] {};
-}
-
 PERF_INLINE MultiplicativeLR::MultiplicativeLR(torch::optim::Optimizer& optimizer, Lambda lr_lambda)
     : MultiplicativeLR(optimizer, std::vector<Lambda>(optimizer.param_groups().size(), std::move(lr_lambda))) {}
 
 PERF_INLINE MultiplicativeLR::MultiplicativeLR(torch::optim::Optimizer& optimizer, std::vector<Lambda> lr_lambdas)
-    : LRScheduler(optimizer) {
-  lr_lambdas_ = detail::lambdas_per_group(std::move(lr_lambdas), optimizer, who(""));
+    : LambdaScheduler(optimizer, std::move(lr_lambdas), "MultiplicativeLR") {
   start();
 }
 
@@ -327,15 +323,6 @@ PERF_INLINE std::vector<double> MultiplicativeLR::get_lr() {
   std::vector<double> out = group_lrs();
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = out[i] * lr_lambdas_[i](last_epoch_);
   return out;
-}
-
-PERF_INLINE void MultiplicativeLR::write_state(c10::impl::GenericDict& state) const {
-  state.insert("lr_lambdas", detail::lambdas_state(lr_lambdas_.size()));
-}
-
-PERF_INLINE std::function<void()> MultiplicativeLR::read_state(const c10::impl::GenericDict& state) {
-  detail::check_lambdas_state(state, lr_lambdas_.size(), who("load_state_dict"));
-  return [] {};
 }
 
 // ---- StepLR, MultiStepLR, ConstantLR, LinearLR, ExponentialLR, PolynomialLR ----------------------------------
