@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include "test_util.h"
@@ -130,12 +131,25 @@ TEST(CudaPaths, FoundInfSummedOverDevicesStillSkips) {
 
 namespace {
 
-torch::Tensor train_with_scheduler(bool trainstep, torch::Device device, std::vector<double>* lrs) {
+// Makes a scheduler on the optimizer and returns its step() (owning the scheduler): LibTorch's or perf's.
+using SchedulerFactory = std::function<std::function<void()>(torch::optim::Optimizer&)>;
+
+SchedulerFactory torch_step_lr() {
+  return [](torch::optim::Optimizer& o) -> std::function<void()> {
+    auto s = std::make_shared<torch::optim::StepLR>(o, /*step_size=*/3, /*gamma=*/0.5);
+    return [s] { s->step(); };
+  };
+}
+
+// 12 steps of an MLP under perf's AdamW and the scheduler, eagerly or through a TrainStep (graphed on CUDA);
+// the rate after each step into `lrs`, the TrainStep's captures into `captures`, where given.
+torch::Tensor train_with_scheduler(bool trainstep, torch::Device device, const SchedulerFactory& make_scheduler,
+                                   std::vector<double>* lrs, int64_t* captures = nullptr) {
   torch::manual_seed(0);
   auto model = mlp();
   model->to(device);
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
-  torch::optim::StepLR sched(opt, /*step_size=*/3, /*gamma=*/0.5);
+  const auto scheduler_step = make_scheduler(opt);
   auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
     return torch::nn::functional::cross_entropy(model->forward(x), t);
   };
@@ -150,9 +164,10 @@ torch::Tensor train_with_scheduler(bool trainstep, torch::Device device, std::ve
       loss_fn(d.xs[i], d.ts[i]).backward();
       opt.step();
     }
-    sched.step();
+    scheduler_step();
     if (lrs) lrs->push_back(opt.param_groups()[0].options().get_lr());
   }
+  if (step && captures) *captures = step->captures();
   return cat_params(*model);
 }
 
@@ -160,8 +175,8 @@ torch::Tensor train_with_scheduler(bool trainstep, torch::Device device, std::ve
 
 TEST(CudaPaths, SchedulerUnderTrainStepEqualsTheEagerLoop) {
   std::vector<double> lrs;
-  const auto eager = train_with_scheduler(false, torch::kCPU, &lrs);
-  const auto stepped = train_with_scheduler(true, torch::kCPU, nullptr);
+  const auto eager = train_with_scheduler(false, torch::kCPU, torch_step_lr(), &lrs);
+  const auto stepped = train_with_scheduler(true, torch::kCPU, torch_step_lr(), nullptr);
   EXPECT_TRUE(torch::equal(eager, stepped));
   EXPECT_DOUBLE_EQ(lrs.back(), 1e-2 / 8) << "the scheduler did change the lr";
   // A frozen lr would train differently: the same loop without the scheduler.
@@ -910,8 +925,8 @@ TEST(CudaPaths, OnGpuTrainStepFromTheFirstPrefetchedBatchWhileThePrefetcherRuns)
 TEST(CudaPaths, OnGpuSchedulerChangesTheReplayedLearningRate) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   std::vector<double> lrs;
-  const auto eager = train_with_scheduler(false, torch::kCUDA, &lrs);
-  const auto graphed = train_with_scheduler(true, torch::kCUDA, nullptr);
+  const auto eager = train_with_scheduler(false, torch::kCUDA, torch_step_lr(), &lrs);
+  const auto graphed = train_with_scheduler(true, torch::kCUDA, torch_step_lr(), nullptr);
   EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
 }
 
@@ -922,42 +937,21 @@ TEST(CudaPaths, OnGpuPerfSchedulersUnderAGraphedTrainStepTrainAsTheEagerLoop) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   for (const bool cycle : {false, true}) {
     SCOPED_TRACE(cycle ? "OneCycleLR, cycling beta1" : "SequentialLR(LinearLR, CosineAnnealingLR)");
-    const auto run = [&](bool trainstep, int64_t* captures) {
-      torch::manual_seed(0);
-      auto model = mlp();
-      model->to(torch::kCUDA);
-      perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2));
-      std::unique_ptr<perf::optim::LRScheduler> sched;
+    const SchedulerFactory make = [cycle](torch::optim::Optimizer& opt) -> std::function<void()> {
+      std::shared_ptr<perf::optim::LRScheduler> sched;
       if (cycle) {
-        sched = std::make_unique<perf::optim::OneCycleLR>(opt, perf::optim::OneCycleLROptions(2e-2, 12));
+        sched = std::make_shared<perf::optim::OneCycleLR>(opt, perf::optim::OneCycleLROptions(2e-2, 12));
       } else {
         std::vector<std::shared_ptr<perf::optim::LRScheduler>> parts{
             std::make_shared<perf::optim::LinearLR>(opt, 0.1, 1.0, 4),
             std::make_shared<perf::optim::CosineAnnealingLR>(opt, 8, 1e-4)};
-        sched = std::make_unique<perf::optim::SequentialLR>(opt, parts, std::vector<int64_t>{4});
+        sched = std::make_shared<perf::optim::SequentialLR>(opt, parts, std::vector<int64_t>{4});
       }
-      auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& t) {
-        return torch::nn::functional::cross_entropy(model->forward(x), t);
-      };
-      const auto d = make_data(12, 16, torch::kCUDA);
-      std::optional<perf::TrainStep> step;
-      if (trainstep) step.emplace(model, loss_fn, opt, d.xs[0], d.ts[0]);
-      for (size_t i = 0; i < d.xs.size(); ++i) {
-        if (step) {
-          step->step(d.xs[i], d.ts[i]);
-        } else {
-          opt.zero_grad();
-          loss_fn(d.xs[i], d.ts[i]).backward();
-          opt.step();
-        }
-        sched->step();
-      }
-      if (step) *captures = step->captures();
-      return cat_params(*model);
+      return [sched] { sched->step(); };
     };
     int64_t captures = 0;
-    const auto eager = run(false, nullptr);
-    const auto graphed = run(true, &captures);
+    const auto eager = train_with_scheduler(false, torch::kCUDA, make, nullptr);
+    const auto graphed = train_with_scheduler(true, torch::kCUDA, make, nullptr, &captures);
     EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
     if (cycle) {
       EXPECT_GE(captures, 11) << "beta1 changed after every step: captured again each time";
