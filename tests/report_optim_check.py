@@ -45,7 +45,16 @@ def kept_cpu(out):
     check(f"Machine: {run['machine']}; torch {run['torch']}; commit `{run['commit']}`." in table
           and "Run: " not in table and "the share compares rows only" in table, table[:1500])
     sets = list(dict.fromkeys(r["set"] for r in rows))
-    check(sets == ["ResNet-50", "transformer", "ResNet-50 in one flat buffer"], f"parameter sets {sets}")
+    ema = ["ResNet-50 EMA", "transformer EMA"]  # runs since 2026-11-30: perf/swa_utils.h's EMA update
+    check(sets in (["ResNet-50", "transformer", "ResNet-50 in one flat buffer"],
+                   ["ResNet-50", "transformer"] + ema + ["ResNet-50 in one flat buffer"]), f"parameter sets {sets}")
+    for name in (n for n in ema if n in sets):
+        configs = [(a["config"], b["config"]) for a, b in pairs(rows, name)]
+        check(configs == [("perf EMA (multi-tensor)", "perf EMA (flat)")], f"{name}: {configs}")
+        python = [r["config"] for r in rows if r["set"] == name and r["lang"] == "python"]
+        check(python == ["torch AveragedModel EMA (update_parameters)"], f"{name}: {python}")
+        check(all(r["bytes"] == 12 * r["params"] for r in rows if r["set"] == name), f"{name}: 3 x 4 bytes a parameter")
+    check(("The \"EMA\" sections time" in table) == bool(set(ema) & set(sets)), table[:2000])
     for name in sets:
         text = section(table, name)
         cpp = pairs(rows, name)
