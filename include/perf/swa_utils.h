@@ -15,11 +15,12 @@
 //   perf::optim::update_bn(*loader, swa);                   // BatchNorm statistics for the averaged weights
 //
 // Python's names, arguments, defaults, state_dict keys and numbers (the tests compare them with Python's
-// AveragedModel step by step). What differs, for speed: an update never syncs the host with the device
-// (Python's reads n_averaged back up to three times), the built-in averages are one lerp per (device, dtype)
-// on every device (Python's default on the CPU is a per-tensor formula: equal within float rounding), and
-// where the model's parameters lie packed in one buffer (perf::optim's flat(true), cuDNN's flat LSTM
-// weights) the averaged copy takes the same layout and each (device, dtype) is one lerp over one span.
+// AveragedModel step by step). What differs, for speed: an update never waits for the device (Python's
+// reads n_averaged on the host or copies it to the device, which synchronises the stream), the built-in
+// averages are one lerp per (device, dtype) on every device (Python's default on the CPU is a per-tensor
+// formula: equal within float rounding), and where the model's tensors lie packed in one buffer
+// (perf::optim's flat(true), cuDNN's flat LSTM weights) the averaged copy takes the same layout and each
+// such buffer is one lerp over its span.
 #pragma once
 
 #include <ATen/ATen.h>
