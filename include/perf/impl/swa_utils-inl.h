@@ -416,13 +416,15 @@ PERF_INLINE BatchNormPass::BatchNormPass(torch::nn::Module& model) : model_(mode
   for (const auto& m : model.modules(/*include_self=*/false)) visit(*m);
   if (momenta_.empty()) return;
   model.train(true);
-  for (auto& [m, momentum] : momenta_) with_batch_norm(*m, [](auto& bn) { bn.options.momentum(std::nullopt); });
+  for (const auto& entry : momenta_) with_batch_norm(*entry.first, [](auto& bn) { bn.options.momentum(std::nullopt); });
 }
 
 PERF_INLINE BatchNormPass::~BatchNormPass() {
   if (momenta_.empty()) return;
-  for (auto& [m, momentum] : momenta_)
-    with_batch_norm(*m, [&momentum = momentum](auto& bn) { bn.options.momentum(momentum); });
+  for (const auto& entry : momenta_) {
+    const std::optional<double>& momentum = entry.second;
+    with_batch_norm(*entry.first, [&momentum](auto& bn) { bn.options.momentum(momentum); });
+  }
   model_.train(was_training_);
 }
 
