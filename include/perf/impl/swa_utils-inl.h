@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 #include <perf/impl/lr_scheduler-inl.h>
+#include <perf/impl/optim-inl.h>  // detail::plain_view
 #include <perf/swa_utils.h>
 #include <torch/nn/modules/batchnorm.h>
 
@@ -14,18 +15,16 @@
 #include <cmath>
 #include <sstream>
 #include <tuple>
-#include <variant>
 
 namespace perf::optim {
 
 namespace detail {
 
 // Python's get_ema_multi_avg_fn and get_swa_multi_avg_fn over one (device, dtype); `weight` is the lerp
-// weight (1 - decay, or 1 / (n + 1) in float as Python's tensor division gives it) and `n` the count, a
-// tensor (a user's call) or a number (AveragedModel's: no copy to the device), for the integer formula.
+// weight (1 - decay, or 1 / (n + 1) in float as Python's tensor division gives it) and `n` the count, for the
+// integer formula (a host number: no copy to the device).
 PERF_INLINE void builtin_multi_avg(const std::optional<double>& ema_decay, const std::vector<at::Tensor>& averaged,
-                                   const std::vector<at::Tensor>& current, double weight,
-                                   const std::variant<at::Tensor, int64_t>& n) {
+                                   const std::vector<at::Tensor>& current, double weight, int64_t n) {
   if (averaged.empty()) return;
   if (at::isFloatingType(averaged[0].scalar_type()) || at::isComplexType(averaged[0].scalar_type())) {
     at::_foreach_lerp_(averaged, current, weight);
@@ -35,20 +34,13 @@ PERF_INLINE void builtin_multi_avg(const std::optional<double>& ema_decay, const
     if (ema_decay) {
       averaged[i].copy_(averaged[i] * *ema_decay + current[i] * (1 - *ema_decay));
     } else {  // Python's per-tensor SWA formula (what its CPU path runs for every dtype)
-      const at::Tensor diff = current[i] - averaged[i];
-      averaged[i].copy_(averaged[i] + (std::holds_alternative<at::Tensor>(n)
-                                           ? diff / (std::get<at::Tensor>(n) + 1)
-                                           : diff / at::Scalar(std::get<int64_t>(n) + 1)));
+      averaged[i].copy_(averaged[i] + (current[i] - averaged[i]) / at::Scalar(n + 1));
     }
   }
 }
 
 PERF_INLINE double swa_weight(int64_t n) {  // Python's 1 / (n_averaged + 1): a long tensor's reciprocal, in float
   return static_cast<double>(1.0f / static_cast<float>(n + 1));
-}
-
-PERF_INLINE at::Tensor span_view(const at::Tensor& t, int64_t offset, int64_t numel) {
-  return at::empty({0}, t.options()).set_(t.storage(), offset, {numel}, {1});
 }
 
 // Whether `ts` lie in one storage without overlapping, each dense: the span [base, base + len) holds them all.
@@ -68,9 +60,7 @@ PERF_INLINE bool packed_span(const std::vector<at::Tensor>& ts, int64_t& base, i
   for (std::size_t i = 1; i < spans.size(); ++i)
     if (spans[i].first < spans[i - 1].second) return false;
   base = spans.front().first;
-  int64_t end = 0;
-  for (const auto& s : spans) end = std::max(end, s.second);
-  len = end - base;
+  len = spans.back().second - base;  // sorted and disjoint: the last ends last
   return true;
 }
 
@@ -120,8 +110,8 @@ PERF_INLINE void MultiAvgFn::operator()(const std::vector<at::Tensor>& averaged,
     return;
   }
   at::NoGradGuard no_grad;
-  const double weight = kind_ == Kind::ema ? 1 - decay_ : (1 / (num_averaged + 1)).item<double>();
-  detail::builtin_multi_avg(ema_decay(), averaged, current, weight, num_averaged);
+  const int64_t n = kind_ == Kind::swa ? num_averaged.item<int64_t>() : 0;  // Python's SWA reads it too
+  detail::builtin_multi_avg(ema_decay(), averaged, current, kind_ == Kind::ema ? 1 - decay_ : detail::swa_weight(n), n);
 }
 
 PERF_INLINE MultiAvgFn get_ema_multi_avg_fn(double decay) {
@@ -333,14 +323,13 @@ PERF_INLINE std::vector<std::size_t> detail::AveragedModelBase::lerp_packed(cons
     if (!same) {  // the model's layout, in a buffer of the averaged copy's own
       at::Tensor buffer = at::zeros({len}, my[0].options());
       for (std::size_t k = 0; k < my.size(); ++k) {
-        at::Tensor view = at::empty({0}, buffer.options())
-                              .set_(buffer.storage(), cur[k].storage_offset() - base, my[k].sizes(), cur[k].strides());
+        at::Tensor view = detail::plain_view(buffer, cur[k].storage_offset() - base, my[k].sizes(), cur[k].strides());
         view.copy_(my[k]);
         my[k].set_data(view);
       }
       my_base = 0;
     }
-    detail::span_view(my[0], my_base, len).lerp_(detail::span_view(cur[0], base, len), weight);
+    detail::plain_view(my[0], my_base, {len}, {1}).lerp_(detail::plain_view(cur[0], base, {len}, {1}), weight);
     ++packed_spans_;
   }
   std::sort(rest.begin(), rest.end());
