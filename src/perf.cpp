@@ -20,6 +20,7 @@
 #include <perf/impl/memory-inl.h>
 #include <perf/impl/memory_format-inl.h>
 #include <perf/impl/model-inl.h>
+#include <perf/impl/muon-inl.h>
 #include <perf/impl/optim-inl.h>
 #include <perf/impl/profile-inl.h>
 #include <perf/impl/progress-inl.h>

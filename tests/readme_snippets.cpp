@@ -12,6 +12,7 @@
 #include <perf/compiled.h>
 #include <perf/attention.h>
 #include <perf/lr_scheduler.h>
+#include <perf/muon.h>
 #include <perf/perf.h>  // or the one header you need
 #include <perf/state_dict.h>
 #include <perf/swa_utils.h>
@@ -242,6 +243,27 @@ perf::save(ckpt, "ckpt.pt");
 perf::optim::OneCycleLR one_cycle(opt, perf::optim::OneCycleLROptions(/*max_lr=*/1e-2, /*total_steps=*/10000).pct_start(0.25));
   // clang-format on
   (void)last;
+}
+void block_muon() {
+  Net model;
+  auto loader = torch::data::make_data_loader(mnist(), perf::loader_options(64));
+  // clang-format off
+std::vector<torch::Tensor> matrices, others;        // Muon: the hidden layers' 2-D weights; AdamW: the rest
+for (const auto& item : model->named_parameters())
+  (item.value().dim() == 2 && item.key() != "fc.weight" ? matrices : others).push_back(item.value());
+perf::optim::Muon muon(matrices, perf::optim::MuonOptions(0.02));     // Python: torch.optim.Muon(matrices, lr=0.02)
+perf::optim::AdamW adamw(others, perf::optim::AdamWOptions(3e-4));
+perf::optim::CosineAnnealingLR schedule(muon, /*T_max=*/1000);
+for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {
+  // forward, backward
+  muon.step();
+  adamw.step();
+  muon.zero_grad();
+  adamw.zero_grad();
+  schedule.step();
+}
+perf::save(muon.state_dict(), "muon.pt");           // Python: muon.load_state_dict(torch.load("muon.pt"))
+  // clang-format on
 }
 void block_swa_utils() {
   Net model;

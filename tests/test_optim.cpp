@@ -4,6 +4,7 @@
 #include <perf/cuda_graph.h>
 #include <perf/lr_scheduler.h>
 #include <perf/memory_format.h>
+#include <perf/muon.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <perf/state_dict.h>
@@ -3146,4 +3147,372 @@ TEST(SWALR, ResumesPythonsStateAndPythonResumesItsInPerfsOptimizer) {
   auto bad = s.state_dict();
   bad.insert_or_assign("_anneal_strategy", std::string("step"));
   PERF_EXPECT_THROW_MSG(s.load_state_dict(bad), "\"_anneal_strategy\" is \"step\"");
+}
+
+// perf::optim::Muon (perf/muon.h) against Python's torch.optim.Muon (2.11), step by step.
+namespace {
+namespace po = perf::optim;
+const std::vector<std::vector<int64_t>> kMuonShapes = {{32, 16}, {16, 32}, {32, 16}, {16, 16}, {16, 16}, {8, 16}};
+constexpr int kMuonSteps = 6;
+// The same draws in both languages: the parameters, then each step's gradients.
+const char* const MUON_PY =
+    "import torch\n"
+    "shapes = [(32, 16), (16, 32), (32, 16), (16, 16), (16, 16), (8, 16)]\n"
+    "def problem(dtype=torch.float32):\n"
+    "    torch.manual_seed(0)\n"
+    "    return [torch.randn(s).to(dtype).requires_grad_(True) for s in shapes]\n"
+    "def run(ps, o, sched=None):\n"
+    "    for k in range(6):\n"
+    "        for p, s in zip(ps, shapes):\n"
+    "            p.grad = torch.randn(s).to(p.dtype)\n"
+    "        o.step()\n"
+    "        if sched is not None:\n"
+    "            sched.step()\n"
+    "        print(*torch.cat([p.detach().float().flatten() for p in ps]).tolist())\n";
+
+// Each step's parameters, concatenated; `make` builds the optimizer (and a scheduler, stepped after it).
+std::vector<at::Tensor> muon_run(
+    c10::ScalarType dtype, const std::function<std::pair<std::unique_ptr<po::Muon>, std::unique_ptr<po::LRScheduler>>(
+                               std::vector<at::Tensor>&)>& make) {
+  torch::manual_seed(0);
+  std::vector<at::Tensor> ps;
+  for (const auto& s : kMuonShapes) ps.push_back(torch::randn(s).to(dtype).requires_grad_(true));
+  auto [opt, sched] = make(ps);
+  std::vector<at::Tensor> out;
+  for (int k = 0; k < kMuonSteps; ++k) {
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = torch::randn(kMuonShapes[i]).to(dtype);
+    opt->step();
+    if (sched) sched->step();
+    std::vector<at::Tensor> flat;
+    for (const auto& p : ps) flat.push_back(p.detach().to(at::kFloat).flatten());
+    out.push_back(at::cat(flat));
+  }
+  return out;
+}
+}  // namespace
+
+// Four setups, each run by perf both ways (foreach: one batch per shape; not: Python's loop). Python's loop and
+// perf's are the same operations, so their parameters must be equal to the bit; the batched run is equal to the
+// bit on this project's CPU too (bmm and mm, and a norm per matrix or over one, round alike here) and is held to
+// well under one bfloat16 rounding of an update (lr x 2^-8) wherever a CPU's batched kernels might round otherwise.
+TEST(Muon, MatchesPythonsStepByStepBatchedOrNot) {
+  using Made = std::pair<std::unique_ptr<po::Muon>, std::unique_ptr<po::LRScheduler>>;
+  struct Setup {
+    const char* what;
+    std::string python;  // builds `o` (and `sched`) over `ps`
+    c10::ScalarType dtype;
+    std::function<Made(std::vector<at::Tensor>&, bool)> make;
+  };
+  const std::vector<Setup> setups = {
+      {"defaults (nesterov, lr scaled by sqrt(max(1, rows / cols)), weight decay 0.1)",
+       "ps = problem()\no = torch.optim.Muon(ps, lr=0.02)\nrun(ps, o)\n", at::kFloat,
+       [](std::vector<at::Tensor>& ps, bool foreach) {
+         return Made{std::make_unique<po::Muon>(ps, po::MuonOptions(0.02).foreach(foreach)), nullptr};
+       }},
+      {"no nesterov, match_rms_adamw, no weight decay",
+       "ps = problem()\no = torch.optim.Muon(ps, lr=0.02, momentum=0.9, nesterov=False, weight_decay=0.0, "
+       "adjust_lr_fn='match_rms_adamw')\nrun(ps, o)\n",
+       at::kFloat,
+       [](std::vector<at::Tensor>& ps, bool foreach) {
+         return Made{std::make_unique<po::Muon>(ps, po::MuonOptions(0.02)
+                                                        .momentum(0.9)
+                                                        .nesterov(false)
+                                                        .weight_decay(0.0)
+                                                        .adjust_lr_fn("match_rms_adamw")
+                                                        .foreach(foreach)),
+                     nullptr};
+       }},
+      {"two param groups (3 Newton-Schulz steps, other coefficients and eps), cosine annealing",
+       "ps = problem()\no = torch.optim.Muon([{'params': ps[:3]}, {'params': ps[3:], 'lr': 0.05, 'ns_steps': 3, "
+       "'ns_coefficients': (2.0, -1.5, 0.5), 'eps': 1e-5}], lr=0.02)\n"
+       "run(ps, o, torch.optim.lr_scheduler.CosineAnnealingLR(o, 4))\n",
+       at::kFloat,
+       [](std::vector<at::Tensor>& ps, bool foreach) {
+         std::vector<torch::optim::OptimizerParamGroup> groups;
+         groups.emplace_back(std::vector<at::Tensor>(ps.begin(), ps.begin() + 3));
+         groups.emplace_back(std::vector<at::Tensor>(ps.begin() + 3, ps.end()),
+                             std::make_unique<po::MuonOptions>(
+                                 po::MuonOptions(0.05).ns_steps(3).ns_coefficients({2.0, -1.5, 0.5}).eps(1e-5)));
+         auto opt = std::make_unique<po::Muon>(groups, po::MuonOptions(0.02).foreach(foreach));
+         auto sched = std::make_unique<po::CosineAnnealingLR>(*opt, 4);
+         return Made{std::move(opt), std::move(sched)};
+       }},
+      // Python 2.11 divides a bfloat16 parameter's momentum buffer in place when nesterov=False (its
+      // `.bfloat16()` returns the buffer itself): pytorch/pytorch#194664, whose fix (a copy) is patched in here.
+      {"bfloat16 parameters, no nesterov",
+       "import torch.optim._muon as M\nns = M._zeropower_via_newtonschulz\n"
+       "M._zeropower_via_newtonschulz = lambda g, *a: ns(g.to(torch.bfloat16, copy=True), *a)\n"
+       "ps = problem(torch.bfloat16)\no = torch.optim.Muon(ps, lr=0.02, nesterov=False)\nrun(ps, o)\n",
+       at::kBFloat16,
+       [](std::vector<at::Tensor>& ps, bool foreach) {
+         return Made{std::make_unique<po::Muon>(ps, po::MuonOptions(0.02).nesterov(false).foreach(foreach)), nullptr};
+       }},
+  };
+  std::string script = MUON_PY;
+  for (const auto& s : setups) script += s.python;
+  const auto py = test_util::lines(test_util::python(script));
+  ASSERT_EQ(py.size(), setups.size() * kMuonSteps);
+  for (size_t c = 0; c < setups.size(); ++c) {
+    SCOPED_TRACE(setups[c].what);
+    for (const bool foreach : {false, true}) {
+      const auto cpp =
+          muon_run(setups[c].dtype, [&](std::vector<at::Tensor>& ps) { return setups[c].make(ps, foreach); });
+      for (int k = 0; k < kMuonSteps; ++k) {
+        const auto ref = torch::tensor(test_util::parse_numbers(py[c * kMuonSteps + static_cast<size_t>(k)]));
+        const double diff = test_util::max_diff(cpp[static_cast<size_t>(k)], ref);
+        if (foreach) {
+          EXPECT_LE(diff, 2e-5) << "batched, step " << k;
+        } else {
+          EXPECT_EQ(diff, 0.0) << "Python's loop, step " << k;
+        }
+      }
+    }
+  }
+}
+
+TEST(Muon, ReportsItsBatchesAndResumesFromTorchSaveAndThroughAGradScaler) {
+  // kernels(): one Newton-Schulz batch per shape.
+  auto w = [](std::vector<int64_t> s) { return torch::randn(s).requires_grad_(true); };
+  std::vector<at::Tensor> ps = {w({8, 4}), w({4, 8}), w({8, 4}), w({8, 4})};
+  po::Muon opt(ps, po::MuonOptions(0.02));
+  for (auto& p : ps) p.mutable_grad() = torch::randn(p.sizes());
+  opt.step();
+  EXPECT_EQ(opt.kernels(), std::vector<std::string>{"cpu Float: foreach, Newton-Schulz in 2 batches for 4 matrices"});
+  po::Muon loop(ps, po::MuonOptions(0.02).foreach(false));
+  loop.step();
+  EXPECT_EQ(loop.kernels(), std::vector<std::string>{"cpu Float: single-tensor"});
+
+  // torch::save after 3 steps, torch::load into a new optimizer over copies: the next 3 steps are the
+  // uninterrupted run's, to the bit.
+  const auto grads_at = [](int k, const std::vector<at::Tensor>& params) {
+    torch::manual_seed(static_cast<uint64_t>(100 + k));
+    for (auto& p : params) const_cast<at::Tensor&>(p).mutable_grad() = torch::randn(p.sizes());
+  };
+  const auto fresh = [] {
+    torch::manual_seed(5);
+    return std::vector<at::Tensor>{torch::randn({8, 4}).requires_grad_(true),
+                                   torch::randn({4, 8}).requires_grad_(true)};
+  };
+  auto straight = fresh();
+  po::Muon a(straight, po::MuonOptions(0.03).weight_decay(0.05));
+  for (int k = 0; k < 6; ++k) {
+    grads_at(k, straight);
+    a.step();
+  }
+  auto first = fresh();
+  test_util::TempDir dir;
+  {
+    po::Muon b(first, po::MuonOptions(0.03).weight_decay(0.05));
+    for (int k = 0; k < 3; ++k) {
+      grads_at(k, first);
+      b.step();
+    }
+    torch::save(b, dir / "muon.pt");
+  }
+  std::vector<at::Tensor> second;
+  for (const auto& p : first) second.push_back(p.detach().clone().requires_grad_(true));
+  po::Muon c(second, po::MuonOptions(0.5));  // the checkpoint's options replace these
+  torch::load(c, dir / "muon.pt");
+  EXPECT_EQ(c.param_groups()[0].options().get_lr(), 0.03);
+  for (int k = 3; k < 6; ++k) {
+    grads_at(k, second);
+    c.step();
+  }
+  for (size_t i = 0; i < second.size(); ++i) EXPECT_TRUE(torch::equal(second[i], straight[i])) << "parameter " << i;
+
+  // perf::GradScaler: the scaled run equals the plain one (power-of-two scales divide exactly), and the step
+  // whose gradient holds an inf changes nothing, momentum included (the next step would show it).
+  const auto train = [](bool scaled) {
+    torch::manual_seed(3);
+    auto weight = torch::randn({6, 4}).requires_grad_(true);
+    po::Muon o({weight}, po::MuonOptions(0.02));
+    perf::GradScaler scaler(perf::GradScalerOptions().init_scale(256.0));
+    std::vector<at::Tensor> after;
+    for (int k = 0; k < 5; ++k) {
+      o.zero_grad();
+      const auto loss = (torch::tanh(torch::linspace(-1, 1, 18).reshape({3, 6}).matmul(weight)) * (k + 1)).sum();
+      (scaled ? scaler.scale(loss) : loss).backward();
+      if (k == 2) {
+        torch::NoGradGuard no_grad;
+        weight.mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+      }
+      if (scaled) {
+        scaler.step(o);
+        scaler.update();
+      } else if (k != 2) {
+        o.step();
+      }
+      after.push_back(weight.detach().clone());
+    }
+    return after;
+  };
+  const auto scaled = train(true), plain = train(false);
+  for (size_t k = 0; k < plain.size(); ++k) EXPECT_TRUE(torch::equal(scaled[k], plain[k])) << "step " << k;
+  EXPECT_TRUE(torch::equal(scaled[2], scaled[1])) << "the inf step moved the weights";
+}
+
+// A Python run resumes in C++ and C++'s in Python (perf::save of state_dict(), Python's load_state_dict): two
+// param groups, one with Moonshot's lr adjustment; each side's continuation equals the other's own.
+TEST(Muon, AStateDictResumesInPythonAndAPythonOneInCpp) {
+  const std::string model_py =
+      "import torch, torch.nn as nn\n"
+      "def model():\n"
+      "    torch.manual_seed(0)\n"
+      "    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False), nn.Tanh(), "
+      "nn.Linear(16, 4, bias=False))\n"
+      "def optimizer(m):\n"
+      "    ps = list(m.parameters())\n"
+      "    return torch.optim.Muon([{'params': ps[:2]}, {'params': ps[2:], 'lr': 0.05, 'adjust_lr_fn': "
+      "'match_rms_adamw'}], lr=0.02, weight_decay=0.01)\n"
+      "def train(m, o, ks):\n"
+      "    for k in ks:\n"
+      "        o.zero_grad()\n"
+      "        (m(torch.linspace(-1, 1, 32).reshape(4, 8) * (k + 1)) - 0.5).square().mean().backward()\n"
+      "        o.step()\n"
+      "def params(m):\n"
+      "    print(*torch.cat([p.detach().flatten() for p in m.parameters()]).tolist())\n";
+  auto net = torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(8, 16).bias(false)), torch::nn::Tanh(),
+                                   torch::nn::Linear(torch::nn::LinearOptions(16, 16).bias(false)), torch::nn::Tanh(),
+                                   torch::nn::Linear(torch::nn::LinearOptions(16, 4).bias(false)));
+  const auto ps = net->parameters();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>(ps.begin(), ps.begin() + 2));
+  groups.emplace_back(
+      std::vector<at::Tensor>(ps.begin() + 2, ps.end()),
+      std::make_unique<po::MuonOptions>(po::MuonOptions(0.05).weight_decay(0.01).adjust_lr_fn("match_rms_adamw")));
+  po::Muon opt(groups, po::MuonOptions(0.02).weight_decay(0.01));
+  const auto train = [&](int from, int to) {
+    for (int k = from; k < to; ++k) {
+      opt.zero_grad();
+      (net->forward(torch::linspace(-1, 1, 32).reshape({4, 8}) * (k + 1)) - 0.5).square().mean().backward();
+      opt.step();
+    }
+  };
+  test_util::TempDir dir;
+  const auto python_run = test_util::lines(
+      test_util::python(model_py +
+                        "m = model()\no = optimizer(m)\ntrain(m, o, range(3))\ntorch.save({'model': m.state_dict(), "
+                        "'optim': o.state_dict()}, '" +
+                        (dir / "python.pt") + "')\ntrain(m, o, range(3, 6))\nparams(m)\n"));
+  ASSERT_EQ(python_run.size(), 1u);
+  const auto ckpt = perf::load(dir / "python.pt").toGenericDict();
+  perf::load_state_dict(net, ckpt.at("model"));
+  opt.load_state_dict(ckpt.at("optim"));
+  train(3, 6);
+  EXPECT_EQ(test_util::max_diff(test_util::cat_params(*net), torch::tensor(test_util::parse_numbers(python_run[0]))),
+            0.0)
+      << "Python's run resumed in C++";
+  auto out = perf::dict();
+  out.insert("model", perf::state_dict(net));
+  out.insert("optim", opt.state_dict());
+  perf::save(out, dir / "cpp.pt");
+  const auto python_resumed = test_util::lines(test_util::python(
+      model_py + "m = model()\no = optimizer(m)\nc = torch.load('" + (dir / "cpp.pt") +
+      "')\nm.load_state_dict(c['model'])\no.load_state_dict(c['optim'])\ntrain(m, o, range(6, 9))\nparams(m)\n"
+      "g = o.state_dict()['param_groups'][1]\nprint(g['lr'], g['adjust_lr_fn'], g['ns_coefficients'], g['ns_steps'], "
+      "len(o.state_dict()['state']))\n"));
+  ASSERT_EQ(python_resumed.size(), 2u);
+  train(6, 9);
+  EXPECT_EQ(
+      test_util::max_diff(test_util::cat_params(*net), torch::tensor(test_util::parse_numbers(python_resumed[0]))), 0.0)
+      << "C++'s run resumed in Python";
+  EXPECT_EQ(python_resumed[1], "0.05 match_rms_adamw (3.4445, -4.775, 2.0315) 5 3");
+}
+
+TEST(Muon, RefusesWhatPythonRefusesAndChangesNothing) {
+  auto weight = torch::randn({4, 3}).requires_grad_(true), bias = torch::randn({4}).requires_grad_(true);
+  PERF_EXPECT_THROW_MSG(po::Muon({weight, bias}),
+                        "perf::optim::Muon: parameter 1 of group 0 has shape [4]: Muon updates 2-D parameters only");
+  const std::vector<std::pair<po::MuonOptions, std::string>> bad = {
+      {po::MuonOptions(-1.0), "invalid lr -1 (must be >= 0)"},
+      {po::MuonOptions().momentum(-0.5), "invalid momentum -0.5 (must be >= 0)"},
+      {po::MuonOptions().weight_decay(-1), "invalid weight_decay -1 (must be >= 0)"},
+      {po::MuonOptions().eps(-1e-3), "invalid eps -0.001 (must be >= 0)"},
+      {po::MuonOptions().ns_steps(100), "invalid ns_steps 100 (must be in [0, 100), Python's bound)"},
+      {po::MuonOptions().adjust_lr_fn("sqrt"),
+       "invalid adjust_lr_fn \"sqrt\" (valid: \"original\", \"match_rms_adamw\", or unset for \"original\")"},
+  };
+  for (const auto& [options, message] : bad) PERF_EXPECT_THROW_MSG(po::Muon({weight}, options), message);
+
+  po::Muon opt({weight}, po::MuonOptions(0.02));
+  PERF_EXPECT_THROW_MSG(opt.add_param_group(torch::optim::OptimizerParamGroup({bias})),
+                        "parameter 0 of group 1 has shape [4]");
+  EXPECT_EQ(opt.param_groups().size(), 1u);
+  // Through torch::optim::Optimizer& (LibTorch's add_param_group, which perf's check does not see): refused at
+  // the step, before any parameter moves or any state is made.
+  static_cast<torch::optim::Optimizer&>(opt).add_param_group(torch::optim::OptimizerParamGroup({bias}));
+  weight.mutable_grad() = torch::ones({4, 3});
+  bias.mutable_grad() = torch::ones({4});
+  const auto before = weight.detach().clone();
+  PERF_EXPECT_THROW_MSG(opt.step(), "parameter 0 of group 1 has shape [4]");
+  EXPECT_TRUE(torch::equal(weight, before));
+  EXPECT_TRUE(opt.state().empty());
+
+  po::Muon muon({weight}, po::MuonOptions(0.02));
+  weight.mutable_grad() = torch::ones({4, 3}).to_sparse();
+  PERF_EXPECT_THROW_MSG(muon.step(), "perf::optim::Muon does not support sparse gradients");
+  EXPECT_TRUE(torch::equal(weight, before));
+  weight.mutable_grad() = torch::ones({4, 3});
+  muon.step();
+  // Another optimizer's state, either way, with nothing loaded.
+  auto other = torch::randn({4, 3}).requires_grad_(true);
+  po::SGD sgd({other}, po::SGDOptions(0.1).momentum(0.9));
+  other.mutable_grad() = torch::ones({4, 3});
+  sgd.step();
+  const auto buffer = dynamic_cast<po::MuonParamState&>(*muon.state().begin()->second).momentum_buffer().clone();
+  PERF_EXPECT_THROW_MSG(muon.load_state_dict(sgd.state_dict()),
+                        "the state is not a Muon optimizer's (it has dampening: SGD) in param group 0");
+  PERF_EXPECT_THROW_MSG(sgd.load_state_dict(muon.state_dict()), "the state has no \"dampening\" in param group 0");
+  EXPECT_TRUE(torch::equal(dynamic_cast<po::MuonParamState&>(*muon.state().begin()->second).momentum_buffer(), buffer));
+  EXPECT_EQ(muon.param_groups()[0].options().get_lr(), 0.02);
+}
+
+// On a GPU: CUDA's batched step against the CPU's (cuBLAS and the CPU round the bfloat16 products differently:
+// within a few bfloat16 roundings of the updates), and perf::TrainStep's CUDA graph of a Muon step, with the
+// lr changed by a scheduler between replays, against the same steps run eagerly (equal: the same kernels).
+TEST(Muon, OnGpuMatchesTheCpuAndAGraphedTrainStepTrainsAsEagerSteps) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto cpu = muon_run(at::kFloat, [](std::vector<at::Tensor>& ps) {
+    return std::make_pair(std::make_unique<po::Muon>(ps, po::MuonOptions(0.02)), std::unique_ptr<po::LRScheduler>());
+  });
+  torch::manual_seed(0);
+  std::vector<at::Tensor> ps;
+  for (const auto& s : kMuonShapes) ps.push_back(torch::randn(s).to(torch::kCUDA).requires_grad_(true));
+  po::Muon opt(ps, po::MuonOptions(0.02));
+  for (int k = 0; k < kMuonSteps; ++k) {
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = torch::randn(kMuonShapes[i]).to(torch::kCUDA);
+    opt.step();
+    std::vector<at::Tensor> flat;
+    for (const auto& p : ps) flat.push_back(p.detach().cpu().flatten());
+    EXPECT_LE(test_util::max_diff(at::cat(flat), cpu[static_cast<size_t>(k)]), 1e-3) << "step " << k;
+  }
+  EXPECT_EQ(opt.kernels(),
+            std::vector<std::string>{"cuda:0 Float: foreach, Newton-Schulz in 4 batches for 6 matrices"});
+
+  std::vector<at::Tensor> weights[2], losses[2];
+  for (const bool graph : {true, false}) {
+    torch::manual_seed(1);
+    auto net = torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(16, 32).bias(false)), torch::nn::Tanh(),
+                                     torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)), torch::nn::Tanh(),
+                                     torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)), torch::nn::Tanh(),
+                                     torch::nn::Linear(torch::nn::LinearOptions(32, 4).bias(false)));
+    net->to(torch::kCUDA);
+    po::Muon muon(net->parameters(), po::MuonOptions(0.02));
+    po::CosineAnnealingLR sched(muon, 5);
+    const auto x = torch::linspace(-1, 1, 64 * 16, torch::kCUDA).reshape({64, 16});
+    const auto y = torch::linspace(0, 1, 64 * 4, torch::kCUDA).reshape({64, 4});
+    perf::TrainStep step(
+        net,
+        [&](const at::Tensor& in, const at::Tensor& target) { return (net->forward(in) - target).square().mean(); },
+        muon, x, y, perf::TrainStepOptions().graph(graph));
+    for (int k = 0; k < 6; ++k) {
+      losses[graph ? 0 : 1].push_back(step.step(x * (1 + 0.1 * k), y).cpu());
+      sched.step();
+    }
+    EXPECT_EQ(step.graphed(), graph);
+    for (const auto& p : net->parameters()) weights[graph ? 0 : 1].push_back(p.detach().cpu());
+  }
+  EXPECT_EQ(test_util::max_diff(at::stack(losses[0]), at::stack(losses[1])), 0.0)
+      << "each step's loss, graphed and eager";
+  for (size_t i = 0; i < weights[0].size(); ++i) EXPECT_EQ(test_util::max_diff(weights[0][i], weights[1][i]), 0.0) << i;
 }

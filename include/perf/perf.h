@@ -16,6 +16,7 @@
 #include <perf/model.h>
 #include <perf/module.h>
 #include <perf/monitor.h>
+#include <perf/muon.h>
 #include <perf/optim.h>
 #include <perf/profile.h>
 #include <perf/setup.h>
