@@ -7,10 +7,13 @@
 // device copy's bandwidth, and a probe of the fused kernel's launch geometry
 // over one flat buffer (see launch_probe); and an EMA of the weights
 // (perf::optim::AveragedModel) over flat(true) buffers against separate
-// tensors. --json appends one JSON line per
+// tensors; and Muon (perf/muon.h) over a transformer's weight matrices, its
+// Newton-Schulz iterations batched per shape against Python's one matrix at a
+// time. --json appends one JSON line per
 // configuration of each comparison (bench/report_optim.py's rows, beside
 // bench/peer_optim.py's).
 #include <perf/bench.h>
+#include <perf/muon.h>
 #include <perf/optim.h>
 #include <perf/setup.h>
 #include <perf/swa_utils.h>
@@ -77,6 +80,16 @@ std::vector<std::vector<int64_t>> transformer_shapes() {
   }
   s.push_back({d});
   s.push_back({d});  // final norm
+  return s;
+}
+
+// The weight matrices of transformer_shapes()'s decoder at width d (48: four shapes, twelve of each), the
+// parameters Muon is for (the embeddings, vectors and head go to AdamW).
+std::vector<std::vector<int64_t>> transformer_matrices(int64_t d) {
+  std::vector<std::vector<int64_t>> s;
+  for (int layer = 0; layer < 12; ++layer)
+    for (const auto& shape : std::vector<std::vector<int64_t>>{{3 * d, d}, {d, d}, {4 * d, d}, {d, 4 * d}})
+      s.push_back(shape);
   return s;
 }
 
@@ -176,17 +189,12 @@ static int bench_optim_main(int argc, char** argv) {
   const auto opts = perf::BenchOptions().warmup(warmup).iters(iters).device(device);
   torch::optim::AdamW ref(p_ref, torch::optim::AdamWOptions(1e-3));
   perf::optim::AdamW fused(p_fused, perf::optim::AdamWOptions(1e-3));
-  perf::optim::AdamW foreach (p_foreach, perf::optim::AdamWOptions(1e-3).fused(false));
+  perf::optim::AdamW foreach(p_foreach, perf::optim::AdamWOptions(1e-3).fused(false));
   const auto adamw = perf::compare(
       "torch::optim::AdamW", [&] { ref.step(); }, "perf AdamW (fused)", [&] { fused.step(); }, opts);
   std::cout << adamw << "\n";
   const auto adamw_fe = perf::compare(
-      "torch::optim::AdamW", [&] { ref.step(); }, "perf AdamW (foreach)",
-      [&] {
-        foreach
-          .step();
-      },
-      opts);
+      "torch::optim::AdamW", [&] { ref.step(); }, "perf AdamW (foreach)", [&] { foreach.step(); }, opts);
   std::cout << adamw_fe << "\n";
 
   torch::optim::Adam adam_ref(p_ref, torch::optim::AdamOptions(1e-3));
@@ -292,6 +300,24 @@ static int bench_optim_main(int argc, char** argv) {
   const auto ema_t = ema_compare(tshapes);
   std::cout << "transformer:\n" << ema_t << "\n";
 
+  // Muon over the transformer's 48 weight matrices: Python's loop (one matrix at a time, the same operations
+  // as torch.optim.Muon's) against the batched step. Its bfloat16 products are compute, not memory traffic:
+  // no bandwidth share (bytes 0). On a CPU at width 64 (at 256 this project's AVX2 CPU takes about 25-50 s a
+  // step), at most 5 timed steps.
+  const int64_t muon_width = device.is_cuda() ? 256 : 64;
+  auto muon_loop_params = make_params(device, transformer_matrices(muon_width)),
+       muon_batched_params = make_params(device, transformer_matrices(muon_width));
+  int64_t muon_numel = 0;
+  for (const auto& p : muon_loop_params) muon_numel += p.numel();
+  perf::optim::Muon muon_loop(muon_loop_params, perf::optim::MuonOptions(0.02).foreach(false));
+  perf::optim::Muon muon_batched(muon_batched_params, perf::optim::MuonOptions(0.02));
+  const std::string muon_set = "transformer Muon (width " + std::to_string(muon_width) + ")";
+  std::cout << "\nMuon over the " << muon_set << "'s 48 weight matrices, " << muon_numel << " parameters\n\n";
+  const auto muon = perf::compare(
+      "perf Muon (single-tensor)", [&] { muon_loop.step(); }, "perf Muon (foreach)", [&] { muon_batched.step(); },
+      device.is_cuda() ? opts : perf::BenchOptions(opts).warmup(1).iters(std::min(iters, 5)));
+  std::cout << muon << "  [" << muon_batched.kernels().at(0) << "]\n";
+
   struct Row {
     const perf::Comparison* cmp;
     const char* set;
@@ -310,7 +336,8 @@ static int bench_optim_main(int argc, char** argv) {
                            {&flat_sgd, "ResNet-50", tensors, numel, "SGD", 5.0},
                            {&flat_t, "transformer", t_tensors, t_numel, "AdamW", 7.0},
                            {&ema_resnet, "ResNet-50 EMA", tensors, numel, "EMA", 3.0},
-                           {&ema_t, "transformer EMA", t_tensors, t_numel, "EMA", 3.0}};
+                           {&ema_t, "transformer EMA", t_tensors, t_numel, "EMA", 3.0},
+                           {&muon, muon_set.c_str(), 48, muon_numel, "Muon", 0.0}};
   for (const auto& c : stream_pairs) rows.push_back({&c, "ResNet-50", tensors, numel, "AdamW", 7.0});
   auto achieved = [&](const char* set, const perf::Stats& s, double words, int64_t n) {
     const double gbs = words * 4.0 * static_cast<double>(n) / (s.median_ms * 1e6);
@@ -318,7 +345,7 @@ static int bench_optim_main(int argc, char** argv) {
               << " GB/s = " << std::setprecision(0) << 100.0 * gbs / copy_gbs << "% of copy bandwidth\n";
   };
   for (const auto& r : rows) {
-    if (r.cmp == &adamw_fe) continue;  // the foreach path's traffic is not the question
+    if (r.cmp == &adamw_fe || r.words <= 0.0) continue;  // the foreach path's traffic, Muon's compute: not the question
     for (const perf::Stats* b : {&r.cmp->a, &r.cmp->b})
       if (b->name.rfind("perf", 0) == 0) achieved(r.set, *b, r.words, r.n);
   }

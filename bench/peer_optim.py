@@ -1,6 +1,7 @@
 """Python peer of bench_optim.cpp: torch.optim AdamW / Adam / SGD(momentum), fused=True and the default
 (foreach), on the same parameter sets (ResNet-50's 161 tensors; AdamW alone on a transformer's 148, 98 of them
-vectors), and an EMA of each set's weights (AveragedModel.update_parameters), with the copy_
+vectors), an EMA of each set's weights (AveragedModel.update_parameters), and Muon over a transformer's weight
+matrices, with the copy_
 bandwidth of the same process, so that the C++ figures can be read against Python's best in the same run. Medians
 per step (CUDA events on a GPU, the host clock on the CPU); with --json, one JSON line per configuration appended
 (the rows bench/report_optim.py reads beside bench_optim's).
@@ -108,6 +109,24 @@ def main():
                          "params": numel, "optimizer": "EMA", "config": config, "median_ms": ms,
                          "bytes": 3 * 4 * numel, "copy_gbs": copy_gbs, "torch": torch.__version__})
             del ema, model
+        # Muon over the transformer's 48 weight matrices (bench_optim's transformer_matrices: width 256 on a GPU,
+        # 64 on a CPU, where bfloat16 products are slow), Python's loop over them; compute, not traffic (bytes 0).
+        width = 256 if a.device == "cuda" else 64
+        matrices = []
+        for _ in range(12):
+            for shape in ((3 * width, width), (width, width), (4 * width, width), (width, 4 * width)):
+                t = torch.randn(shape, device=a.device, requires_grad=True)
+                t.grad = torch.randn(shape, device=a.device)
+                matrices.append(t)
+        numel = sum(t.numel() for t in matrices)
+        muon = torch.optim.Muon(matrices, lr=0.02)
+        warmup, iters = (a.warmup, a.iters) if a.device == "cuda" else (1, min(a.iters, 5))
+        ms = median_ms_on(a.device, muon.step, warmup, iters)
+        config = "torch.optim.Muon"
+        print(f"\ntransformer Muon (width {width}): {len(matrices)} matrices, {numel} parameters\n{config}: {ms:.4f} ms")
+        rows.append({"lang": "python", "device": a.device, "set": f"transformer Muon (width {width})",
+                     "tensors": len(matrices), "params": numel, "optimizer": "Muon", "config": config,
+                     "median_ms": ms, "bytes": 0, "copy_gbs": copy_gbs, "torch": torch.__version__})
     if a.json:
         with open(a.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -24,6 +24,11 @@ def pct(r):
     return 100 * r["bytes"] / (r["median_ms"] * 1e6) / r["copy_gbs"]
 
 
+def cell(r):
+    """A row's share as the table gives it: "-" for compute, not traffic (the Muon rows, bytes 0)."""
+    return f"{pct(r):.0f}%" if r["bytes"] else "-"
+
+
 def pairs(rows, name):
     by = {}
     for r in rows:
@@ -46,8 +51,18 @@ def kept_cpu(out):
           and "Run: " not in table and "the share compares rows only" in table, table[:1500])
     sets = list(dict.fromkeys(r["set"] for r in rows))
     ema = ["ResNet-50 EMA", "transformer EMA"]  # runs since 2026-11-30: perf/swa_utils.h's EMA update
+    muon = ["transformer Muon (width 64)"]  # runs since session 104: perf/muon.h, on the CPU at width 64
     check(sets in (["ResNet-50", "transformer", "ResNet-50 in one flat buffer"],
-                   ["ResNet-50", "transformer"] + ema + ["ResNet-50 in one flat buffer"]), f"parameter sets {sets}")
+                   ["ResNet-50", "transformer"] + ema + ["ResNet-50 in one flat buffer"],
+                   ["ResNet-50", "transformer"] + ema + muon + ["ResNet-50 in one flat buffer"]),
+          f"parameter sets {sets}")
+    for name in (n for n in muon if n in sets):
+        configs = [(a["config"], b["config"]) for a, b in pairs(rows, name)]
+        check(configs == [("perf Muon (single-tensor)", "perf Muon (foreach)")], f"{name}: {configs}")
+        python = [r["config"] for r in rows if r["set"] == name and r["lang"] == "python"]
+        check(python == ["torch.optim.Muon"], f"{name}: {python}")
+        check(all(r["bytes"] == 0 and r["tensors"] == 48 for r in rows if r["set"] == name), f"{name}: compute")
+    check(("The \"Muon\" section times" in table) == bool(set(muon) & set(sets)), table[:2500])
     for name in (n for n in ema if n in sets):
         configs = [(a["config"], b["config"]) for a, b in pairs(rows, name)]
         check(configs == [("perf EMA (multi-tensor)", "perf EMA (flat)")], f"{name}: {configs}")
@@ -60,14 +75,15 @@ def kept_cpu(out):
         cpp = pairs(rows, name)
         check(cpp, f"{name}: bench_optim's pairs")
         for a, b in cpp:
-            line = (f"| {a['config']} | {a['median_ms']:.3f} | {pct(a):.0f}% | {b['config']} | {b['median_ms']:.3f} | "
-                    f"{pct(b):.0f}% | {a['median_ms'] / b['median_ms']:.2f}x |")
+            line = (f"| {a['config']} | {a['median_ms']:.3f} | {cell(a)} | {b['config']} | {b['median_ms']:.3f} | "
+                    f"{cell(b)} | {a['median_ms'] / b['median_ms']:.2f}x |")
             check(line in text, f"{name}: {line}\n{text}")
-        flat = {b["optimizer"]: b for a, b in cpp if b["config"].endswith("(flat)")}
+        flat = {b["optimizer"]: b for a, b in cpp
+                if b["config"].endswith("(flat)") or b["config"] == "perf Muon (foreach)"}
         for r in (r for r in rows if r["set"] == name and r["lang"] == "python"):
             mine = flat.get(r["optimizer"])
             versus = f"{r['median_ms'] / mine['median_ms']:.2f}x" if mine else "-"
-            line = f"| {r['config']} | {r['median_ms']:.3f} | {pct(r):.0f}% | {versus} |"
+            line = f"| {r['config']} | {r['median_ms']:.3f} | {cell(r)} | {versus} |"
             check(line in text, f"{name}: {line}\n{text}")
         strict = name == "transformer"  # faster where the per-tensor overhead shows
         want = [f"- {b['config']}: "
