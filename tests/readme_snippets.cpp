@@ -265,6 +265,27 @@ for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {
 perf::save(muon.state_dict(), "muon.pt");           // Python: muon.load_state_dict(torch.load("muon.pt"))
   // clang-format on
 }
+void block_muon_train_step() {
+  Net model;
+  auto loader = torch::data::make_data_loader(mnist(), perf::loader_options(64));
+  std::vector<torch::Tensor> matrices, others;  // as in block_muon
+  for (const auto& item : model->named_parameters())
+    (item.value().dim() == 2 && item.key() != "fc.weight" ? matrices : others).push_back(item.value());
+  perf::optim::Muon muon(matrices, perf::optim::MuonOptions(0.02));
+  perf::optim::AdamW adamw(others, perf::optim::AdamWOptions(3e-4));
+  perf::optim::CosineAnnealingLR schedule(muon, /*T_max=*/1000);
+  const auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& y) {  // forward and loss
+    return torch::nn::functional::cross_entropy(model->forward(x), y);
+  };
+  auto first_batch = *loader->begin();
+  // clang-format off
+perf::TrainStep step(model, loss_fn, {&muon, &adamw}, first_batch, perf::TrainStepOptions().max_grad_norm(1.0));
+for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {
+  step.step(b);                                     // one CUDA graph: forward, backward, clipping, Muon and AdamW
+  schedule.step();
+}
+  // clang-format on
+}
 void block_swa_utils() {
   Net model;
   auto loader = torch::data::make_data_loader(mnist(), perf::loader_options(64));

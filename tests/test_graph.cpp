@@ -321,85 +321,95 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
     opt.step();
   };
   train_once();  // state exists, as after TrainStep's warm-up
-  auto fresh = [&] { return perf::detail::CapturedState(*model, &opt, /*training_modes=*/true); };
+  auto fresh = [&] { return perf::detail::CapturedState(*model, {&opt}, /*training_modes=*/true); };
   auto captured = fresh();
-  EXPECT_EQ(captured.changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "");
   train_once();  // steps update in place: nothing a replay would miss
-  EXPECT_EQ(captured.changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "");
 
   model->eval();
-  EXPECT_EQ(captured.changed(*model, &opt), "the model was switched to eval() mode");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "the model was switched to eval() mode");
   model->train();
-  EXPECT_EQ(captured.changed(*model, &opt), "") << "a validation pass that ends in train() changes nothing";
+  EXPECT_EQ(captured.changed(*model, {&opt}), "") << "a validation pass that ends in train() changes nothing";
   model[1]->eval();  // BatchNorm frozen
-  EXPECT_EQ(captured.changed(*model, &opt), "module '1' was switched to eval() mode");
-  EXPECT_EQ(perf::detail::CapturedState(*model, &opt, /*training_modes=*/false).changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "module '1' was switched to eval() mode");
+  EXPECT_EQ(perf::detail::CapturedState(*model, {&opt}, /*training_modes=*/false).changed(*model, {&opt}), "");
   model->train();
 
   model->parameters()[0].requires_grad_(false);
-  EXPECT_EQ(captured.changed(*model, &opt), "parameter '0.weight' now has requires_grad=false");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "parameter '0.weight' now has requires_grad=false");
   model->parameters()[0].requires_grad_(true);
-  EXPECT_EQ(captured.changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "");
 
   const auto model_file = temp_path("perf_capture_model"), opt_file = temp_path("perf_capture_opt");
   torch::save(model, model_file);
   torch::load(model, model_file);  // LibTorch sets the loaded storage into the same tensors
-  EXPECT_EQ(captured.changed(*model, &opt),
+  EXPECT_EQ(captured.changed(*model, {&opt}),
             "parameter '0.weight' was given new storage (torch::load, model->to, set_data)");
   captured = fresh();
   model[1]->as<torch::nn::BatchNorm1d>()->running_mean.set_data(torch::zeros({16}));
-  EXPECT_EQ(captured.changed(*model, &opt), "buffer '1.running_mean' was given new storage (torch::load, model->to)");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "buffer '1.running_mean' was given new storage (torch::load, model->to)");
   captured = fresh();
   torch::save(opt, opt_file);
   torch::load(opt, opt_file);
-  EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's state was replaced (torch::load of the optimizer)");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "the optimizer's state was replaced (torch::load of the optimizer)");
   captured = fresh();
   // Options the kernels take as host values (a weight-decay or momentum
   // schedule); lr reaches them as a device tensor and is no change.
   auto& options = static_cast<perf::optim::AdamWOptions&>(opt.param_groups()[0].options());
   options.lr(5e-3);
-  EXPECT_EQ(captured.changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "");
   options.weight_decay(0.05);
-  EXPECT_EQ(captured.changed(*model, &opt),
+  EXPECT_EQ(captured.changed(*model, {&opt}),
             "the optimizer's option weight_decay of param group 0 changed from 0.01 to 0.05 (the kernels take it as "
             "a host value, which a replay would keep)");
   options.weight_decay(0.01).betas({0.85, 0.999});
-  EXPECT_EQ(captured.changed(*model, &opt),
+  EXPECT_EQ(captured.changed(*model, {&opt}),
             "the optimizer's option betas[0] of param group 0 changed from 0.9 to 0.85 (the kernels take it as a "
             "host value, which a replay would keep)");
   options.betas({0.9, 0.999}).amsgrad(true);
-  EXPECT_NE(captured.changed(*model, &opt).find("option amsgrad of param group 0 changed from 0 to 1"),
+  EXPECT_NE(captured.changed(*model, {&opt}).find("option amsgrad of param group 0 changed from 0 to 1"),
             std::string::npos);
   options.amsgrad(false);
-  EXPECT_EQ(captured.changed(*model, &opt), "");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "");
   perf::optim::SGD sgd(model->parameters(), perf::optim::SGDOptions(0.1).momentum(0.9));
-  const perf::detail::CapturedState sgd_captured(*model, &sgd, /*training_modes=*/true);
+  const perf::detail::CapturedState sgd_captured(*model, {&sgd}, /*training_modes=*/true);
   static_cast<perf::optim::SGDOptions&>(sgd.param_groups()[0].options()).momentum(0.8);
-  EXPECT_NE(sgd_captured.changed(*model, &sgd).find("option momentum of param group 0 changed from 0.9 to 0.8"),
+  EXPECT_NE(sgd_captured.changed(*model, {&sgd}).find("option momentum of param group 0 changed from 0.9 to 0.8"),
             std::string::npos);
+  // Two optimizers (TrainStep's {&muon, &adamw}): the second's options and groups are watched as the first's.
+  const perf::detail::CapturedState both(*model, {&opt, &sgd}, /*training_modes=*/true);
+  EXPECT_EQ(both.changed(*model, {&opt, &sgd}), "");
+  static_cast<perf::optim::SGDOptions&>(sgd.param_groups()[0].options()).momentum(0.7);
+  EXPECT_NE(both.changed(*model, {&opt, &sgd}).find("option momentum of param group 0 changed from 0.8 to 0.7"),
+            std::string::npos);
+  static_cast<perf::optim::SGDOptions&>(sgd.param_groups()[0].options()).momentum(0.8);
+  EXPECT_EQ(both.changed(*model, {&opt, &sgd}), "");
+  sgd.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({2}, torch::requires_grad())}));
+  EXPECT_EQ(both.changed(*model, {&opt, &sgd}), "the optimizer's param groups changed (add_param_group)");
   // A scaler's update() is captured with its settings as host values; loading
   // a checkpoint saved with other settings changes them (the scale itself is
   // updated in place).
   perf::GradScaler scaler(perf::GradScalerOptions().growth_interval(100));
   scaler.scale(torch::ones({}));  // creates the scale
-  const perf::detail::CapturedState scaled(*model, &opt, /*training_modes=*/true, &scaler);
-  EXPECT_EQ(scaled.changed(*model, &opt, &scaler), "");
+  const perf::detail::CapturedState scaled(*model, {&opt}, /*training_modes=*/true, &scaler);
+  EXPECT_EQ(scaled.changed(*model, {&opt}, &scaler), "");
   const auto scaler_file = temp_path("perf_capture_scaler");
   perf::GradScaler other(perf::GradScalerOptions().init_scale(1024.0));
   torch::save(other, scaler_file);
   torch::load(scaler, scaler_file);
   EXPECT_EQ(scaler.get_scale(), 1024.0);
-  EXPECT_EQ(scaled.changed(*model, &opt, &scaler),
+  EXPECT_EQ(scaled.changed(*model, {&opt}, &scaler),
             "the GradScaler's growth_factor, backoff_factor or growth_interval changed (torch::load of the scaler)");
   std::filesystem::remove(scaler_file);
   opt.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({3}, torch::requires_grad())}));
-  EXPECT_EQ(captured.changed(*model, &opt), "the optimizer's param groups changed (add_param_group)");
+  EXPECT_EQ(captured.changed(*model, {&opt}), "the optimizer's param groups changed (add_param_group)");
   // Flat mode: constructing the optimizer moves the parameters into one buffer
   // (new storage, which a graph built before sees); steps keep them there.
   auto flat_model = bn_mlp();
-  const perf::detail::CapturedState before_flat(*flat_model, nullptr, /*training_modes=*/true);
+  const perf::detail::CapturedState before_flat(*flat_model, {}, /*training_modes=*/true);
   perf::optim::AdamW flat(flat_model->parameters(), perf::optim::AdamWOptions(1e-2).flat(true));
-  EXPECT_EQ(before_flat.changed(*flat_model, nullptr),
+  EXPECT_EQ(before_flat.changed(*flat_model, {}),
             "parameter '0.weight' was given new storage (torch::load, model->to, set_data)");
   auto flat_step = [&] {
     flat.zero_grad();
@@ -407,10 +417,10 @@ TEST(TrainStep, ACaptureNoticesWhatItsReplaysWouldIgnore) {
     flat.step();
   };
   flat_step();
-  const perf::detail::CapturedState flat_captured(*flat_model, &flat, /*training_modes=*/true);
+  const perf::detail::CapturedState flat_captured(*flat_model, {&flat}, /*training_modes=*/true);
   flat_step();
   flat_step();
-  EXPECT_EQ(flat_captured.changed(*flat_model, &flat), "");
+  EXPECT_EQ(flat_captured.changed(*flat_model, {&flat}), "");
   std::filesystem::remove(model_file);
   std::filesystem::remove(opt_file);
 }

@@ -3467,9 +3467,83 @@ TEST(Muon, RefusesWhatPythonRefusesAndChangesNothing) {
   EXPECT_EQ(muon.param_groups()[0].options().get_lr(), 0.02);
 }
 
+// Python trains Muon with AdamW as two optimizers in one loop; perf::TrainStep takes both ({&muon, &adamw}) and
+// runs them as that loop does: each zero_grad(), the backward, clipping over all of their parameters, each step().
+// On the CPU the step is eager; it must equal the hand-written loop to the bit. A parameter given to both, or an
+// optimizer given twice, is refused.
+TEST(Muon, WithAdamWInOneTrainStepStepsAsPythonsLoop) {
+  const auto make = [] {
+    torch::manual_seed(4);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                 torch::nn::Tanh(), torch::nn::Linear(16, 3));
+  };
+  const auto split = [](torch::nn::Sequential& net) {
+    std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> out;  // Muon: the hidden layers' weights
+    for (const auto& item : net->named_parameters())
+      (item.value().dim() == 2 && item.key() != "4.weight" ? out.first : out.second).push_back(item.value());
+    return out;
+  };
+  const auto batch = [](int k) {
+    return std::make_pair(torch::linspace(-1, 1, 32 * 8).reshape({32, 8}) * (1 + 0.1 * k),
+                          torch::arange(32, torch::kLong).remainder(3));
+  };
+  const auto loss_of = [](torch::nn::Sequential& net, const at::Tensor& x, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(net->forward(x), y);
+  };
+  std::vector<at::Tensor> results[2];
+  for (const bool with_train_step : {true, false}) {
+    auto net = make();
+    auto [matrices, others] = split(net);
+    ASSERT_EQ(matrices.size(), 2u);
+    po::Muon muon(matrices, po::MuonOptions(0.02));
+    po::AdamW adamw(others, po::AdamWOptions(1e-2));
+    if (with_train_step) {
+      const auto [x0, y0] = batch(0);
+      perf::TrainStep step(
+          net, [&](const at::Tensor& x, const at::Tensor& y) { return loss_of(net, x, y); }, {&muon, &adamw}, x0, y0,
+          perf::TrainStepOptions().max_grad_norm(0.5));
+      for (int k = 0; k < 5; ++k) {
+        const auto [x, y] = batch(k);
+        results[0].push_back(step.step(x, y));
+      }
+    } else {
+      for (int k = 0; k < 5; ++k) {
+        const auto [x, y] = batch(k);
+        muon.zero_grad();
+        adamw.zero_grad();
+        const auto loss = loss_of(net, x, y);
+        loss.backward();
+        perf::clip_grad_norm_(net->parameters(), 0.5);
+        muon.step();
+        adamw.step();
+        results[1].push_back(loss.detach());
+      }
+    }
+    for (const auto& p : net->parameters()) results[with_train_step ? 0 : 1].push_back(p.detach().clone());
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  for (size_t i = 0; i < results[0].size(); ++i)
+    EXPECT_TRUE(torch::equal(results[0][i], results[1][i])) << (i < 5 ? "loss of step " : "parameter ") << i;
+
+  auto net = make();
+  auto [matrices, others] = split(net);
+  po::Muon muon(matrices, po::MuonOptions(0.02));
+  po::AdamW both(net->parameters(), po::AdamWOptions(1e-2));
+  const auto [x0, y0] = batch(0);
+  const auto loss = [&](const at::Tensor& x, const at::Tensor& y) { return loss_of(net, x, y); };
+  PERF_EXPECT_THROW_MSG(perf::TrainStep(net, loss, {&muon, &both}, x0, y0),
+                        "perf::TrainStep: a parameter of shape [16, 8] is in optimizer 0 and in optimizer 1: each step "
+                        "would update it twice; give each parameter to one optimizer");
+  PERF_EXPECT_THROW_MSG(perf::TrainStep(net, loss, {&muon, &muon}, x0, y0),
+                        "perf::TrainStep: optimizer 1 is optimizer 0 again; give each once");
+  PERF_EXPECT_THROW_MSG(perf::TrainStep(net, loss, {&muon, nullptr}, x0, y0),
+                        "perf::TrainStep: optimizer 1 of 2 is null");
+}
+
 // On a GPU: CUDA's batched step against the CPU's (cuBLAS and the CPU round the bfloat16 products differently:
-// within a few bfloat16 roundings of the updates), and perf::TrainStep's CUDA graph of a Muon step, with the
-// lr changed by a scheduler between replays, against the same steps run eagerly (equal: the same kernels).
+// within a few bfloat16 roundings of the updates), and perf::TrainStep's CUDA graph of a Muon and an AdamW step,
+// clipped, each lr changed by a scheduler between replays, against the same steps run eagerly (equal: the same
+// kernels).
 TEST(Muon, OnGpuMatchesTheCpuAndAGraphedTrainStepTrainsAsEagerSteps) {
   if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   const auto cpu = muon_run(at::kFloat, [](std::vector<at::Tensor>& ps) {
@@ -3489,27 +3563,33 @@ TEST(Muon, OnGpuMatchesTheCpuAndAGraphedTrainStepTrainsAsEagerSteps) {
   EXPECT_EQ(opt.kernels(),
             std::vector<std::string>{"cuda:0 Float: foreach, Newton-Schulz in 4 batches for 6 matrices"});
 
+  // Muon for the hidden matrices and AdamW for the rest in one TrainStep, each under its own scheduler.
   std::vector<at::Tensor> weights[2], losses[2];
   for (const bool graph : {true, false}) {
     torch::manual_seed(1);
-    auto net = torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(16, 32).bias(false)), torch::nn::Tanh(),
-                                     torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)), torch::nn::Tanh(),
-                                     torch::nn::Linear(torch::nn::LinearOptions(32, 32).bias(false)), torch::nn::Tanh(),
-                                     torch::nn::Linear(torch::nn::LinearOptions(32, 4).bias(false)));
+    auto net = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32),
+                                     torch::nn::Tanh(), torch::nn::Linear(32, 32), torch::nn::Tanh(),
+                                     torch::nn::Linear(32, 4));
     net->to(torch::kCUDA);
-    po::Muon muon(net->parameters(), po::MuonOptions(0.02));
-    po::CosineAnnealingLR sched(muon, 5);
+    std::vector<at::Tensor> matrices, others;
+    for (const auto& item : net->named_parameters())
+      (item.value().dim() == 2 && item.key() != "6.weight" ? matrices : others).push_back(item.value());
+    po::Muon muon(matrices, po::MuonOptions(0.02));
+    po::AdamW adamw(others, po::AdamWOptions(1e-2));
+    po::CosineAnnealingLR muon_schedule(muon, 5), adamw_schedule(adamw, 5);
     const auto x = torch::linspace(-1, 1, 64 * 16, torch::kCUDA).reshape({64, 16});
     const auto y = torch::linspace(0, 1, 64 * 4, torch::kCUDA).reshape({64, 4});
     perf::TrainStep step(
         net,
         [&](const at::Tensor& in, const at::Tensor& target) { return (net->forward(in) - target).square().mean(); },
-        muon, x, y, perf::TrainStepOptions().graph(graph));
+        {&muon, &adamw}, x, y, perf::TrainStepOptions().graph(graph).max_grad_norm(1.0));
     for (int k = 0; k < 6; ++k) {
       losses[graph ? 0 : 1].push_back(step.step(x * (1 + 0.1 * k), y).cpu());
-      sched.step();
+      muon_schedule.step();
+      adamw_schedule.step();
     }
     EXPECT_EQ(step.graphed(), graph);
+    EXPECT_EQ(step.captures(), graph ? 1 : 0);
     for (const auto& p : net->parameters()) weights[graph ? 0 : 1].push_back(p.detach().cpu());
   }
   EXPECT_EQ(test_util::max_diff(at::stack(losses[0]), at::stack(losses[1])), 0.0)

@@ -72,7 +72,9 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -230,6 +232,20 @@ struct TrainStepOptions {
   TORCH_ARG(bool, check_syncs) = true;
 };
 
+/// The optimizers a TrainStep runs, in this order: one (`opt`), or several
+/// (`{&muon, &adamw}`: Python's Muon for the hidden layers' matrices with AdamW
+/// for the rest), each parameter in one of them.
+class Optimizers {
+ public:
+  Optimizers(torch::optim::Optimizer& optimizer) : list_{&optimizer} {}  // NOLINT: implicit, one optimizer
+  Optimizers(std::initializer_list<torch::optim::Optimizer*> optimizers) : list_(optimizers) {}
+  explicit Optimizers(std::vector<torch::optim::Optimizer*> optimizers) : list_(std::move(optimizers)) {}
+  const std::vector<torch::optim::Optimizer*>& list() const noexcept { return list_; }
+
+ private:
+  std::vector<torch::optim::Optimizer*> list_;
+};
+
 /// A whole training step — zero_grad, forward and loss (over k micro-batches),
 /// backward, optional clipping, optimizer update (and GradScaler) — captured
 /// once for static shapes and replayed per call, like PyTorch's whole-network
@@ -237,7 +253,10 @@ struct TrainStepOptions {
 /// checkpoint's parameters and optimizer state are exactly what the first
 /// step() trains from. Learning-rate changes (schedulers) take effect at the
 /// next step() through the optimizer's lr tensors. Eager on the CPU, and with a
-/// torch::optim optimizer (CUDA: only with eager_fallback(true)).
+/// torch::optim optimizer (CUDA: only with eager_fallback(true)). Several
+/// optimizers (`{&muon, &adamw}`) run in the order given, as Python's loop calls
+/// them: each zero_grad(), then each step() (with a scaler, scaler.step() of
+/// each, one update()); clipping takes all of their parameters.
 ///
 /// The batch is any number of tensors with fixed shapes. A smaller last batch
 /// of an epoch (dim 0 only) is trained eagerly by step() and counted in
@@ -255,15 +274,15 @@ class TrainStep {
   using LossAndOutputsFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& batch)>;
   using Example = torch::data::Example<at::Tensor, at::Tensor>;
 
-  TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const at::Tensor& example_input,
+  TrainStep(ModuleRef module, LossFn loss_fn, Optimizers optimizers, const at::Tensor& example_input,
             const at::Tensor& example_target, const TrainStepOptions& options = TrainStepOptions());
   /// The example is the first batch of the loader (its values do not train).
-  TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer, const Example& first_batch,
+  TrainStep(ModuleRef module, LossFn loss_fn, Optimizers optimizers, const Example& first_batch,
             const TrainStepOptions& options = TrainStepOptions());
-  TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
-            std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
-  TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, torch::optim::Optimizer& optimizer,
-            std::vector<at::Tensor> example_batch, const TrainStepOptions& options = TrainStepOptions());
+  TrainStep(ModuleRef module, BatchLossFn loss_fn, Optimizers optimizers, std::vector<at::Tensor> example_batch,
+            const TrainStepOptions& options = TrainStepOptions());
+  TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, Optimizers optimizers, std::vector<at::Tensor> example_batch,
+            const TrainStepOptions& options = TrainStepOptions());
 
   /// Runs one step; returns its loss, which the caller owns (0-dim, on the
   /// device: reading it is the only sync). Graphed, it is a device copy of
@@ -329,8 +348,8 @@ class TrainStep {
   // returns loss/divisor, detached; divisor = batch rows / micro-batch rows
   // (k for equal chunks). Unset: backward_micro (loss_fn and backward()).
   using MicroStep = std::function<at::Tensor(const std::vector<at::Tensor>& micro, double divisor)>;
-  TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
-            torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
+  TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro, Optimizers optimizers,
+            std::vector<at::Tensor> example_batch, const TrainStepOptions& options);
   at::Tensor backward_micro(const std::vector<at::Tensor>& micro, double divisor, std::vector<at::Tensor>& outputs);
   void init(std::vector<at::Tensor> example);
   void capture_graph();
@@ -343,8 +362,9 @@ class TrainStep {
   ModuleRef module_;
   LossAndOutputsFn loss_fn_;
   MicroStep micro_;
-  torch::optim::Optimizer& opt_;
-  optim::FusedOptimizer* fused_ = nullptr;
+  std::vector<torch::optim::Optimizer*> opts_;
+  std::vector<optim::FusedOptimizer*> fused_;  // each of opts_ that is one, in order
+  bool all_fused_ = false;
   TrainStepOptions options_;
   std::vector<at::Tensor> static_batch_;
   at::Tensor static_loss_;
@@ -562,13 +582,19 @@ class CapturedState {
   // compiled step, whose package fixes the mode).
   // scaler: a GradScaler whose update() the step captures (its growth and
   // backoff settings are host values there; torch::load of it sets them).
-  CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer, bool training_modes,
+  // optimizers: the ones the step runs, in order (none: a forward's graph).
+  CapturedState(torch::nn::Module& module, const std::vector<torch::optim::Optimizer*>& optimizers, bool training_modes,
                 const GradScaler* scaler = nullptr);
   // "" while a replay equals an eager call; else what changed, for a warning.
-  std::string changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+  std::string changed(torch::nn::Module& module, const std::vector<torch::optim::Optimizer*>& optimizers,
                       const GradScaler* scaler = nullptr) const;
 
  private:
+  // Every optimizer's param groups, in order; the perf optimizers' state addresses and step constants.
+  static std::vector<std::vector<const at::TensorImpl*>> optimizer_groups(
+      const std::vector<torch::optim::Optimizer*>& optimizers);
+  static std::pair<std::vector<const void*>, std::vector<optim::StepConstant>> optimizer_state(
+      const std::vector<torch::optim::Optimizer*>& optimizers);
   struct Entry {
     at::Tensor tensor;
     const void* data;
@@ -747,7 +773,9 @@ void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
   if (snapshot) snapshot->restore();
   if (graphed_) {
     ++captures_;
-    if (module_) captured_ = std::make_unique<detail::CapturedState>(**module_, nullptr, /*training_modes=*/true);
+    if (module_)
+      captured_ = std::make_unique<detail::CapturedState>(**module_, std::vector<torch::optim::Optimizer*>(),
+                                                          /*training_modes=*/true);
   }
 }
 
@@ -855,7 +883,7 @@ Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
   if (bucketed_ && module_ && !graphed_) detail::check_padding_allowed(**module_);
 #if PERF_WITH_CUDA
   if (graphed_ && captured_) {
-    if (const auto why = captured_->changed(**module_, nullptr); !why.empty()) {
+    if (const auto why = captured_->changed(**module_, {}); !why.empty()) {
       TORCH_WARN("perf::graph: ", why, " since the graph was captured, which its replays would ignore: capturing ",
                  "it again");
       c10::cuda::device_synchronize();  // the last replay has finished with the graphs and their pool

@@ -96,8 +96,9 @@ PERF_INLINE std::array<double, 3> scaler_settings(const GradScaler& s) {
   return {o.growth_factor(), o.backoff_factor(), static_cast<double>(o.growth_interval())};
 }
 
-PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
-                                         bool training_modes, const GradScaler* scaler) {
+PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module,
+                                         const std::vector<torch::optim::Optimizer*>& optimizers, bool training_modes,
+                                         const GradScaler* scaler) {
   if (scaler != nullptr) scaler_ = scaler_settings(*scaler);
   if (training_modes) {  // the module itself may be a plain object (perf::ModuleRef), not in a shared_ptr
     training_ = module.is_training();
@@ -111,21 +112,41 @@ PERF_INLINE CapturedState::CapturedState(torch::nn::Module& module, torch::optim
   for (const auto& p : module.parameters()) add(p);
   for (const auto& b : module.buffers())
     if (b.defined()) buffers_.push_back({b, b.data_ptr(), false});
-  if (optimizer == nullptr) return;
-  for (const auto& group : optimizer->param_groups()) {
-    groups_.emplace_back();
-    for (const auto& p : group.params()) {
-      add(p);
-      groups_.back().push_back(p.unsafeGetTensorImpl());
-    }
-  }
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
-    state_ = fused->state_addresses();
-    constants_ = fused->step_constants();
-  }
+  for (auto* optimizer : optimizers)
+    for (const auto& group : optimizer->param_groups())
+      for (const auto& p : group.params()) add(p);
+  groups_ = optimizer_groups(optimizers);
+  std::tie(state_, constants_) = optimizer_state(optimizers);
 }
 
-PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+PERF_INLINE std::vector<std::vector<const at::TensorImpl*>> CapturedState::optimizer_groups(
+    const std::vector<torch::optim::Optimizer*>& optimizers) {
+  std::vector<std::vector<const at::TensorImpl*>> groups;
+  for (auto* optimizer : optimizers) {
+    for (const auto& group : optimizer->param_groups()) {
+      groups.emplace_back();
+      for (const auto& p : group.params()) groups.back().push_back(p.unsafeGetTensorImpl());
+    }
+  }
+  return groups;
+}
+
+PERF_INLINE std::pair<std::vector<const void*>, std::vector<optim::StepConstant>> CapturedState::optimizer_state(
+    const std::vector<torch::optim::Optimizer*>& optimizers) {
+  std::pair<std::vector<const void*>, std::vector<optim::StepConstant>> out;
+  for (auto* optimizer : optimizers) {
+    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
+      const auto state = fused->state_addresses();
+      const auto constants = fused->step_constants();
+      out.first.insert(out.first.end(), state.begin(), state.end());
+      out.second.insert(out.second.end(), constants.begin(), constants.end());
+    }
+  }
+  return out;
+}
+
+PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module,
+                                               const std::vector<torch::optim::Optimizer*>& optimizers,
                                                const GradScaler* scaler) const {
   auto module_name = [&](const torch::nn::Module* m) -> std::string {
     for (const auto& item : module.named_modules("", /*include_self=*/false))
@@ -144,7 +165,7 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
     if (m->is_training() != training) return module_name(m.get()) + switched(training) + " mode";
   }
   for (const auto& e : params_) {
-    if (optimizer != nullptr && e.tensor.requires_grad() != e.requires_grad)
+    if (!optimizers.empty() && e.tensor.requires_grad() != e.requires_grad)
       return tensor_name(e.tensor, "parameter") + " now has requires_grad=" + (e.requires_grad ? "false" : "true");
     if (e.tensor.data_ptr() != e.data)
       return tensor_name(e.tensor, "parameter") + " was given new storage (torch::load, model->to, set_data)";
@@ -155,26 +176,17 @@ PERF_INLINE std::string CapturedState::changed(torch::nn::Module& module, torch:
   }
   if (scaler != nullptr && scaler_ && scaler_settings(*scaler) != *scaler_)
     return "the GradScaler's growth_factor, backoff_factor or growth_interval changed (torch::load of the scaler)";
-  if (optimizer == nullptr) return "";
-  const auto& groups = optimizer->param_groups();
-  bool same_groups = groups.size() == groups_.size();
-  for (size_t g = 0; same_groups && g < groups.size(); ++g) {
-    same_groups = groups[g].params().size() == groups_[g].size();
-    for (size_t i = 0; same_groups && i < groups_[g].size(); ++i)
-      same_groups = groups[g].params()[i].unsafeGetTensorImpl() == groups_[g][i];
-  }
-  if (!same_groups) return "the optimizer's param groups changed (add_param_group)";
-  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer)) {
-    if (fused->state_addresses() != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
-    const auto constants = fused->step_constants();
-    for (size_t i = 0; i < constants.size() && i < constants_.size(); ++i) {
-      if (!detail::same_value(constants[i].value, constants_[i].value)) {
-        std::ostringstream os;
-        os << "the optimizer's option " << constants[i].option << " of param group " << constants[i].group
-           << " changed from " << constants_[i].value << " to " << constants[i].value
-           << " (the kernels take it as a host value, which a replay would keep)";
-        return os.str();
-      }
+  if (optimizers.empty()) return "";
+  if (optimizer_groups(optimizers) != groups_) return "the optimizer's param groups changed (add_param_group)";
+  const auto [state, constants] = optimizer_state(optimizers);
+  if (state != state_) return "the optimizer's state was replaced (torch::load of the optimizer)";
+  for (size_t i = 0; i < constants.size() && i < constants_.size(); ++i) {
+    if (!detail::same_value(constants[i].value, constants_[i].value)) {
+      std::ostringstream os;
+      os << "the optimizer's option " << constants[i].option << " of param group " << constants[i].group
+         << " changed from " << constants_[i].value << " to " << constants[i].value
+         << " (the kernels take it as a host value, which a replay would keep)";
+      return os.str();
     }
   }
   return "";
@@ -292,10 +304,10 @@ PERF_INLINE c10::MempoolId_t graph_pool_handle() {
   return {0, 0};
 }
 
-PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
+PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, Optimizers optimizers,
                                  const at::Tensor& example_input, const at::Tensor& example_target,
                                  const TrainStepOptions& options)
-    : module_(std::move(module)), opt_(optimizer), options_(options) {
+    : module_(std::move(module)), opts_(optimizers.list()), options_(options) {
   TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
   TORCH_CHECK(example_input.defined() && example_target.defined(), "perf::TrainStep: undefined example tensors");
   loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) {
@@ -304,33 +316,34 @@ PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim:
   init({example_input, example_target});
 }
 
-PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, torch::optim::Optimizer& optimizer,
-                                 const Example& first_batch, const TrainStepOptions& options)
-    : TrainStep(std::move(module), std::move(loss_fn), optimizer, first_batch.data, first_batch.target, options) {}
+PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossFn loss_fn, Optimizers optimizers, const Example& first_batch,
+                                 const TrainStepOptions& options)
+    : TrainStep(std::move(module), std::move(loss_fn), std::move(optimizers), first_batch.data, first_batch.target,
+                options) {}
 
-PERF_INLINE TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, torch::optim::Optimizer& optimizer,
+PERF_INLINE TrainStep::TrainStep(ModuleRef module, BatchLossFn loss_fn, Optimizers optimizers,
                                  std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
-    : module_(std::move(module)), opt_(optimizer), options_(options) {
+    : module_(std::move(module)), opts_(optimizers.list()), options_(options) {
   TORCH_CHECK(loss_fn, "perf::TrainStep: empty loss function");
   loss_fn_ = [f = std::move(loss_fn)](const std::vector<at::Tensor>& b) { return std::vector<at::Tensor>{f(b)}; };
   init(std::move(example_batch));
 }
 
-PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, torch::optim::Optimizer& optimizer,
+PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, Optimizers optimizers,
                                  std::vector<at::Tensor> example_batch, const TrainStepOptions& options)
-    : module_(std::move(module)), loss_fn_(std::move(loss_fn)), opt_(optimizer), options_(options) {
+    : module_(std::move(module)), loss_fn_(std::move(loss_fn)), opts_(optimizers.list()), options_(options) {
   TORCH_CHECK(loss_fn_, "perf::TrainStep: empty loss function");
   init(std::move(example_batch));
 }
 
 PERF_INLINE TrainStep::TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
-                                 torch::optim::Optimizer& optimizer, std::vector<at::Tensor> example_batch,
+                                 Optimizers optimizers, std::vector<at::Tensor> example_batch,
                                  const TrainStepOptions& options)
     : who_(who),
       options_name_(options_name),
       module_(std::move(module)),
       micro_(std::move(micro)),
-      opt_(optimizer),
+      opts_(optimizers.list()),
       options_(options) {
   init(std::move(example_batch));
 }
@@ -376,12 +389,29 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
   if (options_.max_grad_norm()) {
     TORCH_CHECK(*options_.max_grad_norm() > 0, opts, "::max_grad_norm: must be > 0, got ", *options_.max_grad_norm());
   }
-  for (const auto& group : opt_.param_groups()) {
-    for (const auto& p : group.params()) {
-      TORCH_CHECK(!detail::ddp_owns(p), who_,
-                  ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
-                  "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
-                  "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
+  TORCH_CHECK(!opts_.empty(), who_, ": no optimizer given");
+  std::unordered_map<const c10::TensorImpl*, size_t> owner;  // parameter -> the optimizer that steps it
+  for (size_t o = 0; o < opts_.size(); ++o) {
+    TORCH_CHECK(opts_[o] != nullptr, who_, ": optimizer ", o, " of ", opts_.size(), " is null");
+    for (size_t q = 0; q < o; ++q)
+      TORCH_CHECK(opts_[q] != opts_[o], who_, ": optimizer ", o, " is optimizer ", q, " again; give each once");
+    for (const auto& group : opts_[o]->param_groups()) {
+      for (const auto& p : group.params()) {
+        const auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), o);
+        TORCH_CHECK(fresh || it->second == o, who_, ": a parameter of shape ", detail::shape_str(p),
+                    " is in optimizer ", it->second, " and in optimizer ", o,
+                    ": each step would update it twice; give each parameter to one optimizer");
+      }
+    }
+  }
+  for (auto* opt : opts_) {
+    for (const auto& group : opt->param_groups()) {
+      for (const auto& p : group.params()) {
+        TORCH_CHECK(!detail::ddp_owns(p), who_,
+                    ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
+                    "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
+                    "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
+      }
     }
   }
   const auto device = example[0].device();
@@ -396,7 +426,9 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     }
     static_batch_.push_back(example[i].clone());
   }
-  fused_ = dynamic_cast<optim::FusedOptimizer*>(&opt_);
+  for (auto* opt : opts_)
+    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(opt)) fused_.push_back(fused);
+  all_fused_ = fused_.size() == opts_.size();
 
   if (!device.is_cuda() || !options_.graph()) {
     if (!loss_fn_) return;  // a compiled step: its package checked the batch
@@ -420,11 +452,11 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     return;
   }
 #if PERF_WITH_CUDA
-  if (fused_ == nullptr) {
+  if (!all_fused_) {
     TORCH_CHECK(options_.eager_fallback(), who_,
                 ": a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step count and bias "
                 "corrections on the host, so every replay would repeat the captured step); use "
-                "perf::optim::AdamW, Adam or SGD, graph(false), or eager_fallback(true) to run eagerly");
+                "perf::optim::AdamW, Adam, SGD or Muon, graph(false), or eager_fallback(true) to run eagerly");
     TORCH_WARN(who_, ": torch::optim optimizer: running eagerly as eager_fallback(true) asks");
     return;
   }
@@ -447,9 +479,10 @@ PERF_INLINE void TrainStep::capture_graph() {
   // The optimizer's parameters: the step sets their gradients to none (zeroes a flat buffer) first. The other
   // parameters the step accumulates into, as an eager backward does, and so does the warm-up: what they hold now
   // (a copy) comes back after the capture, whether it failed or not.
-  std::unordered_set<const c10::TensorImpl*> seen;  // the optimizer's, then each other once
-  for (auto& g : opt_.param_groups())
-    for (auto& p : g.params()) seen.insert(p.unsafeGetTensorImpl());
+  std::unordered_set<const c10::TensorImpl*> seen;  // the optimizers', then each other once
+  for (auto* opt : opts_)
+    for (auto& g : opt->param_groups())
+      for (auto& p : g.params()) seen.insert(p.unsafeGetTensorImpl());
   std::vector<std::pair<at::Tensor, at::Tensor>> others;  // (parameter, a copy of its gradient, or none)
   for (auto& p : (*module_).parameters(/*recurse=*/true)) {
     if ((p.requires_grad() || p.grad().defined()) && seen.insert(p.unsafeGetTensorImpl()).second)
@@ -463,7 +496,7 @@ PERF_INLINE void TrainStep::capture_graph() {
   auto clear_grads = [&]() noexcept {
     try {
       at::NoGradGuard no_grad;
-      fused_->zero_grad();
+      for (auto* fused : fused_) fused->zero_grad();
       for (auto& [p, before] : others) p.mutable_grad() = before;
     } catch (const std::exception&) {  // CUDA left broken: the capture's own error says so
     }
@@ -475,7 +508,8 @@ PERF_INLINE void TrainStep::capture_graph() {
         *graph, device, options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), options_.pool(),
         options_.eager_fallback(), who_,
         [&] {
-          detail::SkipUpdates skip(fused_);
+          std::vector<std::unique_ptr<detail::SkipUpdates>> skip;
+          for (auto* fused : fused_) skip.push_back(std::make_unique<detail::SkipUpdates>(fused));
           body(static_batch_);
         },
         [&] { static_loss_ = body(static_batch_); },  // capture records kernels, runs none
@@ -490,16 +524,17 @@ PERF_INLINE void TrainStep::capture_graph() {
     graph_ = std::move(graph);
     graphed_ = true;
     ++captures_;
-    captured_ = std::make_unique<detail::CapturedState>(*module_, &opt_, /*training_modes=*/!micro_, options_.scaler());
+    captured_ = std::make_unique<detail::CapturedState>(*module_, opts_, /*training_modes=*/!micro_, options_.scaler());
     // Every replay writes the gradients the capture allocated, whatever .grad() holds by then: kept, and put back
     // before each step (a zero_grad() between steps would otherwise leave .grad() undefined or stale, and free
     // blocks the graph still writes into its pool); one the replays accumulate into is given what .grad() holds
     // then (restore_static_grads).
     static_extras_ = extras_;
     static_grads_.clear();
-    for (auto& g : opt_.param_groups())
-      for (auto& p : g.params())
-        if (p.grad().defined()) static_grads_.push_back({p, p.grad(), /*accumulates=*/false});
+    for (auto* opt : opts_)
+      for (auto& g : opt->param_groups())
+        for (auto& p : g.params())
+          if (p.grad().defined()) static_grads_.push_back({p, p.grad(), /*accumulates=*/false});
     for (auto& [p, before] : others)
       if (p.grad().defined()) static_grads_.push_back({p, p.grad(), /*accumulates=*/true});
     clear_grads();
@@ -528,10 +563,12 @@ PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& 
 PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   // Set to none: in a capture, the step allocates the static grads in the graph's
   // pool; a flat optimizer zeroes its gradient buffer in place instead.
-  if (fused_) {
-    fused_->zero_grad();
-  } else {
-    opt_.zero_grad();
+  for (auto* opt : opts_) {
+    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(opt)) {
+      fused->zero_grad();
+    } else {
+      opt->zero_grad();
+    }
   }
   // Each micro-batch's loss divided by its share of the rows (k for equal ones).
   const auto micro = detail::micro_batches(batch, options_.accumulation_steps());
@@ -548,17 +585,21 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   extras_.outputs = outputs.size() == 1 ? std::move(outputs[0]) : detail::cat_step_outputs(outputs);
   if (options_.max_grad_norm()) {
     std::vector<at::Tensor> params;
-    for (auto& g : opt_.param_groups())
-      for (auto& p : g.params()) params.push_back(p);
-    if (scaler) scaler->unscale_(opt_);
+    for (auto* opt : opts_) {
+      for (auto& g : opt->param_groups())
+        for (auto& p : g.params()) params.push_back(p);
+      if (scaler) scaler->unscale_(*opt);
+    }
     extras_.grad_norm = clip_grad_norm_(params, *options_.max_grad_norm());
   }
-  if (scaler) {
-    scaler->step(opt_);
-    scaler->update();
-  } else {
-    opt_.step();
+  for (auto* opt : opts_) {
+    if (scaler) {
+      scaler->step(*opt);
+    } else {
+      opt->step();
+    }
   }
+  if (scaler) scaler->update();
   return total;
 }
 
@@ -573,7 +614,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
   check_batch(batch, /*shapes=*/true);
 #if PERF_WITH_CUDA
   if (graphed_) {
-    if (const auto why = captured_->changed(*module_, &opt_, options_.scaler()); !why.empty()) {
+    if (const auto why = captured_->changed(*module_, opts_, options_.scaler()); !why.empty()) {
       TORCH_WARN(who_, ": ", why, " since the step was captured, which its replays would ignore: capturing it again");
       c10::cuda::device_synchronize();  // the last replay has finished with the graph and its pool
       static_grads_.clear();
@@ -591,7 +632,7 @@ PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {
 #if PERF_WITH_CUDA
   for (size_t i = 0; i < batch.size(); ++i) static_batch_[i].copy_(batch[i], /*non_blocking=*/true);
   restore_static_grads();
-  fused_->sync_lr();  // outside the graph: the scheduler's current lr
+  for (auto* fused : fused_) fused->sync_lr();  // outside the graph: the schedulers' current lr
   graph_->replay();
   replayed_ = true;
 #endif
