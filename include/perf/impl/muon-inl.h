@@ -3,7 +3,7 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 //
 // Each operation is Python's (torch/optim/_muon.py in 2.11); the foreach path runs the same operations on
-// lists (the momentum) and on stacks of equal-shape matrices (Newton-Schulz).
+// stacks of equal-shape matrices (Newton-Schulz) and, on a GPU, on lists (momentum, weight decay, update).
 #pragma once
 
 #include <c10/util/Exception.h>
