@@ -7,7 +7,7 @@
 //   loss.backward(); muon.step(); adamw.step(); muon.zero_grad(); adamw.zero_grad();
 //
 // Python's names, defaults, checks, state_dict() layout and numbers (Muon added in PyTorch 2.9; the tests
-// compare perf's with 2.11's step by step). Python's Muon loops over the matrices one at a time, about 22
+// compare perf's with 2.11's step by step). Python's Muon loops over the matrices one at a time, over 20
 // kernels each (its `foreach=True` is refused). perf's default runs the Newton-Schulz iterations of all
 // matrices of one shape as one batch (bmm / baddbmm), and on a GPU the momentum, weight decay and update as
 // multi-tensor kernels: a transformer's dozens of equal-shape matrices cost the kernels of one. foreach(false)
