@@ -263,6 +263,7 @@ for (auto& b : perf::prefetch(*loader, torch::kCUDA)) {
   schedule.step();
 }
 perf::save(muon.state_dict(), "muon.pt");           // Python: muon.load_state_dict(torch.load("muon.pt"))
+
   // clang-format on
 }
 void block_muon_train_step() {

@@ -363,8 +363,7 @@ class TrainStep {
   LossAndOutputsFn loss_fn_;
   MicroStep micro_;
   std::vector<torch::optim::Optimizer*> opts_;
-  std::vector<optim::FusedOptimizer*> fused_;  // each of opts_ that is one, in order
-  bool all_fused_ = false;
+  std::vector<optim::FusedOptimizer*> fused_;  // opts_[i] as a perf optimizer, or nullptr (torch::optim)
   TrainStepOptions options_;
   std::vector<at::Tensor> static_batch_;
   at::Tensor static_loss_;
@@ -511,17 +510,19 @@ class CudnnHeuristicPlans {
 // Keeps an optimizer's updates skipped on the device for a scope.
 class SkipUpdates {
  public:
-  explicit SkipUpdates(optim::FusedOptimizer* opt) : opt_(opt) {
-    if (opt_) opt_->skip_updates(true);
+  explicit SkipUpdates(std::vector<optim::FusedOptimizer*> opts) : opts_(std::move(opts)) {
+    for (auto* opt : opts_)
+      if (opt) opt->skip_updates(true);
   }
   ~SkipUpdates() {
-    if (opt_) opt_->skip_updates(false);
+    for (auto* opt : opts_)
+      if (opt) opt->skip_updates(false);
   }
   SkipUpdates(const SkipUpdates&) = delete;
   SkipUpdates& operator=(const SkipUpdates&) = delete;
 
  private:
-  optim::FusedOptimizer* opt_;
+  std::vector<optim::FusedOptimizer*> opts_;
 };
 
 // What a forward pass mutates outside the parameters: buffers (BatchNorm

@@ -60,13 +60,8 @@ struct MuonOptions : public torch::optim::OptimizerCloneableOptions<MuonOptions>
   PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
 };
 
-struct MuonParamState : public torch::optim::OptimizerCloneableParamState<MuonParamState> {
-  TORCH_ARG(torch::Tensor, momentum_buffer);
-
- public:
-  PERF_INLINE void serialize(torch::serialize::OutputArchive& archive) const override;
-  PERF_INLINE void serialize(torch::serialize::InputArchive& archive) override;
-};
+/// Python's Muon keeps what SGD with momentum keeps: a `momentum_buffer` per parameter.
+using MuonParamState = SGDParamState;
 
 /// Muon over 2-D parameters (Python's: any other is refused, at construction and at step()). Per step and
 /// matrix: B <- mu B + (1 - mu) G (a lerp), U = nesterov ? lerp(G, B, mu) : B, O = NS(U) in bfloat16,

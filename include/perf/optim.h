@@ -145,7 +145,6 @@ struct SGDParamState : public torch::optim::OptimizerCloneableParamState<SGDPara
 PERF_INLINE void zero_grad(torch::optim::Optimizer& optimizer, bool set_to_none = true);
 
 struct MuonOptions;  // perf/muon.h
-struct MuonParamState;
 
 namespace detail {
 struct FlatStore;
@@ -519,13 +518,10 @@ PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, AdamParamSta
 PERF_INLINE c10::impl::GenericDict python_state(const SGDParamState& s);
 PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, SGDParamState& s, const std::string& who,
                                    const std::string& where);
-// perf/muon.h's, defined in perf/impl/muon-inl.h. Declared here: SerializableFusedOptimizer's qualified calls
-// see only the overloads declared before its definition.
+// perf/muon.h's, defined in perf/impl/muon-inl.h (its state is SGD's). Declared here: SerializableFusedOptimizer's
+// qualified calls see only the overloads declared before its definition.
 PERF_INLINE c10::impl::GenericDict python_group(const MuonOptions& o);
 PERF_INLINE void from_python_group(const c10::impl::GenericDict& g, MuonOptions& o, const std::string& who,
-                                   const std::string& where);
-PERF_INLINE c10::impl::GenericDict python_state(const MuonParamState& s);
-PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, MuonParamState& s, const std::string& who,
                                    const std::string& where);
 
 // Tensors of one (device, dtype) group, in parameter order; in flat mode each

@@ -395,18 +395,13 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     TORCH_CHECK(opts_[o] != nullptr, who_, ": optimizer ", o, " of ", opts_.size(), " is null");
     for (size_t q = 0; q < o; ++q)
       TORCH_CHECK(opts_[q] != opts_[o], who_, ": optimizer ", o, " is optimizer ", q, " again; give each once");
+    fused_.push_back(dynamic_cast<optim::FusedOptimizer*>(opts_[o]));
     for (const auto& group : opts_[o]->param_groups()) {
       for (const auto& p : group.params()) {
         const auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), o);
         TORCH_CHECK(fresh || it->second == o, who_, ": a parameter of shape ", detail::shape_str(p),
                     " is in optimizer ", it->second, " and in optimizer ", o,
                     ": each step would update it twice; give each parameter to one optimizer");
-      }
-    }
-  }
-  for (auto* opt : opts_) {
-    for (const auto& group : opt->param_groups()) {
-      for (const auto& p : group.params()) {
         TORCH_CHECK(!detail::ddp_owns(p), who_,
                     ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
                     "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
@@ -426,9 +421,6 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     }
     static_batch_.push_back(example[i].clone());
   }
-  for (auto* opt : opts_)
-    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(opt)) fused_.push_back(fused);
-  all_fused_ = fused_.size() == opts_.size();
 
   if (!device.is_cuda() || !options_.graph()) {
     if (!loss_fn_) return;  // a compiled step: its package checked the batch
@@ -452,7 +444,7 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     return;
   }
 #if PERF_WITH_CUDA
-  if (!all_fused_) {
+  if (std::find(fused_.begin(), fused_.end(), nullptr) != fused_.end()) {
     TORCH_CHECK(options_.eager_fallback(), who_,
                 ": a torch::optim optimizer cannot be captured in a CUDA graph (it keeps the step count and bias "
                 "corrections on the host, so every replay would repeat the captured step); use "
@@ -508,8 +500,7 @@ PERF_INLINE void TrainStep::capture_graph() {
         *graph, device, options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), options_.pool(),
         options_.eager_fallback(), who_,
         [&] {
-          std::vector<std::unique_ptr<detail::SkipUpdates>> skip;
-          for (auto* fused : fused_) skip.push_back(std::make_unique<detail::SkipUpdates>(fused));
+          detail::SkipUpdates skip(fused_);
           body(static_batch_);
         },
         [&] { static_loss_ = body(static_batch_); },  // capture records kernels, runs none
@@ -563,11 +554,11 @@ PERF_INLINE at::Tensor TrainStep::backward_micro(const std::vector<at::Tensor>& 
 PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   // Set to none: in a capture, the step allocates the static grads in the graph's
   // pool; a flat optimizer zeroes its gradient buffer in place instead.
-  for (auto* opt : opts_) {
-    if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(opt)) {
-      fused->zero_grad();
+  for (size_t o = 0; o < opts_.size(); ++o) {
+    if (fused_[o]) {
+      fused_[o]->zero_grad();
     } else {
-      opt->zero_grad();
+      opts_[o]->zero_grad();
     }
   }
   // Each micro-batch's loss divided by its share of the rows (k for equal ones).

@@ -107,18 +107,6 @@ PERF_INLINE void from_python_group(const c10::impl::GenericDict& g, MuonOptions&
   o.adjust_lr_fn(fn.isString() ? std::optional<std::string>(fn.toStringRef()) : std::nullopt);
 }
 
-PERF_INLINE c10::impl::GenericDict python_state(const MuonParamState& s) {
-  auto d = python_dict();
-  d.insert("momentum_buffer", s.momentum_buffer().defined() ? c10::IValue(s.momentum_buffer()) : c10::IValue());
-  return d;
-}
-
-PERF_INLINE void from_python_state(const c10::impl::GenericDict& d, MuonParamState& s, const std::string& who,
-                                   const std::string& where) {
-  TORCH_CHECK(!d.contains("exp_avg"), who, ": the state", where, " is an Adam or AdamW optimizer's");
-  s.momentum_buffer(python_tensor(d, "momentum_buffer", true, who, where));
-}
-
 }  // namespace detail
 
 PERF_INLINE void MuonOptions::serialize(torch::serialize::OutputArchive& archive) const {
@@ -144,14 +132,6 @@ PERF_INLINE void MuonOptions::serialize(torch::serialize::InputArchive& archive)
   ns_steps(detail::read_option(archive, "ns_steps", who).toInt());
   adjust_lr_fn(detail::read_option(archive, "adjust_lr_fn", who).toOptional<std::string>());
   _TORCH_OPTIM_DESERIALIZE_TORCH_ARG_OPTIONAL(bool, foreach);
-}
-
-PERF_INLINE void MuonParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(momentum_buffer);
-}
-
-PERF_INLINE void MuonParamState::serialize(torch::serialize::InputArchive& archive) {
-  detail::read_tensor_if_present(archive, "momentum_buffer", momentum_buffer_);
 }
 
 PERF_INLINE Muon::Muon(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, MuonOptions defaults)
@@ -289,17 +269,8 @@ PERF_INLINE void Muon::update(const std::optional<torch::Tensor>& grad_scale,
             ortho.to(ortho.options().dtype(b.dtype), false, false, at::MemoryFormat::Contiguous).mul_(lr * -ratio);
         at::_foreach_add_(params, scaled.dim() == 3 ? scaled.unbind(0) : std::vector<at::Tensor>{scaled});
       };
-      if (!foreach) {  // Python's _single_tensor_muon
-        for (size_t i = 0; i < b.params.size(); ++i) {
-          b.a[i].lerp_(b.grads[i], 1 - mu);
-          const at::Tensor u = o.nesterov() ? b.grads[i].lerp(b.a[i], mu) : b.a[i];
-          decay_and_add({b.params[i]}, detail::zeropower_via_newtonschulz(u, o),
-                        detail::muon_lr_ratio(o, b.params[i].size(0), b.params[i].size(1)));
-        }
-        continue;
-      }
       std::vector<at::Tensor> updates = b.a;  // Nesterov: lerp(G, B, mu), new tensors
-      if (lr.defined()) {
+      if (foreach && lr.defined()) {
         at::_foreach_lerp_(b.a, b.grads, 1 - mu);
         if (o.nesterov()) updates = at::_foreach_lerp(b.grads, b.a, mu);
       } else {
@@ -308,14 +279,23 @@ PERF_INLINE void Muon::update(const std::optional<torch::Tensor>& grad_scale,
           if (o.nesterov()) updates[i] = b.grads[i].lerp(b.a[i], mu);
         }
       }
-      for (const auto& [shape, indices] : shapes) {
+      // Newton-Schulz: one batch per shape, or one matrix at a time (Python's _single_tensor_muon).
+      std::vector<std::vector<size_t>> batches;
+      for (auto& [shape, indices] : shapes) {
+        if (foreach) {
+          batches.push_back(std::move(indices));
+        } else {
+          for (const size_t i : indices) batches.push_back({i});
+        }
+      }
+      for (const auto& indices : batches) {
         std::vector<at::Tensor> params, us;
         for (const size_t i : indices) {
           params.push_back(b.params[i]);
           us.push_back(updates[i]);
         }
         decay_and_add(params, detail::zeropower_via_newtonschulz(us.size() == 1 ? us[0] : at::stack(us), o),
-                      detail::muon_lr_ratio(o, shape.first, shape.second));
+                      detail::muon_lr_ratio(o, params[0].size(0), params[0].size(1)));
       }
     }
   }
