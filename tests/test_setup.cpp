@@ -11,7 +11,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <map>
+#include <sstream>
 #include <thread>
 
 #include "sanitizers/hides_cuda.h"
@@ -882,6 +884,57 @@ TEST(TestHarness, ProcessLeftBehindDoesNotHoldTheTest) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(test_util::python("import subprocess\nsubprocess.Popen(['sleep', '40'])\nprint('done')"), "done");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// test_util::python() runs snippets in children of one Python that imported torch (tests/python_server.py):
+// each as `python -c` runs it in a Python of its own (PERF_TEST_PYTHON_SERVER=0), the same output, exit
+// status and error, a fresh torch state each time; and they are that server's children.
+TEST(TestHarness, PythonSnippetsRunInTheServerAsInAPythonOfTheirOwn) {
+  const std::string looks =
+      "import os, sys, threading, torch\n"
+      "print(__name__, sys.argv, repr(sys.path[0]), os.getcwd())\n"
+      "print(torch.initial_seed() != 1, threading.active_count())\n"
+      "print(len('\\\\\\\\'), 'c\\nd')\n"  // the shell makes \\\\ two backslashes (Python's one); \n stays
+      "torch.manual_seed(1)\n";
+  auto failure = [](const std::string& code) {
+    try {
+      test_util::python(code);
+    } catch (const std::runtime_error& e) {
+      const std::string what = e.what();
+      return what.substr(0, what.find(':')) + what.substr(what.find("its stderr:"));
+    }
+    return std::string("no failure");
+  };
+  std::string own[3], served[3];
+  for (const bool server : {false, true}) {
+    const test_util::ScopedEnv mode("PERF_TEST_PYTHON_SERVER", server ? "1" : "0");
+    std::string* out = server ? served : own;
+    out[0] = test_util::python(looks);
+    out[1] = failure("def f():\n    raise ValueError('bad value')\nf()");
+    out[2] = failure("import sys\nprint('before')\nsys.exit(3)");
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(served[i], own[i]) << "snippet " << i;
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof cwd), nullptr);
+  EXPECT_EQ(own[0], "__main__ ['-c'] '' " + std::string(cwd) + "\nTrue 1\n1 c\nd");
+  EXPECT_NE(own[1].find("line 4, in f"), std::string::npos) << own[1];  // after python()'s two lines
+  EXPECT_NE(own[1].find("ValueError: bad value"), std::string::npos) << own[1];
+  EXPECT_EQ(own[2].substr(0, own[2].find('\n')), "command failed (exit 3)its stderr:") << own[2];
+
+  const std::string ids = "import os, torch\nprint(os.getpid(), os.getppid(), torch.initial_seed())";
+  const std::string first = test_util::python(ids), second = test_util::python(ids);
+  EXPECT_NE(first.substr(0, first.find(' ')), second.substr(0, second.find(' '))) << "each snippet its own process";
+  const auto words = [](const std::string& line) {
+    std::istringstream in(line);
+    return std::vector<std::string>(std::istream_iterator<std::string>(in), {});
+  };
+  const auto a = words(first), b = words(second);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_NE(a[0], b[0]) << "each snippet its own process";
+  EXPECT_EQ(a[1], b[1]) << "both children of the one server";
+  EXPECT_NE(a[1], std::to_string(::getpid())) << "the server's, not started by the test itself";
+  EXPECT_NE(a[2], b[2]) << "torch seeded anew in each, as in a Python of its own";
 }
 
 // The ThreadSanitizer and AddressSanitizer builds hide CUDA's devices from their tests

@@ -4,10 +4,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <perf/detail/cpu.h>
 #include <perf/setup.h>
+#include <spawn.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -19,6 +22,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -87,16 +92,17 @@ inline bool run_command(const std::string& command) { return std::system(command
 // A shell command's stdout, trailing newlines trimmed; throws if it fails, with the end of its stderr.
 // Both go to files, not a pipe: a process the command leaves behind (a compile worker of Inductor's, say)
 // cannot keep the test waiting for the end of a pipe it still holds.
-inline std::string output_of(const std::string& command) {
-  TempDir dir;
-  const std::string out_path = dir / "stdout", err_path = dir / "stderr";
-  const int status = std::system(("( " + command + " ) > '" + out_path + "' 2> '" + err_path + "'").c_str());
+namespace detail {
+// What a command whose output went to these files gave: its stdout, trailing newlines trimmed; throws if its
+// wait status is not a zero exit, with the end of its stderr.
+inline std::string command_output(const std::string& command, int status, const std::string& out_path,
+                                  const std::string& err_path) {
   const auto read = [](const std::string& path) {
     std::ifstream in(path);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
   std::string out = read(out_path);
-  if (status != 0) {
+  if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     std::string err = read(err_path);
     if (err.size() > 6000) err = "...\n" + err.substr(err.size() - 6000);  // a traceback's end, not a log
     const std::string how = status == -1          ? "could not start"
@@ -106,6 +112,14 @@ inline std::string output_of(const std::string& command) {
   }
   while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
   return out;
+}
+}  // namespace detail
+
+inline std::string output_of(const std::string& command) {
+  TempDir dir;
+  const std::string out_path = dir / "stdout", err_path = dir / "stderr";
+  const int status = std::system(("( " + command + " ) > '" + out_path + "' 2> '" + err_path + "'").c_str());
+  return detail::command_output(command, status, out_path, err_path);
 }
 
 // Plays a CPU with (or without) native bf16 for one scope.
@@ -225,12 +239,131 @@ inline std::string cuda_test_package(const std::string& name, const std::string&
   return failed(cmd, std::string(std::istreambuf_iterator<char>(text), {}));
 }
 
+namespace detail {
+
+// test_util::python()'s Python: tests/python_server.py, which imports torch once and forks a child per snippet
+// (about 2 s saved a snippet: 60 in the quick tests). One per test process, started at its first snippet with
+// that moment's environment and Python, and again when either has changed. A snippet runs in a Python of its
+// own, as before, in a fork of the test process and once a server has failed. PERF_TEST_PYTHON_SERVER=0 turns
+// it off.
+class PythonServer {
+ public:
+  // The wait status of the snippet's child, or nullopt where the server cannot run it.
+  static std::optional<int> run(const std::string& python, const std::string& code, const std::string& out_path,
+                                const std::string& err_path) {
+    static std::mutex mutex;
+    static std::unique_ptr<PythonServer> server;
+    const char* off = std::getenv("PERF_TEST_PYTHON_SERVER");
+    if (off != nullptr && std::string(off) == "0") return std::nullopt;
+    std::lock_guard<std::mutex> lock(mutex);
+    static bool failed = false;  // a server that ended is not started again
+    if (failed || (server && server->process_ != ::getpid())) return std::nullopt;
+    // Another environment or Python (a test's ScopedEnv, say): a new server, at the price of the Python that the
+    // snippet would otherwise start; the old one served at least one snippet.
+    if (!server || server->python_ != python || server->env_ != environment()) server.reset(new PythonServer(python));
+    if (server->fd_ < 0) {
+      failed = true;
+      return std::nullopt;
+    }
+    char cwd[4096];
+    if (::getcwd(cwd, sizeof cwd) == nullptr) return std::nullopt;
+    std::string request;
+    for (const std::string& f : {code, out_path, err_path, std::string(cwd)})
+      request += std::to_string(f.size()) + "\n" + f;
+    bool alive = true;
+    for (size_t sent = 0; alive && sent < request.size();) {
+      const ssize_t n = ::send(server->fd_, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+      alive = n > 0;
+      sent += alive ? static_cast<size_t>(n) : 0;
+    }
+    std::string reply;
+    for (char c = 0; alive && c != '\n';) {
+      alive = ::recv(server->fd_, &c, 1, 0) == 1;
+      reply += c;
+    }
+    if (alive) return std::stoi(reply);
+    failed = true;
+    std::fprintf(stderr,
+                 "test_util::python: the Python server (tests/python_server.py) has ended; each snippet "
+                 "runs in a Python of its own from here\n");
+    server.reset();
+    return std::nullopt;
+  }
+  ~PythonServer() {
+    if (fd_ >= 0) ::close(fd_);  // the server reads the end and exits
+  }
+  PythonServer(const PythonServer&) = delete;
+  PythonServer& operator=(const PythonServer&) = delete;
+
+ private:
+  explicit PythonServer(const std::string& python) : python_(python), env_(environment()), process_(::getpid()) {
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], 0);
+    // Not the test's stdout and stderr: ctest waits for every process that holds them.
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+    const std::string command = "exec " + python + " '" + source_dir() + "/tests/python_server.py'";
+    const char* argv[] = {"sh", "-c", command.c_str(), nullptr};
+    pid_t pid = 0;
+    const bool started =
+        ::posix_spawn(&pid, "/bin/sh", &actions, nullptr, const_cast<char* const*>(argv), ::environ) == 0;
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(fds[1]);
+    if (started) {
+      fd_ = fds[0];
+    } else {
+      ::close(fds[0]);
+    }
+  }
+  static std::vector<std::string> environment() {
+    std::vector<std::string> env;
+    for (char** e = ::environ; *e != nullptr; ++e) env.emplace_back(*e);
+    return env;
+  }
+  int fd_ = -1;
+  std::string python_;
+  std::vector<std::string> env_;
+  pid_t process_;
+};
+
+// The code a shell passes to `python -c "..."`: inside double quotes it drops a backslash before a backslash or
+// a newline (and before ", $ or `, which, like $ and ` alone, give nullopt: such code runs as a shell command).
+inline std::optional<std::string> unquoted(const std::string& code) {
+  std::string out;
+  for (size_t i = 0; i < code.size(); ++i) {
+    const char c = code[i];
+    if (c == '$' || c == '`' || c == '"') return std::nullopt;
+    if (c == '\\' && i + 1 < code.size() && (code[i + 1] == '\\' || code[i + 1] == '\n')) {
+      if (code[++i] == '\\') out += '\\';
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace detail
+
 // Runs a Python snippet with the interpreter of the venv that provided
 // LibTorch (PERF_PYTHON, set by CMake; the environment variable PERF_PYTHON
-// overrides it when the binary runs on another machine) and returns its stdout, trimmed.
+// overrides it when the binary runs on another machine) and returns its stdout,
+// trimmed; throws as output_of() does. The snippet runs as `python -c "<code>"`
+// (a shell's double quotes: use single quotes and no $ inside), in a child of
+// detail::PythonServer where it can.
 inline std::string python(const std::string& code) {
-  return output_of(reference_python() + " -c \"import faulthandler\nfaulthandler.dump_traceback_later(" +
-                   std::to_string(python_timeout_s()) + ", exit=True)\n" + code + "\"");
+  const std::string full = "import faulthandler\nfaulthandler.dump_traceback_later(" +
+                           std::to_string(python_timeout_s()) + ", exit=True)\n" + code;
+  const std::string command = reference_python() + " -c \"" + full + "\"";
+  if (const auto plain = detail::unquoted(full)) {
+    TempDir dir;
+    const std::string out_path = dir / "stdout", err_path = dir / "stderr";
+    if (const auto status = detail::PythonServer::run(reference_python(), *plain, out_path, err_path))
+      return detail::command_output(command, *status, out_path, err_path);
+  }
+  return output_of(command);
 }
 
 // Python defining perf_test::relayout, a custom op whose real kernel returns its input channels-last and

@@ -80,7 +80,8 @@ class CompiledTrainStep {
  public:
   using Example = torch::data::Example<at::Tensor, at::Tensor>;
 
-  CompiledTrainStep(const std::string& path, ModuleRef module, torch::optim::Optimizer& optimizer,
+  /// `optimizers`: one (`opt`), or several (`{&muon, &adamw}`), as perf::TrainStep takes them.
+  CompiledTrainStep(const std::string& path, ModuleRef module, Optimizers optimizers,
                     const CompiledTrainOptions& options = CompiledTrainOptions());
   CompiledTrainStep(const CompiledTrainStep&) = delete;  // its captured step refers to it
   CompiledTrainStep& operator=(const CompiledTrainStep&) = delete;
@@ -136,7 +137,7 @@ class CompiledTrainStep {
 
   std::unique_ptr<detail::Package> package_;
   ModuleRef module_;
-  torch::optim::Optimizer& opt_;
+  Optimizers opts_;
   CompiledTrainOptions options_;
   std::vector<State> state_;
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> submodules_;  // train() checked per step

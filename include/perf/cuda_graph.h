@@ -426,6 +426,11 @@ using graph_out_t =
 
 PERF_INLINE std::string shape_str(const at::Tensor& t);
 
+// The optimizers of a training step, checked (none null, none twice, each parameter in one, none synchronised by
+// perf::DistributedDataParallel); returns each as a perf optimizer, or nullptr (torch::optim).
+PERF_INLINE std::vector<optim::FusedOptimizer*> check_step_optimizers(
+    const std::string& who, const std::vector<torch::optim::Optimizer*>& opts);
+
 PERF_INLINE std::string first_line(const std::exception& e);
 
 PERF_INLINE const char* capture_hint();

@@ -18,16 +18,16 @@ PERF_INLINE bool same_layout(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::In
 
 }  // namespace detail
 
-PERF_INLINE CompiledTrainStep::CompiledTrainStep(const std::string& path, ModuleRef module,
-                                                 torch::optim::Optimizer& optimizer,
+PERF_INLINE CompiledTrainStep::CompiledTrainStep(const std::string& path, ModuleRef module, Optimizers optimizers,
                                                  const CompiledTrainOptions& options)
-    : module_(std::move(module)), opt_(optimizer), options_(options) {
+    : module_(std::move(module)), opts_(std::move(optimizers)), options_(options) {
   // Single-threaded: the container entry point that CUDA graph capture allows.
   package_ =
       std::make_unique<detail::Package>(path, CompiledOptions().model_name(options.model_name()).single_threaded(true),
                                         "train", "perf::CompiledTrainStep");
   TORCH_CHECK(options_.accumulation_steps() >= 1, "perf::CompiledTrainOptions::accumulation_steps: must be >= 1, got ",
               options_.accumulation_steps());
+  detail::check_step_optimizers(package_->who(), opts_.list());  // here, not at the first step()
   bind_state();
   detail::warn_if_emulated_bf16(*package_);
 }
@@ -222,7 +222,7 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
     inner_.reset(new TrainStep(  // private to TrainStep: not make_unique
         "perf::CompiledTrainStep", "perf::CompiledTrainOptions", module_,
         [this](const std::vector<at::Tensor>& micro_batch, double divisor) { return micro(micro_batch, divisor); },
-        opt_, prepared, o));
+        opts_, prepared, o));
   }
   return inner_->step(prepared);
 }

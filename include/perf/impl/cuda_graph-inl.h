@@ -9,6 +9,32 @@ namespace perf {
 
 namespace detail {
 
+PERF_INLINE std::vector<optim::FusedOptimizer*> check_step_optimizers(
+    const std::string& who, const std::vector<torch::optim::Optimizer*>& opts) {
+  TORCH_CHECK(!opts.empty(), who, ": no optimizer given");
+  std::vector<optim::FusedOptimizer*> fused;
+  std::unordered_map<const c10::TensorImpl*, size_t> owner;  // parameter -> the optimizer that steps it
+  for (size_t o = 0; o < opts.size(); ++o) {
+    TORCH_CHECK(opts[o] != nullptr, who, ": optimizer ", o, " of ", opts.size(), " is null");
+    for (size_t q = 0; q < o; ++q)
+      TORCH_CHECK(opts[q] != opts[o], who, ": optimizer ", o, " is optimizer ", q, " again; give each once");
+    fused.push_back(dynamic_cast<optim::FusedOptimizer*>(opts[o]));
+    for (const auto& group : opts[o]->param_groups()) {
+      for (const auto& p : group.params()) {
+        const auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), o);
+        TORCH_CHECK(fresh || it->second == o, who, ": a parameter of shape ", shape_str(p), " is in optimizer ",
+                    it->second, " and in optimizer ", o,
+                    ": each step would update it twice; give each parameter to one optimizer");
+        TORCH_CHECK(!ddp_owns(p), who,
+                    ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
+                    "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
+                    "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
+      }
+    }
+  }
+  return fused;
+}
+
 PERF_INLINE std::string shape_str(const at::Tensor& t) {
   std::ostringstream os;
   os << t.sizes();
@@ -389,26 +415,7 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
   if (options_.max_grad_norm()) {
     TORCH_CHECK(*options_.max_grad_norm() > 0, opts, "::max_grad_norm: must be > 0, got ", *options_.max_grad_norm());
   }
-  TORCH_CHECK(!opts_.empty(), who_, ": no optimizer given");
-  std::unordered_map<const c10::TensorImpl*, size_t> owner;  // parameter -> the optimizer that steps it
-  for (size_t o = 0; o < opts_.size(); ++o) {
-    TORCH_CHECK(opts_[o] != nullptr, who_, ": optimizer ", o, " of ", opts_.size(), " is null");
-    for (size_t q = 0; q < o; ++q)
-      TORCH_CHECK(opts_[q] != opts_[o], who_, ": optimizer ", o, " is optimizer ", q, " again; give each once");
-    fused_.push_back(dynamic_cast<optim::FusedOptimizer*>(opts_[o]));
-    for (const auto& group : opts_[o]->param_groups()) {
-      for (const auto& p : group.params()) {
-        const auto [it, fresh] = owner.emplace(p.unsafeGetTensorImpl(), o);
-        TORCH_CHECK(fresh || it->second == o, who_, ": a parameter of shape ", detail::shape_str(p),
-                    " is in optimizer ", it->second, " and in optimizer ", o,
-                    ": each step would update it twice; give each parameter to one optimizer");
-        TORCH_CHECK(!detail::ddp_owns(p), who_,
-                    ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
-                    "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
-                    "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
-      }
-    }
-  }
+  fused_ = detail::check_step_optimizers(who_, opts_);
   const auto device = example[0].device();
   for (size_t i = 0; i < example.size(); ++i) {
     TORCH_CHECK(example[i].defined(), who_, ": example batch tensor ", i, " is undefined");
