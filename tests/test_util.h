@@ -297,6 +297,8 @@ class PythonServer {
 
  private:
   explicit PythonServer(const std::string& python) : python_(python), env_(environment()), process_(::getpid()) {
+    const std::string script = source_dir() + "/tests/python_server.py";
+    if (!std::ifstream(script).good()) return;  // a binary run without its sources: a Python per snippet
     int fds[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return;
     posix_spawn_file_actions_t actions;
@@ -305,7 +307,7 @@ class PythonServer {
     // Not the test's stdout and stderr: ctest waits for every process that holds them.
     posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
     posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
-    const std::string command = "exec " + python + " '" + source_dir() + "/tests/python_server.py'";
+    const std::string command = "exec " + python + " '" + script + "'";
     const char* argv[] = {"sh", "-c", command.c_str(), nullptr};
     pid_t pid = 0;
     const bool started =
