@@ -846,6 +846,50 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 // past the plain bound (a deep CNN under bf16 at initialisation: bench/e2e's),
 // the same step in float64 decides: a compiled gradient as far from it as the
 // eager one passes, a misplaced one is still refused.
+// The step over Muon and AdamW (CompiledTrain.MuonAndAdamWStepAsUnderTrainStep on the CPU) in one CUDA graph:
+// the package's kernels, the clipping, Muon's batched Newton-Schulz and both updates replayed, each lr set by a
+// scheduler between replays, against the same steps uncaptured (the same kernels: equal within 1e-6).
+TEST(CompiledTrain, OnGpuMuonAndAdamWInOneGraphTrainAsUncapturedSteps) {
+#if PERF_WITH_CUDA
+  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
+  test_util::TempDir dir;
+  const std::string pkg = cuda_train_package("mlp_train_cuda.pt2", "make_mlp", "--input 8,16 --input 8:int64", dir);
+  if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why
+  TrainReference ref("mlp_train");
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto train = [&](bool graph) {
+    Mlp mlp;
+    load_state(mlp, ref.state("init"));
+    mlp.to(cuda);
+    perf::optim::Muon muon(std::vector<at::Tensor>{mlp.fc1->weight}, perf::optim::MuonOptions(0.02));
+    perf::optim::AdamW adamw(std::vector<at::Tensor>{mlp.fc1->bias, mlp.fc2->weight, mlp.fc2->bias},
+                             perf::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+    torch::optim::StepLR muon_lr(muon, /*step_size=*/3, /*gamma=*/0.5), adamw_lr(adamw, /*step_size=*/4, 0.5);
+    perf::CompiledTrainStep step(pkg, mlp, {&muon, &adamw},
+                                 perf::CompiledTrainOptions().graph(graph).max_grad_norm(0.5));
+    std::vector<double> losses;
+    for (size_t i = 0; i < 12; ++i) {
+      losses.push_back(step.step(ref.list("x", i).to(cuda), ref.list("y", i).to(cuda)).item<double>());
+      muon_lr.step();
+      adamw_lr.step();
+    }
+    EXPECT_EQ(step.graphed(), graph);
+    std::vector<at::Tensor> params;
+    for (auto& p : mlp.parameters()) params.push_back(p.detach().cpu());
+    return std::make_pair(losses, params);
+  };
+  const auto uncaptured = train(false), graphed = train(true);
+  for (size_t i = 0; i < uncaptured.first.size(); ++i)
+    EXPECT_NEAR(graphed.first[i], uncaptured.first[i], 1e-6) << "step " << i;
+  for (size_t i = 0; i < uncaptured.second.size(); ++i)
+    EXPECT_LE(max_diff(graphed.second[i], uncaptured.second[i]), 1e-6) << "parameter " << i;
+  EXPECT_GT(max_diff(graphed.second[0], ref.state("init").at("fc1.weight").toTensor()), 0.05) << "Muon trained fc1";
+#else
+  GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
+#endif
+}
+
 TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
   const auto out = test_util::lines(test_util::exporter_python(
       "torch.manual_seed(0)\n"
