@@ -839,13 +839,6 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 #endif
 }
 
-// The exporter runs each training package once against the eager step and
-// refuses a wrong program (tools/export_compiled.py, check_compiled_step): a
-// gradient with its elements misplaced, as channels-last memory read as
-// contiguous, or a nan loss. bf16 rounding passes. Where rounding alone goes
-// past the plain bound (a deep CNN under bf16 at initialisation: bench/e2e's),
-// the same step in float64 decides: a compiled gradient as far from it as the
-// eager one passes, a misplaced one is still refused.
 // The step over Muon and AdamW (CompiledTrain.MuonAndAdamWStepAsUnderTrainStep on the CPU) in one CUDA graph:
 // the package's kernels, the clipping, Muon's batched Newton-Schulz and both updates replayed, each lr set by a
 // scheduler between replays, against the same steps uncaptured (the same kernels: equal within 1e-6).
@@ -890,6 +883,13 @@ TEST(CompiledTrain, OnGpuMuonAndAdamWInOneGraphTrainAsUncapturedSteps) {
 #endif
 }
 
+// The exporter runs each training package once against the eager step and
+// refuses a wrong program (tools/export_compiled.py, check_compiled_step): a
+// gradient with its elements misplaced, as channels-last memory read as
+// contiguous, or a nan loss. bf16 rounding passes. Where rounding alone goes
+// past the plain bound (a deep CNN under bf16 at initialisation: bench/e2e's),
+// the same step in float64 decides: a compiled gradient as far from it as the
+// eager one passes, a misplaced one is still refused.
 TEST(CompiledTrain, ExporterRefusesAStepWhoseGradientsDifferFromEager) {
   const auto out = test_util::lines(test_util::exporter_python(
       "torch.manual_seed(0)\n"
