@@ -6,9 +6,24 @@
 # markdown table. The last column is the same translation unit built the way
 # perf::perf_static's users build it (PERF_SEPARATE_COMPILATION: declarations
 # only; the definitions are compiled once, in src/perf.cpp).
-#   bash scripts/compile-cost.sh [runs]     (default 2)
+#   bash scripts/compile-cost.sh [runs] [--headers perf.h,optim.h] [--memory]
+# runs: default 2. --headers: only these headers (default: every include/perf/*.h).
+# --memory (GCC only): instead of seconds, the memory GCC allocates for each
+# translation unit (-fsyntax-only -ftime-report's TOTAL), one run each. It is
+# the same from run to run where CPU time on a shared VM moves by seconds, and
+# follows the time (docs/compile-time.md, 2026-11-30): compare changes with it.
 source "$(dirname "$0")/common.sh"
-runs=${1:-2}
+runs=2 memory=0 headers=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --memory) memory=1 ;;
+    --headers) headers=$2; shift ;;
+    --headers=*) headers=${1#--headers=} ;;
+    [0-9]*) runs=$1 ;;
+    *) echo "compile-cost: unknown argument '$1' (valid: a number of runs, --headers a.h,b.h, --memory)" >&2; exit 2 ;;
+  esac
+  shift
+done
 torch_root=$(cd "$PERF_TORCH_PREFIX/../.." && pwd)  # .../site-packages/torch
 inc="-isystem $torch_root/include -isystem $torch_root/include/torch/csrc/api/include"
 cxx=${CXX:-c++}
@@ -37,6 +52,40 @@ measure() {  # file [extra flags] -> best CPU seconds
   done
   echo "$best"
 }
+# GCC's allocation for one translation unit, in MB (deterministic for a given compiler and tree).
+allocated() {  # file [extra flags] -> MB
+  $cxx $flags ${2:-} -fsyntax-only -ftime-report "$1" 2>"$tmp/report" ||
+    { echo "compile failed: $1" >&2; cat "$tmp/report" >&2; exit 1; }
+  awk '/^ *TOTAL/ { v = $NF; u = substr(v, length(v)); v = substr(v, 1, length(v) - 1)
+                    print (u == "k" ? v / 1024 : u == "G" ? v * 1024 : v) }' "$tmp/report"
+}
+if [ -n "$headers" ]; then
+  list=""
+  for h in ${headers//,/ }; do
+    [ -f "include/perf/${h#perf/}" ] || { echo "compile-cost: no header include/perf/${h#perf/}" >&2; exit 2; }
+    list="$list include/perf/${h#perf/}"
+  done
+else
+  list=$(echo include/perf/*.h)
+fi
+if [ "$memory" = 1 ]; then
+  macros=$($cxx -dM -E -x c++ /dev/null)
+  { grep -q __GNUC__ <<<"$macros" && ! grep -q __clang__ <<<"$macros"; } || { echo "compile-cost: --memory needs GCC (-ftime-report's TOTAL)" >&2; exit 2; }
+  printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
+  torch=$(allocated "$tmp/torch.cpp")
+  echo "| header | with torch/torch.h (MB) | added over torch/torch.h (MB) | added, perf::perf_static (MB) |"
+  echo "| --- | --- | --- | --- |"
+  printf '| (torch/torch.h only) | %.0f | - | - |\n' "$torch"
+  for h in $list; do
+    name=${h#include/}
+    printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
+    w=$(allocated "$tmp/with.cpp")
+    s=$(allocated "$tmp/with.cpp" -DPERF_SEPARATE_COMPILATION)
+    printf '| `%s` | %.0f | %+.0f | %+.0f |\n' "$name" "$w" "$(python3 -c "print($w - $torch)")" \
+      "$(python3 -c "print($s - $torch)")"
+  done
+  exit 0
+fi
 printf 'int main() { return 0; }\n' >"$tmp/empty.cpp"
 printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
 base=$(measure "$tmp/empty.cpp")
@@ -44,7 +93,7 @@ torch=$(measure "$tmp/torch.cpp")
 echo "| header | alone (s) | with torch/torch.h (s) | added over torch/torch.h (s) | added, perf::perf_static (s) |"
 echo "| --- | --- | --- | --- | --- |"
 printf '| (torch/torch.h only) | - | %.1f | - | - |\n' "$torch"
-for h in include/perf/*.h; do
+for h in $list; do
   name=${h#include/}
   printf '#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/alone.cpp"
   printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
