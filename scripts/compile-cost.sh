@@ -68,38 +68,26 @@ if [ -n "$headers" ]; then
 else
   list=$(echo include/perf/*.h)
 fi
+cost=measure unit=s fmt=%.1f
 if [ "$memory" = 1 ]; then
   macros=$($cxx -dM -E -x c++ /dev/null)
   { grep -q __GNUC__ <<<"$macros" && ! grep -q __clang__ <<<"$macros"; } || { echo "compile-cost: --memory needs GCC (-ftime-report's TOTAL)" >&2; exit 2; }
-  printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
-  torch=$(allocated "$tmp/torch.cpp")
-  echo "| header | with torch/torch.h (MB) | added over torch/torch.h (MB) | added, perf::perf_static (MB) |"
-  echo "| --- | --- | --- | --- |"
-  printf '| (torch/torch.h only) | %.0f | - | - |\n' "$torch"
-  for h in $list; do
-    name=${h#include/}
-    printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
-    w=$(allocated "$tmp/with.cpp")
-    s=$(allocated "$tmp/with.cpp" -DPERF_SEPARATE_COMPILATION)
-    printf '| `%s` | %.0f | %+.0f | %+.0f |\n' "$name" "$w" "$(python3 -c "print($w - $torch)")" \
-      "$(python3 -c "print($s - $torch)")"
-  done
-  exit 0
+  cost=allocated unit=MB fmt=%.0f
 fi
 printf 'int main() { return 0; }\n' >"$tmp/empty.cpp"
 printf '#include <torch/torch.h>\nint main() { return 0; }\n' >"$tmp/torch.cpp"
-base=$(measure "$tmp/empty.cpp")
-torch=$(measure "$tmp/torch.cpp")
-echo "| header | alone (s) | with torch/torch.h (s) | added over torch/torch.h (s) | added, perf::perf_static (s) |"
+base=$($cost "$tmp/empty.cpp")
+torch=$($cost "$tmp/torch.cpp")
+echo "| header | alone ($unit) | with torch/torch.h ($unit) | added over torch/torch.h ($unit) | added, perf::perf_static ($unit) |"
 echo "| --- | --- | --- | --- | --- |"
-printf '| (torch/torch.h only) | - | %.1f | - | - |\n' "$torch"
+printf "| (torch/torch.h only) | - | $fmt | - | - |\n" "$torch"
 for h in $list; do
   name=${h#include/}
   printf '#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/alone.cpp"
   printf '#include <torch/torch.h>\n#include <%s>\nint main() { return 0; }\n' "$name" >"$tmp/with.cpp"
-  a=$(measure "$tmp/alone.cpp")
-  w=$(measure "$tmp/with.cpp")
-  s=$(measure "$tmp/with.cpp" -DPERF_SEPARATE_COMPILATION)
-  printf '| `%s` | %.1f | %.1f | %+.1f | %+.1f |\n' "$name" "$(python3 -c "print($a - $base)")" "$w" \
+  a=$($cost "$tmp/alone.cpp")
+  w=$($cost "$tmp/with.cpp")
+  s=$($cost "$tmp/with.cpp" -DPERF_SEPARATE_COMPILATION)
+  printf "| \`%s\` | $fmt | $fmt | %+${fmt#%} | %+${fmt#%} |\n" "$name" "$(python3 -c "print($a - $base)")" "$w" \
     "$(python3 -c "print($w - $torch)")" "$(python3 -c "print($s - $torch)")"
 done
