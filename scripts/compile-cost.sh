@@ -17,7 +17,7 @@ runs=2 memory=0 headers=""
 while [ $# -gt 0 ]; do
   case $1 in
     --memory) memory=1 ;;
-    --headers) headers=$2; shift ;;
+    --headers) headers=${2:?compile-cost: --headers needs a list, e.g. --headers perf.h,optim.h}; shift ;;
     --headers=*) headers=${1#--headers=} ;;
     [0-9]*) runs=$1 ;;
     *) echo "compile-cost: unknown argument '$1' (valid: a number of runs, --headers a.h,b.h, --memory)" >&2; exit 2 ;;
