@@ -198,7 +198,7 @@ TEST(Compiled, MissingCorruptWrongNameAndCudaPackagesAreClearErrors) {
       perf::CompiledModel(package("mlp.pt2"), perf::CompiledOptions().runners(static_cast<size_t>(negative))),
       "runners must be >= 1, got -2 (a negative value, converted to size_t)");
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) {
+  if (!torch::cuda::is_available()) {
     PERF_EXPECT_THROW_MSG(perf::CompiledModel(package("mlp_cuda_marked.pt2")),
                           "was compiled for CUDA, and this process sees no CUDA device");
   }
@@ -780,7 +780,7 @@ at::Tensor python_cuda_mlp(int64_t rows) {
 // ~1e-4). What remains is the kernels' summation order: 1e-5.
 TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
@@ -829,7 +829,7 @@ TEST(Compiled, OnGpuCudaPackageRunsOnTheCurrentStreamAndRefusesCapture) {
 // before keeping it. A misplaced first convolution is off by about the output's own size.
 TEST(Compiled, OnGpuChannelsLastCnnWithFrozenWeightsMatchesEager) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = test_util::cuda_test_package(
@@ -864,7 +864,7 @@ TEST(Compiled, OnGpuChannelsLastCnnWithFrozenWeightsMatchesEager) {
 // A package never called before is refused under capture (constant folding).
 TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
@@ -916,7 +916,7 @@ TEST(Compiled, OnGpuSingleThreadedPackageIsCapturedByPerfGraph) {
 // is hundreds of times longer than the calls' host time.
 TEST(Compiled, OnGpuSingleThreadedCallsDoNotWaitForTheGpu) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   TempDir dir;
   const auto pkg = export_cuda_mlp(dir);
   if (pkg.empty()) return;  // cuda_test_package failed or skipped the test, saying why

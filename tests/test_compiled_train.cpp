@@ -583,7 +583,7 @@ TEST(CompiledTrain, MismatchedModelsPackagesAndStateAreClearErrors) {
       perf::CompiledTrainStep(package("mlp_train.pt2"), mlp, opt, perf::CompiledTrainOptions().accumulation_steps(0)),
       "perf::CompiledTrainOptions::accumulation_steps: must be >= 1, got 0");
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) {
+  if (!torch::cuda::is_available()) {
     PERF_EXPECT_THROW_MSG(perf::CompiledTrainStep(package("mlp_train_cuda_marked.pt2"), mlp, opt),
                           "was compiled for CUDA, and this process sees no CUDA device");
   }
@@ -773,7 +773,7 @@ TEST(CompiledTrain, ExporterPicksTheFasterAttentionPrecisionPerShape) {
 // changing the learning rate between replays and each step's loss kept.
 TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   test_util::TempDir dir;
   const std::string pkg = cuda_train_package("mlp_train_cuda.pt2", "make_mlp", "--input 8,16 --input 8:int64", dir);
@@ -844,7 +844,7 @@ TEST(CompiledTrain, OnGpuWholeStepIsOneGraphAndMatchesEagerSteps) {
 // scheduler between replays, against the same steps uncaptured (the same kernels: equal within 1e-6).
 TEST(CompiledTrain, OnGpuMuonAndAdamWInOneGraphTrainAsUncapturedSteps) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   test_util::TempDir dir;
   const std::string pkg = cuda_train_package("mlp_train_cuda.pt2", "make_mlp", "--input 8,16 --input 8:int64", dir);
@@ -1262,7 +1262,7 @@ void expect_cuda_cnn_tracks_eager(const std::string& name, const std::string& ar
 // docs/compiled-training.md, "Channels-last on CUDA").
 TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   expect_cuda_cnn_tracks_eager("cnn_train_cl_cuda.pt2", "--amp bf16 --channels-last", "cnn_train_cl_bf16", true, 0.1,
                                0.02);
 #else
@@ -1280,7 +1280,7 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsWithFusedAdamW) {
 // gradient bound than above: autotuned convolutions may sum in another order.
 TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsUnderPerfSetupsDefaults) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings recipe{perf::Settings()};
   ASSERT_TRUE(at::globalContext().benchmarkCuDNN()) << "perf::setup()'s defaults turn cuDNN's benchmark mode on";
   expect_cuda_cnn_tracks_eager("cnn_train_cl_cuda.pt2", "--amp bf16 --channels-last", "cnn_train_cl_bf16", true, 0.1,
@@ -1295,7 +1295,7 @@ TEST(CompiledTrain, OnGpuChannelsLastBf16CnnTrainsUnderPerfSetupsDefaults) {
 // reference: the layout changes only the order of the sums.
 TEST(CompiledTrain, OnGpuContiguousBf16CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   expect_cuda_cnn_tracks_eager("cnn_train_bf16_cuda.pt2", "--amp bf16", "cnn_train_cl_bf16", false, 0.1, 0.02);
 #else
   GTEST_SKIP() << "skipped: perf built without CUDA (PERF_WITH_CUDA=0)";
@@ -1309,7 +1309,7 @@ TEST(CompiledTrain, OnGpuContiguousBf16CnnTrainsWithFusedAdamW) {
 // over the first 10 steps (the bug was 2% at step 1).
 TEST(CompiledTrain, OnGpuChannelsLastFp32CnnTrainsWithFusedAdamW) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   expect_cuda_cnn_tracks_eager("cnn_train_cl_fp32_cuda.pt2", "--channels-last", "cnn_train", true, 0.01, 0.005);
 #else
@@ -1327,7 +1327,7 @@ TEST(CompiledTrain, OnGpuChannelsLastFp32CnnTrainsWithFusedAdamW) {
 // (on the CPU the compiled step's draws equal Python eager's: the test above).
 TEST(CompiledTrain, OnGpuDropoutDrawsNewMasksInEveryReplay) {
 #if PERF_WITH_CUDA
-  if (!at::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
   perf::ScopedSettings fp32(perf::Settings().tf32(false).matmul_precision("highest"));
   test_util::TempDir dir;
   const std::string pkg =

@@ -20,11 +20,6 @@
 #include <perf/memory.h>
 #include <torch/arg.h>
 
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 #include <algorithm>
 #include <chrono>
 #include <functional>

@@ -27,11 +27,6 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 #include <functional>
 #include <map>
 #include <optional>

@@ -20,7 +20,7 @@
 #include <torch/cuda.h>
 
 #if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAEvent.h>  // at::cuda::CUDAEvent without ATen's cuBLAS/cuSOLVER includes
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif

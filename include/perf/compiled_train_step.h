@@ -85,6 +85,7 @@ class CompiledTrainStep {
                     const CompiledTrainOptions& options = CompiledTrainOptions());
   CompiledTrainStep(const CompiledTrainStep&) = delete;  // its captured step refers to it
   CompiledTrainStep& operator=(const CompiledTrainStep&) = delete;
+  ~CompiledTrainStep();
 
   /// One training step on `batch` (the tensors the package was exported for, in
   /// that order); returns its loss, owned by the caller (0-dim float32 on the
@@ -106,10 +107,10 @@ class CompiledTrainStep {
   bool graphed() const noexcept { return inner_ && inner_->graphed(); }
   /// Steps that ran uncaptured because their batch was smaller than the first one's.
   int64_t eager_steps() const noexcept { return inner_ ? inner_->eager_steps() : 0; }
-  c10::Device device() const noexcept { return package_->device(); }
+  c10::Device device() const noexcept;
   /// The recipe compiled into the step: "off", "bf16" or "fp16" autocast.
-  std::string amp() const { return package_->meta("perf.train.amp"); }
-  bool channels_last() const { return package_->meta("perf.train.channels_last") == "1"; }
+  std::string amp() const;
+  bool channels_last() const;
   /// Attention under autocast, as exported (tools/export_compiled.py --attention):
   /// "fastest", "float32" or "autocast"; "off" without autocast; "" for a package
   /// from before the option (LibTorch's policy).
@@ -117,10 +118,10 @@ class CompiledTrainStep {
     const auto it = metadata().find("perf.train.attention");
     return it == metadata().end() ? std::string() : it->second;
   }
-  const std::string& path() const noexcept { return package_->path(); }
-  const std::unordered_map<std::string, std::string>& metadata() const noexcept { return package_->metadata(); }
+  const std::string& path() const noexcept;
+  const std::unordered_map<std::string, std::string>& metadata() const noexcept;
   /// The batch tensors the package takes.
-  const std::vector<CompiledInput>& inputs() const noexcept { return package_->inputs(); }
+  const std::vector<CompiledInput>& inputs() const noexcept;
 
  private:
   struct State {

@@ -54,10 +54,10 @@
 
 #if PERF_WITH_CUDA
 #include <ATen/core/CachingHostAllocator.h>
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAEvent.h>  // at::cuda::CUDAEvent without ATen's cuBLAS/cuSOLVER includes
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -19,20 +19,17 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
-#include <perf/detail/ddp_registry.h>
-#include <perf/detail/float.h>
 #include <torch/arg.h>
-#include <torch/autograd.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+// Only the process group here: c10d's Reducer, comm and store headers are the
+// definitions' (impl/distributed-inl.h; docs/compile-time.md).
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/csrc/distributed/c10d/comm.hpp>
-#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
-#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+namespace c10d {
+class Reducer;
+}  // namespace c10d
 
 // Which backends perf can form: their headers are found. Only init_process_group's
 // body (impl/distributed-inl.h) includes c10d's ProcessGroupGloo.hpp and
@@ -55,8 +52,6 @@
 #ifndef PERF_WITH_NCCL
 #define PERF_WITH_NCCL 0
 #endif
-
-#include <unistd.h>  // gethostname
 
 #include <algorithm>
 #include <chrono>
@@ -152,6 +147,45 @@ struct DDPOptions {
   TORCH_ARG(std::string, compression) = "none";
 };
 
+namespace detail {
+
+// What DistributedDataParallel does that does not depend on the module's type:
+// the checks, rank 0's broadcast, the c10d::Reducer and the outputs' DDPSink.
+// Defined in impl/distributed-inl.h, so that c10d's Reducer and comm headers
+// are compiled there, not in every translation unit that includes this one.
+class DDPCore {
+ public:
+  DDPCore(const std::shared_ptr<torch::nn::Module>& module, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+          DDPOptions options);
+  ~DDPCore();
+  DDPCore(const DDPCore&) = delete;
+  DDPCore& operator=(const DDPCore&) = delete;
+
+  void pre_forward();
+  // Whether post_forward needs the forward's output tensors (a synchronised forward with grad).
+  bool wants_outputs() const;
+  // `outputs`: the tensors in the forward's result (empty unless wants_outputs());
+  // those that pass the DDPSink are replaced by its outputs.
+  void post_forward(const std::vector<at::Tensor*>& outputs);
+  std::vector<std::vector<size_t>> buckets() const;
+  c10d::Reducer& reducer();
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
+  const DDPOptions& options() const noexcept { return options_; }
+  const std::vector<at::Tensor>& parameters() const noexcept { return params_; }
+  bool sync = true;  // false under no_sync()
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  DDPOptions options_;
+  std::vector<at::Tensor> params_, buffers_;
+  std::unique_ptr<c10d::Reducer> reducer_;
+  bool sync_buffers_next_ = true;          // Python's require_forward_param_sync
+  c10::intrusive_ptr<DDPSinkState> sink_;  // what the outputs' DDPSink reaches in backward
+};
+
+}  // namespace detail
+
 /// Wraps a module for data-parallel training, as Python's DDP does, on the same
 /// engine: c10d::Reducer buckets the gradients and all-reduces (averages) them
 /// across the process group while backward runs. Every rank must construct it
@@ -161,11 +195,11 @@ template <typename ModuleImpl>
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<ModuleImpl> module, c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                          DDPOptions options = DDPOptions());
+                          DDPOptions options = DDPOptions())
+      : module_(std::move(module)), core_(module_, std::move(process_group), std::move(options)) {}
   DistributedDataParallel(const torch::nn::ModuleHolder<ModuleImpl>& module,
                           c10::intrusive_ptr<c10d::ProcessGroup> process_group, DDPOptions options = DDPOptions())
       : DistributedDataParallel(module.ptr(), std::move(process_group), std::move(options)) {}
-  ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
@@ -179,8 +213,8 @@ class DistributedDataParallel {
   /// the accumulated sum.
   class NoSyncGuard {
    public:
-    explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), prev_(ddp.sync_) { ddp_.sync_ = false; }
-    ~NoSyncGuard() { ddp_.sync_ = prev_; }
+    explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), prev_(ddp.core_.sync) { ddp_.core_.sync = false; }
+    ~NoSyncGuard() { ddp_.core_.sync = prev_; }
     NoSyncGuard(const NoSyncGuard&) = delete;
     NoSyncGuard& operator=(const NoSyncGuard&) = delete;
 
@@ -192,28 +226,20 @@ class DistributedDataParallel {
 
   const std::shared_ptr<ModuleImpl>& module() const noexcept { return module_; }
   ModuleImpl* operator->() const noexcept { return module_.get(); }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
-  const DDPOptions& options() const noexcept { return options_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return core_.process_group(); }
+  const DDPOptions& options() const noexcept { return core_.options(); }
   /// The parameters the Reducer synchronises (those requiring grad), in order.
-  const std::vector<at::Tensor>& parameters() const noexcept { return params_; }
+  const std::vector<at::Tensor>& parameters() const noexcept { return core_.parameters(); }
   /// Indices into parameters() per gradient bucket, in the order the Reducer
   /// reduces them (after the first iteration: the order gradients became ready).
-  std::vector<std::vector<size_t>> buckets() const;
-  c10d::Reducer& reducer() { return *reducer_; }
+  std::vector<std::vector<size_t>> buckets() const { return core_.buckets(); }
+  /// c10d's Reducer, for what perf does not wrap. perf::perf_static declares it only: include
+  /// <torch/csrc/distributed/c10d/reducer.hpp> to call it.
+  c10d::Reducer& reducer() { return core_.reducer(); }
 
  private:
-  void pre_forward();
-  template <typename Out>
-  Out post_forward(Out out);
-
   std::shared_ptr<ModuleImpl> module_;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  DDPOptions options_;
-  std::vector<at::Tensor> params_, buffers_;
-  std::unique_ptr<c10d::Reducer> reducer_;
-  bool sync_ = true;
-  bool sync_buffers_next_ = true;                  // Python's require_forward_param_sync
-  c10::intrusive_ptr<detail::DDPSinkState> sink_;  // what the outputs' DDPSink reaches in backward
+  detail::DDPCore core_;
 };
 
 template <typename ModuleImpl>
@@ -276,66 +302,6 @@ void for_each_tensor(std::unordered_map<K, V>& m, F& f) {
   for (auto& kv : m) for_each_tensor(kv.second, f);
 }
 
-// c10d's FP16_COMPRESS scheme in bfloat16: divide, compress, all-reduce, decompress.
-class BF16CompressHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
- public:
-  explicit BF16CompressHook(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) : CppCommHookInterface(pg) {}
-  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
-    compressed.div_(state_->getSize());
-    std::vector<at::Tensor> tensors = {compressed};
-    auto fut = state_->allreduce(tensors)->getFuture();
-    at::Tensor out = bucket.getBufferRef();
-    return fut->then(
-        [out](c10::ivalue::Future& f) {
-          out.copy_(f.value().toTensorVector().at(0));
-          return c10::IValue(out);
-        },
-        c10::TensorType::get());
-  }
-};
-
-// What DDPSink's backward reaches: the Reducer (null once the DDP is gone),
-// and Python's _static_graph_delay_allreduce_enqueued. Shared with the autograd
-// graph, which may outlive the DDP.
-struct DDPSinkState : torch::CustomClassHolder {
-  c10d::Reducer* reducer = nullptr;
-  bool static_graph = false;
-  bool delay_all_reduce_enqueued = false;
-};
-
-// Python's _DDPSink, through which the forward's outputs pass (those with a
-// grad_fn). Its backward runs for every output once the loss's backward reaches
-// it, handing the outputs left out of the loss an undefined gradient: their
-// parameters' hooks then fire, so find_unused_parameters' Reducer (which found
-// them from the outputs) finishes the iteration. Under static_graph, in the
-// first iteration the Reducer only records which parameters are used; the
-// callback it queues all-reduces everything at the end of that backward.
-struct DDPSink : public torch::autograd::Function<DDPSink> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList outputs,
-                                                const c10::intrusive_ptr<DDPSinkState>& state) {
-    ctx->set_materialize_grads(false);  // an output left out of the loss keeps an undefined gradient
-    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    torch::autograd::variable_list out;
-    for (const auto& t : outputs) out.push_back(t.clone());
-    return out;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto s = c10::static_intrusive_pointer_cast<DDPSinkState>(ctx->saved_data["state"].toCapsule());
-    TORCH_CHECK(s->reducer != nullptr,
-                "perf::DistributedDataParallel: backward ran after the DistributedDataParallel that made its forward "
-                "was destroyed; keep it alive until backward");
-    if (s->static_graph && !s->delay_all_reduce_enqueued) {
-      auto* reducer = s->reducer;
-      torch::autograd::Engine::get_default_engine().queue_callback([reducer] { reducer->delay_all_reduce(); });
-      s->delay_all_reduce_enqueued = true;
-    }
-    grads.emplace_back();  // for `state`
-    return grads;
-  }
-};
-
 PERF_INLINE std::string resolve_backend(const std::string& b);
 
 }  // namespace detail
@@ -347,170 +313,16 @@ PERF_INLINE c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Proc
 // ---------------------------------------------------------------------------
 
 template <typename ModuleImpl>
-DistributedDataParallel<ModuleImpl>::DistributedDataParallel(std::shared_ptr<ModuleImpl> module,
-                                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                                                             DDPOptions options)
-    : module_(std::move(module)), pg_(std::move(process_group)), options_(std::move(options)) {
-  TORCH_CHECK(module_ != nullptr, "perf::DistributedDataParallel: the module is empty (nullptr)");
-  TORCH_CHECK(pg_,
-              "perf::DistributedDataParallel: the process group is empty; create it with "
-              "perf::init_process_group()");
-  TORCH_CHECK(options_.bucket_cap_mb() > 0, "perf::DDPOptions::bucket_cap_mb: must be > 0 MiB, got ",
-              options_.bucket_cap_mb());
-  TORCH_CHECK(!options_.first_bucket_cap_mb() || *options_.first_bucket_cap_mb() > 0,
-              "perf::DDPOptions::first_bucket_cap_mb: must be > 0 MiB, got ",
-              options_.first_bucket_cap_mb().value_or(0));
-  const std::string& comp = options_.compression();
-  TORCH_CHECK(comp == "none" || comp == "fp16" || comp == "bf16", "perf::DDPOptions::compression: invalid value \"",
-              comp, "\"; valid values: \"none\", \"fp16\", \"bf16\"");
-  TORCH_CHECK(!(options_.static_graph() && options_.find_unused_parameters()),
-              "perf::DDPOptions: static_graph(true) already handles unused parameters; leave "
-              "find_unused_parameters(false) (Python's DDP warns about the same combination)");
-
-  std::unordered_map<size_t, std::string> names;
-  std::vector<at::Tensor> state;
-  // A tensor registered under two names (tied weights) is one parameter, as Python's DDP keeps a shared parameter
-  // once: LibTorch's named_parameters() lists it once per name, and the Reducer would reduce it once per entry.
-  std::unordered_set<const void*> seen;
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    state.push_back(item.value());
-    if (!item.value().requires_grad()) continue;
-    names[params_.size()] = item.key();
-    params_.push_back(item.value());
-  }
-  TORCH_CHECK(!params_.empty(),
-              "perf::DistributedDataParallel: the module has no parameter that requires grad; nothing to synchronise");
-  for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(params_[i].device() == params_[0].device(), "perf::DistributedDataParallel: parameter '", names[i],
-                "' is on ", params_[i].device(), " but '", names[0], "' is on ", params_[0].device(),
-                "; put the whole model on one device (this process's GPU, or the CPU)");
-    TORCH_CHECK(params_[i].layout() == at::kStrided, "perf::DistributedDataParallel: parameter '", names[i],
-                "' is sparse; only dense parameters are supported");
-  }
-  for (const auto& b : module_->buffers(/*recurse=*/true)) {
-    if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers_.push_back(b);
-  }
-  state.insert(state.end(), buffers_.begin(), buffers_.end());
-
-  // The same model on every rank (count, shapes, dtypes: c10d's own check), then rank 0's values everywhere.
-  c10d::verify_params_across_processes(pg_, params_, std::nullopt);
-  if (pg_->getSize() > 1) {
-    torch::NoGradGuard no_grad;
-    c10d::broadcast_coalesced(pg_, state, detail::kBroadcastBucketBytes, 0);
-  }
-
-  // As Python's DDP: without find_unused_parameters the first iteration runs with
-  // one bucket and the Reducer rebuilds them in the order gradients became ready
-  // (first bucket first_bucket_cap_mb, then bucket_cap_mb); with it, the buckets
-  // are sized now, in reverse parameter order.
-  const auto mib = [](double m) { return static_cast<size_t>(m * 1024.0 * 1024.0); };
-  const size_t cap = std::max<size_t>(1, mib(options_.bucket_cap_mb()));
-  const double first_mb = options_.first_bucket_cap_mb().value_or(
-      detail::same_value(options_.bucket_cap_mb(), 25.0) ? 1.0 : options_.bucket_cap_mb());
-  const size_t first = std::max<size_t>(1, std::min(cap, mib(first_mb)));
-  const std::vector<bool> sparse(params_.size(), false);
-  const std::vector<size_t> limits_in = options_.static_graph() || !options_.find_unused_parameters()
-                                            ? std::vector<size_t>{std::numeric_limits<size_t>::max()}
-                                            : std::vector<size_t>{first, cap};
-  auto indices = std::get<0>(c10d::compute_bucket_assignment_by_size(params_, limits_in, sparse));
-  std::reverse(indices.begin(), indices.end());
-  reducer_ = std::make_unique<c10d::Reducer>(
-      params_, indices, pg_, sparse, static_cast<int64_t>(cap), options_.find_unused_parameters(),
-      options_.gradient_as_bucket_view(), names, static_cast<int64_t>(first),
-      /*skip_all_reduce_unused_params=*/false,
-      /*use_python_reducer=*/false,
-      /*bucket_bytes_cap_list=*/std::vector<int64_t>{});  // empty: rebuild with first/cap
-  if (comp == "fp16") {
-    reducer_->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
-  } else if (comp == "bf16") {
-    reducer_->register_comm_hook(std::make_unique<detail::BF16CompressHook>(pg_));
-  }
-  if (options_.static_graph()) reducer_->set_static_graph();
-  sink_ = c10::make_intrusive<detail::DDPSinkState>();
-  sink_->reducer = reducer_.get();
-  sink_->static_graph = options_.static_graph();
-  detail::ddp_register(params_, +1);
-}
-
-template <typename ModuleImpl>
-DistributedDataParallel<ModuleImpl>::~DistributedDataParallel() {
-  if (sink_) sink_->reducer = nullptr;
-  detail::ddp_register(params_, -1);
-}
-
-template <typename ModuleImpl>
-std::vector<std::vector<size_t>> DistributedDataParallel<ModuleImpl>::buckets() const {
-  std::unordered_map<const void*, size_t> index;
-  for (size_t i = 0; i < params_.size(); ++i) index[params_[i].unsafeGetTensorImpl()] = i;
-  std::vector<std::vector<size_t>> out;
-  for (const auto& bucket : reducer_->get_grad_buckets(/*return_zero_tensors=*/false)) {
-    out.emplace_back();
-    for (const auto& p : bucket.getParameters()) out.back().push_back(index.at(p.unsafeGetTensorImpl()));
-  }
-  return out;
-}
-
-template <typename ModuleImpl>
 template <typename... Args>
 auto DistributedDataParallel<ModuleImpl>::operator()(Args&&... args) {
-  pre_forward();
-  return post_forward(module_->forward(std::forward<Args>(args)...));
-}
-
-template <typename ModuleImpl>
-void DistributedDataParallel<ModuleImpl>::pre_forward() {
-  const bool grad = at::GradMode::is_enabled();
-  // The Reducer takes its first backward for the iteration that learns the graph.
-  TORCH_CHECK(!(grad && !sync_ && options_.static_graph() && !sink_->delay_all_reduce_enqueued),
-              "perf::DistributedDataParallel: static_graph(true) learns the graph in the first synchronised "
-              "iteration, so no_sync() cannot come before it (Python's DDP fails an internal assert there); run the "
-              "first iteration synchronised, then accumulate under no_sync()");
-  if (grad && sync_) reducer_->prepare_for_forward();
-  // Before the forward's activations exist: rebuilding allocates new buckets.
-  if (grad) reducer_->rebuild_buckets();
-  if (sync_buffers_next_ && options_.broadcast_buffers() && !buffers_.empty() && pg_->getSize() > 1) {
-    torch::NoGradGuard no_grad;
-    c10d::broadcast_coalesced(pg_, buffers_, detail::kBroadcastBucketBytes, 0);
-  }
-}
-
-template <typename ModuleImpl>
-template <typename Out>
-Out DistributedDataParallel<ModuleImpl>::post_forward(Out out) {
-  if (!(at::GradMode::is_enabled() && sync_)) {
-    sync_buffers_next_ = false;
-    return out;
-  }
-  sync_buffers_next_ = true;
+  core_.pre_forward();
+  auto out = module_->forward(std::forward<Args>(args)...);
   std::vector<at::Tensor*> found;
-  auto find = [&found](at::Tensor& t) { found.push_back(&t); };
-  detail::for_each_tensor(out, find);
-  const bool find_unused = options_.find_unused_parameters() && !options_.static_graph();
-  const bool sink = find_unused || (options_.static_graph() && !sink_->delay_all_reduce_enqueued);
-  TORCH_CHECK(!sink || !found.empty(), "perf::DistributedDataParallel: ",
-              find_unused ? "find_unused_parameters(true) walks the autograd graph from the forward's outputs"
-                          : "static_graph(true) all-reduces the first iteration's gradients from the forward's outputs",
-              ", but forward returned no tensor perf can find (supported: a Tensor, and std::vector, std::tuple, "
-              "std::pair, std::map and std::unordered_map of them, nested)");
-  std::vector<at::Tensor> outputs;
-  if (find_unused) {
-    for (auto* t : found) outputs.push_back(*t);
+  if (core_.wants_outputs()) {
+    auto find = [&found](at::Tensor& t) { found.push_back(&t); };
+    detail::for_each_tensor(out, find);
   }
-  reducer_->prepare_for_backward(outputs);
-  if (sink) {
-    std::vector<at::Tensor> through;
-    std::vector<at::Tensor*> where;
-    for (auto* t : found) {
-      if (!t->grad_fn()) continue;  // as Python: a tensor without grad_fn is left alone
-      through.push_back(*t);
-      where.push_back(t);
-    }
-    if (!through.empty()) {
-      auto passed = detail::DDPSink::apply(at::TensorList(through), sink_);
-      for (size_t i = 0; i < where.size(); ++i) *where[i] = std::move(passed[i]);
-    }
-  }
+  core_.post_forward(found);
   return out;
 }
 

@@ -10,12 +10,6 @@
 #include <perf/setup.h>
 #include <torch/version.h>
 
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/detail/CUDAHooksInterface.h>
-#include <cuda_runtime_api.h>
-#endif
-
 #include <cstdint>
 #include <iomanip>
 #include <mutex>

@@ -15,12 +15,6 @@
 #include <perf/gpu_monitor.h>
 #include <perf/memory.h>
 #include <torch/arg.h>
-
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 #include <unistd.h>
 
 #include <chrono>

@@ -25,12 +25,6 @@
 #include <torch/arg.h>
 #include <torch/version.h>
 
-#if PERF_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAFunctions.h>
-#endif
-
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
 #endif

@@ -6,6 +6,13 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <perf/amp.h>
+
+// CUDA's headers only here, where the definitions use them: a perf::perf_static user's
+// translation unit does not compile them (docs/compile-time.md).
+#if PERF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/library.h>
 

@@ -3,9 +3,192 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <caffe2/serialize/inline_container.h>
 #include <perf/compiled_model.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner.h>
+
+#if PERF_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace perf {
+
+namespace detail {
+
+// An opened AOTInductor package: metadata, device, ISA and loader, shared by
+// CompiledModel (inference) and CompiledTrainStep (training).
+class Package {
+ public:
+  // `kind`: "inference" or "train", what the caller runs; `who` names it in errors.
+  Package(const std::string& path, const CompiledOptions& options, const std::string& kind, const std::string& who)
+      : path_(path),
+        single_threaded_(options.single_threaded().value_or(options.runners() == 1)),
+        who_(who + " '" + path + "'") {
+    detail::check_count(options.runners(), 1, "perf::CompiledOptions::runners");
+    TORCH_CHECK(!single_threaded_ || options.runners() == 1,
+                "perf::CompiledOptions: single_threaded(true) runs one model instance, so runners(", options.runners(),
+                ") would not run at once; for several threads at once leave single_threaded unset (or false), for one "
+                "caller leave runners at 1");
+    TORCH_CHECK(std::ifstream(path).good(), who, ": cannot open '", path,
+                "' (no such file or not readable). Write packages with tools/export_compiled.py.");
+    try {
+      metadata_ = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, options.model_name());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, who, ": '", path, "' is not a readable AOTInductor package for model '", options.model_name(),
+                  "': ", e.what());
+    }
+    const std::string has = metadata_.count("perf.kind") ? metadata_.at("perf.kind") : "inference";
+    TORCH_CHECK(has == kind, who, ": '", path, "' was exported for ",
+                has == "train" ? "training (tools/export_compiled.py --train): run it with perf::CompiledTrainStep"
+                               : "inference: export the training step with tools/export_compiled.py --train",
+                "");
+    const std::string device = metadata_.count("AOTI_DEVICE_KEY") ? metadata_.at("AOTI_DEVICE_KEY") : "cpu";
+    TORCH_CHECK(device == "cpu" || device == "cuda", who, ": '", path, "' was compiled for '", device,
+                "'; perf runs cpu and cuda packages");
+    if (device == "cuda") {
+#if PERF_WITH_CUDA
+      TORCH_CHECK(c10::cuda::device_count() > 0, who, ": '", path,
+                  "' was compiled for CUDA, and this process sees no CUDA device. Export a CPU package "
+                  "(tools/export_compiled.py --device cpu) to run here.");
+      const auto index = options.device_index() >= 0 ? options.device_index() : c10::cuda::current_device();
+      TORCH_CHECK(index < c10::cuda::device_count(), "perf::CompiledOptions::device_index ", static_cast<int>(index),
+                  " is out of range: this process sees ", static_cast<int>(c10::cuda::device_count()), " GPU(s)");
+      device_ = c10::Device(c10::kCUDA, index);
+#else
+      TORCH_CHECK(false, who, ": '", path,
+                  "' was compiled for CUDA, and this program was built without CUDA (PERF_WITH_CUDA=0). Export a "
+                  "CPU package (tools/export_compiled.py --device cpu) or build with CUDA.");
+#endif
+    } else if (metadata_.count("AOTI_CPU_ISA")) {
+      const auto missing = missing_cpu_isa(metadata_.at("AOTI_CPU_ISA"));
+      TORCH_CHECK(missing.empty(), who, ": '", path, "' was compiled for CPUs with ", metadata_.at("AOTI_CPU_ISA"),
+                  "; this CPU lacks ", missing, ". Export it again on (or for) this machine.");
+    }
+    if (metadata_.count("perf.inputs")) {
+      const auto n = static_cast<size_t>(to_int(metadata_.at("perf.inputs"), "perf.inputs"));
+      for (size_t i = 0; i < n; ++i) {
+        const auto key = "perf.input." + std::to_string(i);
+        TORCH_CHECK(metadata_.count(key), who, ": '", path, "' lacks metadata ", key);
+        inputs_.push_back(parse_input(metadata_.at(key), i));
+      }
+      inputs_from_ = "perf metadata";
+    }
+    try {
+      loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          path, options.model_name(), single_threaded_, options.runners(),
+          device_.is_cuda() ? device_.index() : static_cast<c10::DeviceIndex>(-1));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, who, ": loading '", path, "' failed: ", e.what());
+    }
+  }
+
+  // Runs the generated code on the current stream (inputs already checked).
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) {
+    void* stream = nullptr;
+#if PERF_WITH_CUDA
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (device_.is_cuda()) {
+      guard.emplace(device_);
+      const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+      TORCH_CHECK(!capturing || single_threaded_, who_,
+                  ": this package was opened multi-threaded, and LibTorch's multi-threaded AOTInductor container "
+                  "queries and records a completion event each run, which CUDA graph capture forbids (and which "
+                  "would break every later call). Open it single-threaded to capture it (perf's default with one "
+                  "runner: leave perf::CompiledOptions().runners at 1 and single_threaded unset or true), or call "
+                  "it outside the capture.");
+      // The container's first call folds the package's constants into new
+      // device memory (model_container.h); captured, that memory would come
+      // from the graph's pool and be freed with the graph while the container
+      // keeps using it. (Folding ahead through the runner's run_const_fold is
+      // no way out: it parks the container's only model in pending_models_,
+      // and run_single_threaded then indexes an empty available_models_.)
+      TORCH_CHECK(!capturing || ran_.load(), who_,
+                  ": its first call folds the package's constants into new device memory, which must not happen "
+                  "under CUDA graph capture (it would live in the graph's memory pool and be freed with the graph). "
+                  "Call it once outside the capture first (perf::graph does with GraphOptions().warmup() >= 1).");
+      stream = static_cast<void*>(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+    }
+#endif
+    // The single-threaded entry point is not safe for two callers at once (the model instance's
+    // state, its lazily loaded kernels): perf lets one call in at a time, so any thread may call.
+    // Each call only launches its kernels on its stream; it does not wait for the GPU.
+    std::unique_lock<std::mutex> one_at_a_time(single_call_, std::defer_lock);
+    if (single_threaded_) one_at_a_time.lock();
+    if (!ran_.load()) {
+      // LibTorch's container (aoti_runtime/model_container.h, run) folds the
+      // constants on its first run under an exclusive lock it takes after
+      // giving up its shared one, while a caller that finds no free model
+      // instance waits for one holding its shared lock: more first callers
+      // than runners can deadlock (pytorch/pytorch#181941, not in torch 2.11).
+      // The first call goes alone; capture is refused above until it has run.
+      std::lock_guard<std::mutex> alone(first_run_);
+      if (!ran_.load()) {
+        auto outputs = run_package(inputs, stream);
+        ran_ = true;
+        return outputs;
+      }
+    }
+    return run_package(inputs, stream);
+  }
+
+  const std::string& path() const noexcept { return path_; }
+  bool single_threaded() const noexcept { return single_threaded_; }
+  const std::string& who() const noexcept { return who_; }
+  c10::Device device() const noexcept { return device_; }
+  const std::vector<CompiledInput>& inputs() const noexcept { return inputs_; }
+  /// Where inputs() came from: "perf metadata", "generated code", or "" (none).
+  const std::string& inputs_from() const noexcept { return inputs_from_; }
+  void set_inputs(std::vector<CompiledInput> inputs, std::string from) {
+    inputs_ = std::move(inputs);
+    inputs_from_ = std::move(from);
+  }
+  const std::unordered_map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  std::string meta(const std::string& key) const {
+    const auto it = metadata_.find(key);
+    TORCH_CHECK(it != metadata_.end(), who_, " lacks metadata ", key, " (exported by an older tool? export it again)");
+    return it->second;
+  }
+  torch::inductor::AOTIModelPackageLoader& loader() { return *loader_; }
+
+ private:
+  // The error names the package. Where the package's code failed, LibTorch 2.11's runner says only which
+  // of its calls did ("run_func_(...) API call failed at model_container_runner.cpp", a std::runtime_error):
+  // the cause went to stderr, where that code logs it, and the error says so. Later runners raise the
+  // cause itself as a c10::Error. Out of memory stays a c10::OutOfMemoryError (perf::find_max_batch_size).
+  std::vector<at::Tensor> run_package(const std::vector<at::Tensor>& inputs, void* stream) {
+    try {
+      return loader_->run(inputs, stream);
+    } catch (const c10::OutOfMemoryError& e) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, who_, ": the package's run failed: ", e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, who_, ": the package's run failed: ", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      const bool logged = std::string(e.what()).find("API call failed") != std::string::npos;
+      TORCH_CHECK(false, who_, ": the package's run failed: ", e.what(),
+                  logged ? ". The package's code wrote the cause to stderr just before (AOTInductor's lines "
+                           "\"Exception in aoti_torch: ...\" and \"Error: ...\")"
+                         : "");
+    }
+  }
+
+  std::string path_;
+  bool single_threaded_;
+  std::string who_;
+  std::unordered_map<std::string, std::string> metadata_;
+  std::vector<CompiledInput> inputs_;
+  std::string inputs_from_;
+  c10::Device device_ = c10::kCPU;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::atomic<bool> ran_{false};  // a call outside capture has run (constants folded)
+  std::mutex first_run_;          // held by the first call until it has run
+  std::mutex single_call_;        // single-threaded: held by the call running
+};
+
+}  // namespace detail
 
 namespace detail {
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <perf/compiled_train_step.h>
+#include <perf/impl/compiled_model-inl.h>  // detail::Package
 
 namespace perf {
 
@@ -31,6 +32,23 @@ PERF_INLINE CompiledTrainStep::CompiledTrainStep(const std::string& path, Module
   bind_state();
   detail::warn_if_emulated_bf16(*package_);
 }
+
+// Out of line: detail::Package is complete only in the definitions (impl/compiled_model-inl.h).
+PERF_INLINE CompiledTrainStep::~CompiledTrainStep() = default;
+
+PERF_INLINE c10::Device CompiledTrainStep::device() const noexcept { return package_->device(); }
+
+PERF_INLINE std::string CompiledTrainStep::amp() const { return package_->meta("perf.train.amp"); }
+
+PERF_INLINE bool CompiledTrainStep::channels_last() const { return package_->meta("perf.train.channels_last") == "1"; }
+
+PERF_INLINE const std::string& CompiledTrainStep::path() const noexcept { return package_->path(); }
+
+PERF_INLINE const std::unordered_map<std::string, std::string>& CompiledTrainStep::metadata() const noexcept {
+  return package_->metadata();
+}
+
+PERF_INLINE const std::vector<CompiledInput>& CompiledTrainStep::inputs() const noexcept { return package_->inputs(); }
 
 PERF_INLINE std::string CompiledTrainStep::layout_hint() const {
   return channels_last() ? " The package was exported with --channels-last: call perf::to_channels_last(model) "

@@ -5,6 +5,14 @@
 
 #include <perf/environment.h>
 
+// CUDA's headers only here, where the definitions use them: a perf::perf_static user's
+// translation unit does not compile them (docs/compile-time.md).
+#if PERF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <cuda_runtime_api.h>
+#endif
+
 namespace perf {
 
 PERF_INLINE Environment environment() {

@@ -5,6 +5,13 @@
 
 #include <perf/progress.h>
 
+// CUDA's headers only here, where the definitions use them: a perf::perf_static user's
+// translation unit does not compile them (docs/compile-time.md).
+#if PERF_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace perf {
 
 namespace detail {
