@@ -56,6 +56,12 @@
 #include <utility>
 #include <vector>
 
+// AOTInductor's loader, declared only: its headers are the definitions'
+// (impl/compiled_model-inl.h), which perf::perf_static compiles once.
+namespace torch::inductor {
+class AOTIModelPackageLoader;
+}  // namespace torch::inductor
+
 namespace perf {
 
 struct CompiledOptions {
@@ -97,16 +103,6 @@ std::ostream& operator<<(std::ostream& out, const CompiledInput& input);
 namespace detail {
 class Package;
 }  // namespace detail
-
-}  // namespace perf
-
-// AOTInductor's loader, declared only: its headers are the definitions'
-// (impl/compiled_model-inl.h), which perf::perf_static compiles once.
-namespace torch::inductor {
-class AOTIModelPackageLoader;
-}  // namespace torch::inductor
-
-namespace perf {
 
 /// Copies share the loaded package (like a module holder), so a copy can be
 /// handed to perf::graph: `auto g = perf::graph(model, x);`. A CPU package that
