@@ -9,6 +9,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "../bench/e2e/models.h"
 #include "test_util.h"
@@ -76,6 +79,17 @@ TEST(Graph, SameResultsAsEagerAndOutputsTheCallerKeeps) {
   views(x2);
   EXPECT_TRUE(torch::equal(v1, y2)) << "clone_outputs(false): views of the static output, overwritten by the next call";
   EXPECT_EQ(g.captures(), 0) << "eager on the CPU: nothing captured";
+  // Move-only, its moves and destructor compiled with the capture code (perf::perf_static's, not the caller's):
+  // the graph works where it was moved to.
+  static_assert(std::is_nothrow_move_constructible_v<perf::Graphed<at::Tensor>> &&
+                !std::is_copy_constructible_v<perf::Graphed<at::Tensor>>);
+  std::vector<perf::Graphed<at::Tensor>> moved;
+  moved.push_back(std::move(g));
+  EXPECT_TRUE(torch::equal(moved[0](x2), model->forward(x2)));
+  moved.push_back(std::move(views));
+  moved.front() = std::move(moved.back());
+  moved.pop_back();
+  EXPECT_TRUE(torch::equal(moved[0](x1), model->forward(x1)));
 }
 
 TEST(Graph, BucketsPadToTheNextSizeAndSliceBack) {
@@ -144,8 +158,9 @@ struct Run {
   torch::Tensor w;
 };
 
+// moved: the TrainStep is moved after its capture and trains from where it was moved to.
 Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false,
-          const perf::TrainStepOptions& options = {}, torch::Dtype dtype = torch::kFloat) {
+          const perf::TrainStepOptions& options = {}, torch::Dtype dtype = torch::kFloat, bool moved = false) {
   torch::manual_seed(0);
   auto model = deep_mlp();
   model->to(device, dtype);
@@ -161,7 +176,10 @@ Run train(bool use_trainstep, torch::Device device, int steps, bool flat = false
   }
   Run r;
   if (use_trainstep) {
-    perf::TrainStep step(*model, loss_fn, opt, xs[0], ts[0], options);
+    perf::TrainStep made(*model, loss_fn, opt, xs[0], ts[0], options);
+    std::optional<perf::TrainStep> moved_to;
+    if (moved) moved_to.emplace(std::move(made));
+    perf::TrainStep& step = moved ? *moved_to : made;
     EXPECT_EQ(step.graphed(), device.is_cuda());
     for (size_t i = 0; i < xs.size(); ++i) r.losses.push_back(step.step(xs[i], ts[i]).item<double>());
     if (flat) {  // the replayed (or eager) steps kept every gradient in the flat buffer
@@ -193,6 +211,27 @@ TEST(TrainStep, MatchesTheEagerLoop) {
   EXPECT_TRUE(torch::equal(stepped.w, eager.w));
   const auto& l = eager.losses;
   EXPECT_LT(l[55] + l[56] + l[57] + l[58] + l[59], l[0] + l[1] + l[2] + l[3] + l[4]) << "it trains";
+}
+
+// TrainStep is move-only, its moves and destructor compiled with the capture code (perf::perf_static's, not the
+// caller's): a step moved after it was made trains as the one that stayed.
+TEST(TrainStep, AStepMovedAfterItWasMadeTrainsAsTheOneThatStayed) {
+  static_assert(std::is_nothrow_move_constructible_v<perf::TrainStep> &&
+                !std::is_copy_constructible_v<perf::TrainStep>);
+  const auto stayed = train(true, torch::kCPU, 20);
+  const auto moved = train(true, torch::kCPU, 20, false, {}, torch::kFloat, /*moved=*/true);
+  EXPECT_EQ(moved.losses, stayed.losses);
+  EXPECT_TRUE(torch::equal(moved.w, stayed.w));
+}
+
+// The same on CUDA, where the step moved is a captured graph: its replays, from where it was moved to, give the
+// same losses and weights as the one that stayed.
+TEST(TrainStep, OnGpuAStepMovedAfterItsCaptureReplaysAsTheOneThatStayed) {
+  if (!has_cuda()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  const auto stayed = train(true, torch::kCUDA, 20);
+  const auto moved = train(true, torch::kCUDA, 20, false, {}, torch::kFloat, /*moved=*/true);
+  EXPECT_EQ(moved.losses, stayed.losses);
+  EXPECT_TRUE(torch::equal(moved.w, stayed.w));
 }
 
 // The e2e benchmark's jobs (bench/e2e): TrainStep's losses, kept one per step
@@ -564,6 +603,13 @@ TEST(Graph, OnGpuReplayIsBitIdenticalToEager) {
     // Eager on the same padded shape runs the same kernels: bit-identical.
     const auto ref = model->forward(torch::cat({xb, torch::zeros({bucket_of(b) - b, 16}, torch::kCUDA)}));
     EXPECT_TRUE(torch::equal(g(xb), ref.narrow(0, 0, b))) << "batch " << b;
+  }
+  {  // moved, the graphs replay where they were moved to
+    auto moved = std::move(g);
+    EXPECT_TRUE(moved.graphed());
+    const auto xb = torch::randn({8, 16}, torch::kCUDA);
+    torch::NoGradGuard ng;
+    EXPECT_TRUE(torch::equal(moved(xb), model->forward(xb)));
   }
   // Dropout inside the graph: fresh randomness per replay, as in PyTorch.
   auto drop = perf::graph([](const torch::Tensor& t) { return torch::dropout(t, 0.5, true); },

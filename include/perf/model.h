@@ -13,7 +13,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/core/ivalue.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ScopeExit.h>
@@ -21,12 +20,9 @@
 #include <perf/bench.h>
 #include <perf/config.h>
 #include <perf/cuda_graph.h>
-#include <perf/detail/rng.h>
 #include <perf/memory_format.h>
 #include <perf/module.h>
 #include <torch/arg.h>
-#include <torch/autograd.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -34,7 +30,6 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
-#include <iomanip>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -598,106 +593,6 @@ auto Optimized<M>::eager_forward(Args&&... args) {
   }
   return out;
 }
-
-namespace detail {
-
-// The CPU and CUDA autocast settings of this thread, and its weight cache's.
-struct AutocastState {
-  bool cpu = false, cuda = false;
-  c10::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
-  bool cache = true;
-  static AutocastState current() {
-    return {at::autocast::is_autocast_enabled(at::kCPU), at::autocast::is_autocast_enabled(at::kCUDA),
-            at::autocast::get_autocast_dtype(at::kCPU), at::autocast::get_autocast_dtype(at::kCUDA),
-            at::autocast::is_autocast_cache_enabled()};
-  }
-  void apply() const {
-    at::autocast::set_autocast_enabled(at::kCPU, cpu);
-    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-    at::autocast::set_autocast_enabled(at::kCUDA, cuda);
-    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
-    at::autocast::set_autocast_cache_enabled(cache);
-  }
-};
-
-// An autocast region with a given state, as torch.autocast opens one: on
-// leaving the outermost region the weight cache is emptied. Its entries are
-// keyed on the fp32 weight and blind to in-place updates, so casts kept past
-// the region would feed the next forward the weights before optimizer.step().
-class AutocastStateGuard {
- public:
-  explicit AutocastStateGuard(const AutocastState& s) : prev_(AutocastState::current()) {
-    s.apply();
-    at::autocast::increment_nesting();
-  }
-  ~AutocastStateGuard() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    prev_.apply();
-  }
-  AutocastStateGuard(const AutocastStateGuard&) = delete;
-  AutocastStateGuard& operator=(const AutocastStateGuard&) = delete;
-
- private:
-  AutocastState prev_;
-};
-
-struct CheckpointState : torch::CustomClassHolder {
-  CheckpointFn fn;
-  bool preserve_rng = true;
-  size_t num_inputs = 0;        // fn's inputs, the first of the Function's tensors
-  bool recording_leaf = false;  // the Function's last tensor only makes it record (perf::checkpoint)
-  RngStates rng;
-  AutocastState autocast;
-};
-
-struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const c10::intrusive_ptr<CheckpointState>& st,
-                                                at::TensorList input_list) {
-    const std::vector<at::Tensor> inputs(input_list.begin(),
-                                         input_list.begin() + static_cast<std::ptrdiff_t>(st->num_inputs));
-    if (st->preserve_rng) st->rng = current_rng(inputs);
-    st->autocast = AutocastState::current();
-    at::Tensor out;
-    {
-      at::NoGradGuard no_grad;
-      out = st->fn(inputs);
-    }
-    ctx->save_for_backward(inputs);
-    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
-    return {out};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    // The recomputation runs its own backward, which accumulates into .grad()
-    // where grad() or backward(inputs) would not look (Python's reentrant
-    // checkpoint refuses them the same way).
-    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
-                "perf::checkpoint is incompatible with torch::autograd::grad() and with backward() given `inputs`: "
-                "its backward recomputes the block and accumulates the gradients into .grad() (reentrant, like "
-                "Python's checkpoint(use_reentrant=True)); call backward() without `inputs` and read .grad()");
-    auto st = c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
-    const auto saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> inputs;
-    for (const auto& x : saved) inputs.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
-    at::Tensor out;
-    {
-      std::optional<RngFork> rng;
-      if (st->preserve_rng) rng.emplace(st->rng);
-      at::AutoGradMode grad_on(true);
-      AutocastStateGuard autocast(st->autocast);  // recompute as the forward ran
-      out = st->fn(inputs);
-    }
-    if (out.requires_grad() && grad_outputs[0].defined()) torch::autograd::backward({out}, {grad_outputs[0]});
-    torch::autograd::variable_list grads = {at::Tensor()};  // for the state argument
-    for (const auto& x : inputs) grads.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
-    if (st->recording_leaf) grads.emplace_back();
-    return grads;
-  }
-};
-
-}  // namespace detail
 
 }  // namespace perf
 

@@ -43,10 +43,6 @@
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
 
-#if PERF_WITH_CUDA
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#endif
-
 #include <algorithm>
 #include <array>
 #include <atomic>

@@ -3,11 +3,184 @@
 // perf::perf_static (PERF_SEPARATE_COMPILATION; src/perf.cpp).
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <perf/cuda_graph.h>
+#include <perf/detail/cuda.h>
+#include <perf/detail/ddp_registry.h>
+#include <perf/detail/rng.h>
+
+#if PERF_WITH_CUDA
+#include <ATen/core/CachingHostAllocator.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
 
 namespace perf {
 
 namespace detail {
+
+template <typename Out>
+std::vector<at::Tensor> to_vec(Out out) {
+  if constexpr (std::is_same_v<Out, at::Tensor>) {
+    return {std::move(out)};
+  } else {
+    return out;
+  }
+}
+
+template <typename Out>
+Out from_vec(std::vector<at::Tensor> v) {
+  if constexpr (std::is_same_v<Out, at::Tensor>) {
+    return std::move(v.front());
+  } else {
+    return v;
+  }
+}
+
+// Turns the autocast weight cache off for a scope (and empties it): cached
+// low-precision copies made during capture would be baked into the graph.
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff() : prev_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::clear_cache();
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(prev_); }
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// Keeps an optimizer's updates skipped on the device for a scope.
+class SkipUpdates {
+ public:
+  explicit SkipUpdates(std::vector<optim::FusedOptimizer*> opts) : opts_(std::move(opts)) {
+    for (auto* opt : opts_)
+      if (opt) opt->skip_updates(true);
+  }
+  ~SkipUpdates() {
+    for (auto* opt : opts_)
+      if (opt) opt->skip_updates(false);
+  }
+  SkipUpdates(const SkipUpdates&) = delete;
+  SkipUpdates& operator=(const SkipUpdates&) = delete;
+
+ private:
+  std::vector<optim::FusedOptimizer*> opts_;
+};
+
+// What a forward pass mutates outside the parameters: buffers (BatchNorm
+// running statistics, counters) and the default generators. Small next to a
+// copy of the parameters and optimizer state.
+class ForwardSnapshot {
+ public:
+  ForwardSnapshot(torch::nn::Module& module, const std::vector<at::Tensor>& on_devices) {
+    at::NoGradGuard no_grad;
+    for (auto& b : module.buffers()) {
+      if (!b.defined()) continue;
+      live_.push_back(b);
+      saved_.push_back(b.detach().clone());
+    }
+    rng_ = current_rng(on_devices);
+  }
+  void restore() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < live_.size(); ++i) live_[i].detach().copy_(saved_[i]);
+    swap_rng(rng_);
+  }
+
+ private:
+  std::vector<at::Tensor> live_, saved_;
+  RngStates rng_;
+};
+
+#if PERF_WITH_CUDA
+// `waiter` waits for the work queued so far on `on`, without a host sync.
+PERF_INLINE void stream_wait(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& on);
+
+PERF_INLINE cudaStreamCaptureMode to_cuda(CaptureErrorMode m);
+
+// at::cuda::CUDAGraph that can abandon a failed capture. In LibTorch 2.11,
+// capture_end() throws at cudaStreamEndCapture before it ends the allocator's
+// routing to the graph's pool and the generator's capture, which leaves every
+// later RNG op failing ("Offset increment outside graph capture") and the
+// caching allocator deferring cross-stream frees forever. abandon() finishes
+// those steps from the state the base class keeps (protected members).
+class SafeCUDAGraph : public at::cuda::CUDAGraph {
+ public:
+  // Call once after capture_begin() succeeded and the body or capture_end() threw.
+  // Returns false when CUDA is left in a state perf cannot repair.
+  bool abandon() noexcept {
+    if (capture_ended_) return true;  // failed after a complete capture: ~CUDAGraph cleans up
+    bool healthy = true;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(capture_stream_.stream(), &status) == cudaSuccess &&
+        status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t partial = nullptr;
+      (void)cudaStreamEndCapture(capture_stream_.stream(), &partial);  // ends an invalidated capture too
+      if (partial != nullptr) (void)cudaGraphDestroy(partial);
+    }
+    (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
+    // What CUDAGeneratorState::capture_epilogue() does (it is not exported):
+    // the generator leaves capture mode; the graph's offset increment is moot.
+    for (auto& entry : captured_generator_states_) entry.first->capturing_ = false;
+#else
+    // LibTorch 2.12+ keeps a generator's capture state per capture: what
+    // CUDAGeneratorState::remove_capture_state() (not exported) does for it.
+    for (auto& entry : captured_generator_states_) {
+      std::lock_guard<std::mutex> lock(entry.first->capture_states_mutex_);
+      entry.first->capture_states_.erase(capture_id_);
+    }
+#endif
+    try {  // throws if capture_end() already stopped the routing
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
+    } catch (const std::exception&) {
+    }
+    try {
+      c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_);  // capture_begin's reference
+    } catch (const std::exception&) {
+      healthy = false;
+    }
+    try {  // pinned-memory pool: release only if the capture was still routing to it
+      auto* host = at::getHostAllocator(at::kCUDA);
+      host->end_allocate_to_pool(mempool_id_);
+      host->release_pool(mempool_id_);
+    } catch (const std::exception&) {
+    }
+    status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(capture_stream_.stream(), &status) != cudaSuccess ||
+        status != cudaStreamCaptureStatusNone)
+      healthy = false;
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
+    for (auto& entry : captured_generator_states_) healthy = healthy && !entry.first->capturing_;
+#endif
+    return healthy;
+  }
+};
+
+// How a capture ended: captured, or failed in a way eager_fallback may cover.
+enum class CaptureResult { captured, fell_back };
+
+// Warm-up calls of `warm` on a side stream (the last one with host syncs
+// reported as errors), then `after_warmup` (if any, outside any capture), then
+// captures `body` into `graph`. `who` names the
+// caller in errors. Errors in warm-up are the function's own and always
+// propagate; a host sync found in warm-up, or a failed capture, propagates
+// unless `eager_fallback`, in which case it warns and returns fell_back.
+PERF_INLINE CaptureResult capture_on_side_stream(SafeCUDAGraph& graph, const c10::Device& device, int warmup,
+                                                 bool check_syncs, CaptureErrorMode mode,
+                                                 const std::optional<c10::MempoolId_t>& pool, bool eager_fallback,
+                                                 const std::string& who, const std::function<void()>& warm,
+                                                 const std::function<void()>& body,
+                                                 const std::function<void()>& after_warmup = nullptr);
+#endif
 
 PERF_INLINE std::vector<optim::FusedOptimizer*> check_step_optimizers(
     const std::string& who, const std::vector<torch::optim::Optimizer*>& opts) {
@@ -362,6 +535,10 @@ PERF_INLINE TrainStep::TrainStep(ModuleRef module, LossAndOutputsFn loss_fn, Opt
   init(std::move(example_batch));
 }
 
+PERF_INLINE TrainStep::TrainStep(TrainStep&&) noexcept = default;
+PERF_INLINE TrainStep& TrainStep::operator=(TrainStep&&) noexcept = default;
+PERF_INLINE TrainStep::~TrainStep() = default;
+
 PERF_INLINE TrainStep::TrainStep(const char* who, const char* options_name, ModuleRef module, MicroStep micro,
                                  Optimizers optimizers, std::vector<at::Tensor> example_batch,
                                  const TrainStepOptions& options)
@@ -689,5 +866,257 @@ PERF_INLINE void TrainStep::restore_static_grads() {
     e.param.mutable_grad() = e.grad;
   }
 }
+
+// --------------------------------------------------------------------------- graph
+
+template <typename Out>
+struct Graphed<Out>::Bucket {
+  int64_t batch = -1;
+  std::vector<at::Tensor> in, out;
+#if PERF_WITH_CUDA
+  std::unique_ptr<detail::SafeCUDAGraph> graph;
+#endif
+};
+
+template <typename Out>
+Graphed<Out>::Graphed(Graphed&&) noexcept = default;
+template <typename Out>
+Graphed<Out>& Graphed<Out>::operator=(Graphed&&) noexcept = default;
+template <typename Out>
+Graphed<Out>::~Graphed() = default;
+
+template <typename Out>
+Graphed<Out>::Graphed(Fn fn, std::vector<at::Tensor> examples, const GraphOptions& options,
+                      std::optional<ModuleRef> module)
+    : fn_(std::move(fn)), options_(options), examples_(std::move(examples)), module_(std::move(module)) {
+  TORCH_CHECK(fn_, "perf::graph: empty function");
+  TORCH_CHECK(!examples_.empty(), "perf::graph: needs at least one example input");
+  TORCH_CHECK(options_.warmup() >= 0, "perf::GraphOptions::warmup: must be >= 0, got ", options_.warmup());
+  const auto device = examples_[0].device();
+  for (size_t i = 0; i < examples_.size(); ++i) {
+    TORCH_CHECK(examples_[i].defined(), "perf::graph: example input ", i, " is undefined");
+    TORCH_CHECK(examples_[i].device() == device, "perf::graph: example input ", i, " is on ", examples_[i].device(),
+                " but input 0 is on ", device, "; a CUDA graph needs every input on its device");
+  }
+  std::vector<int64_t> sizes = options_.batch_sizes();
+  bucketed_ = !sizes.empty();
+  if (bucketed_) {
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    TORCH_CHECK(sizes.front() >= 1, "perf::GraphOptions::batch_sizes: must be >= 1, got ", sizes.front());
+    for (size_t i = 0; i < examples_.size(); ++i) {
+      TORCH_CHECK(examples_[i].dim() >= 1 && examples_[i].size(0) == examples_[0].size(0),
+                  "perf::graph: with batch_sizes every example input needs the same batch size in dim 0 (input ", i,
+                  " has shape ", detail::shape_str(examples_[i]), ")");
+    }
+  } else {
+    sizes = {-1};
+  }
+  bool cuda = device.is_cuda();
+#if !PERF_WITH_CUDA
+  TORCH_CHECK(!cuda, "perf::graph: CUDA inputs but perf was built without CUDA (PERF_WITH_CUDA=0)");
+#endif
+  for (int64_t b : sizes) {
+    auto bucket = std::make_unique<Bucket>();
+    bucket->batch = b;
+    for (const auto& e : examples_) {
+      if (b < 0) {
+        bucket->in.push_back(e.clone());
+        continue;
+      }
+      auto shape = e.sizes().vec();
+      shape[0] = b;
+      auto t = at::zeros(shape, e.options());
+      const int64_t rows = std::min<int64_t>(b, e.size(0));
+      t.narrow(0, 0, rows).copy_(e.narrow(0, 0, rows));
+      bucket->in.push_back(t);
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+  capture_all(cuda, options_.pool() ? *options_.pool() : graph_pool_handle());
+}
+
+template <typename Out>
+void Graphed<Out>::capture_all(bool cuda, const c10::MempoolId_t& pool) {
+  std::optional<detail::ForwardSnapshot> snapshot;
+  if (module_) {
+    if (bucketed_) detail::check_padding_allowed(**module_);
+    // Warm-up and capture run the forward: a train()-mode module (BatchNorm
+    // statistics, dropout's generator) is left as it was before them.
+    snapshot.emplace(**module_, examples_);
+  }
+  try {
+    capture_buckets(cuda, pool);
+  } catch (const std::exception&) {
+    if (snapshot) snapshot->restore();
+    throw;
+  }
+  if (snapshot) snapshot->restore();
+  if (graphed_) {
+    ++captures_;
+    if (module_)
+      captured_ = std::make_unique<detail::CapturedState>(**module_, std::vector<torch::optim::Optimizer*>(),
+                                                          /*training_modes=*/true);
+  }
+}
+
+template <typename Out>
+void Graphed<Out>::capture_buckets(bool cuda, const c10::MempoolId_t& pool) {
+  // Capture the largest bucket first; the smaller ones reuse its pool memory.
+  graphed_ = cuda;
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    if (graphed_ && !capture(**it, pool)) {
+      graphed_ = false;  // eager_fallback: every bucket runs eagerly
+#if PERF_WITH_CUDA
+      for (auto& b : buckets_) b->graph.reset();
+#endif
+    }
+    if (!graphed_) {
+      at::NoGradGuard no_grad;
+      detail::AutocastCacheOff no_cache;
+      try {
+        (*it)->out = detail::to_vec<Out>(fn_((*it)->in));
+      } catch (const std::exception&) {
+        detail::rethrow_with_context("perf::graph: the function failed on the example inputs");
+      }
+    }
+    if (bucketed_) {
+      for (size_t k = 0; k < (*it)->out.size(); ++k) {
+        const auto& o = (*it)->out[k];
+        TORCH_CHECK(o.dim() >= 1 && o.size(0) == (*it)->batch, "perf::graph: output ", k, " has shape ",
+                    detail::shape_str(o), ", not batch ", (*it)->batch,
+                    " in dim 0; padded batches would change it. Capture exact shapes (no batch_sizes) instead.");
+      }
+    }
+  }
+}
+
+template <typename Out>
+bool Graphed<Out>::capture(Bucket& b, const c10::MempoolId_t& pool) {
+#if PERF_WITH_CUDA
+  at::NoGradGuard no_grad;
+  b.graph = std::make_unique<detail::SafeCUDAGraph>();
+  const auto result = detail::capture_on_side_stream(
+      *b.graph, b.in[0].device(), options_.warmup(), options_.check_syncs(), options_.capture_error_mode(), pool,
+      options_.eager_fallback(), "perf::graph", [&] { fn_(b.in); }, [&] { b.out = detail::to_vec<Out>(fn_(b.in)); });
+  if (result == detail::CaptureResult::captured) return true;
+  b.graph.reset();
+  return false;
+#else
+  (void)b;
+  (void)pool;
+  return false;
+#endif
+}
+
+template <typename Out>
+std::vector<int64_t> Graphed<Out>::buckets() const {
+  std::vector<int64_t> out;
+  if (!bucketed_) return out;
+  for (const auto& b : buckets_) out.push_back(b->batch);
+  return out;
+}
+
+template <typename Out>
+Out Graphed<Out>::call_eager(const std::vector<at::Tensor>& inputs) {
+  at::NoGradGuard no_grad;
+  ++eager_calls_;
+  return fn_(inputs);
+}
+
+template <typename Out>
+Out Graphed<Out>::operator()(const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(inputs.size() == examples_.size(), "perf::graph: expected ", examples_.size(), " inputs, got ",
+              inputs.size());
+  int64_t batch = -1;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& x = inputs[i];
+    const auto& e = examples_[i];
+    TORCH_CHECK(x.defined() && x.device() == e.device() && x.scalar_type() == e.scalar_type() && x.dim() == e.dim(),
+                "perf::graph: input ", i, " must be a ", e.dim(), "-D ", e.scalar_type(), " tensor on ", e.device(),
+                " like its example, got ", x.defined() ? detail::shape_str(x) : "undefined");
+    if (bucketed_) {
+      TORCH_CHECK(x.sizes().slice(1) == e.sizes().slice(1), "perf::graph: input ", i, " has shape ",
+                  detail::shape_str(x), "; only dim 0 (the batch) may differ from the example ", detail::shape_str(e));
+      TORCH_CHECK(batch < 0 || x.size(0) == batch, "perf::graph: inputs have different batch sizes (", batch, " and ",
+                  x.size(0), ")");
+      batch = x.size(0);
+    } else {
+      TORCH_CHECK(x.sizes() == e.sizes(), "perf::graph: input ", i, " has shape ", detail::shape_str(x),
+                  " but the graph was captured for ", detail::shape_str(e),
+                  "; use GraphOptions().batch_sizes(...) for varying batch sizes");
+    }
+  }
+  TORCH_CHECK(calls_ != nullptr, "perf::graph: called after it was moved from");
+  // One call at a time: two would copy into the same static inputs and read the same static outputs (and
+  // replay graphs that share one pool), each getting the other's result.
+  std::lock_guard<std::mutex> one_call(*calls_);
+#if PERF_WITH_CUDA
+  if (examples_[0].is_cuda()) {
+    // The last call's replay and output copies may still run on its stream: this call's copies into the same
+    // static inputs wait for them there, without a host sync. Calls from one stream are in order already.
+    const auto stream = c10::cuda::getCurrentCUDAStream(examples_[0].device().index());
+    if (last_stream_ && *last_stream_ != stream) detail::stream_wait(stream, *last_stream_);
+    last_stream_ = stream;
+  }
+#endif
+  // Eager calls pad too (graphed: a mode change captures again, which checks).
+  if (bucketed_ && module_ && !graphed_) detail::check_padding_allowed(**module_);
+#if PERF_WITH_CUDA
+  if (graphed_ && captured_) {
+    if (const auto why = captured_->changed(**module_, {}); !why.empty()) {
+      TORCH_WARN("perf::graph: ", why, " since the graph was captured, which its replays would ignore: capturing ",
+                 "it again");
+      c10::cuda::device_synchronize();  // the last replay has finished with the graphs and their pool
+      for (auto& b : buckets_) b->graph.reset();
+      captured_.reset();
+      capture_all(true, options_.pool() ? *options_.pool() : graph_pool_handle());
+    }
+  }
+#endif
+  Bucket* bucket = buckets_.front().get();
+  if (bucketed_) {
+    auto it = std::find_if(buckets_.begin(), buckets_.end(), [&](const auto& b) { return b->batch >= batch; });
+    if (it == buckets_.end()) {
+      TORCH_CHECK(options_.out_of_bucket() == OutOfBucket::eager, "perf::graph: batch size ", batch,
+                  " is larger than every captured bucket (largest ", buckets_.back()->batch,
+                  "); add it to batch_sizes or choose OutOfBucket::eager");
+      return call_eager(inputs);
+    }
+    TORCH_CHECK(batch >= 1, "perf::graph: empty batch");
+    bucket = it->get();
+  }
+  const int64_t full = bucket->batch;
+  // Without autograd: an input that requires grad (an evaluation inside a training loop) would otherwise leave
+  // its history in the static input, keeping the caller's graph alive until the next call.
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (full < 0 || batch == full) {
+      bucket->in[i].copy_(inputs[i], /*non_blocking=*/true);
+    } else {
+      bucket->in[i].narrow(0, 0, batch).copy_(inputs[i], /*non_blocking=*/true);
+      bucket->in[i].narrow(0, batch, full - batch).zero_();  // deterministic padding rows
+    }
+  }
+#if PERF_WITH_CUDA
+  if (graphed_) bucket->graph->replay();
+#endif
+  if (!graphed_) {  // eager on the same static buffers, into the same static outputs
+    auto fresh = detail::to_vec<Out>(fn_(bucket->in));
+    for (size_t k = 0; k < fresh.size(); ++k) bucket->out[k].copy_(fresh[k]);
+  }
+  std::vector<at::Tensor> outs;
+  for (const auto& o : bucket->out) {
+    at::Tensor v = (full >= 0 && batch < full) ? o.narrow(0, 0, batch) : o;
+    outs.push_back(options_.clone_outputs() ? v.clone() : v);
+  }
+  return detail::from_vec<Out>(std::move(outs));
+}
+
+#ifdef PERF_SEPARATE_COMPILATION
+// perf::perf_static's copies of the two graphs perf::graph builds (cuda_graph.h declares them extern there).
+template class Graphed<at::Tensor>;
+template class Graphed<std::vector<at::Tensor>>;
+#endif
 
 }  // namespace perf

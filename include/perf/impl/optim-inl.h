@@ -7,6 +7,7 @@
 #include <perf/optim.h>
 
 #if PERF_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <cuda_runtime_api.h>  // elements_per_call: the SM count
 #endif
 
