@@ -546,6 +546,9 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   const std::string make =
       "import torch, collections\n"
       "base = torch.arange(10.)\n"
+      "def tag(t, **attrs):\n"  // Python attributes: torch.save writes these with _rebuild_from_type_v2
+      "    t.__dict__.update(attrs)\n"
+      "    return t\n"
       "def ckpt():\n"
       "    return {'epoch': 3, 'lr': 0.1, 'name': 'r\\u00e9sum\\u00e9', 'flags': [True, False, None],\n"
       "            'ints': (2**40, -5, -2**63, 255, 65535, 65536, -1), 'size': torch.Size([2, 3]),\n"
@@ -560,7 +563,11 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
       "            'param': torch.nn.Parameter(torch.ones(2)),\n"
       "            'nested': collections.OrderedDict([('a', {'b': [torch.zeros(1)], 'c': {}})]),\n"
       "            'blob': b'\\x00\\xff\\x80ab', 'text_bytes': b'abc', 'ba': bytearray(b'\\x01\\xfe'), 'z': 1.5 - 2j,\n"
-      "            'tags': {7}, 'counts': collections.Counter({'a': 2}), 'empty': []}\n"
+      "            'tags': {7}, 'counts': collections.Counter({'a': 2}),\n"
+      "            'tagged': tag(torch.tensor([1.5, 2.5]), note='ema', step=3), 'tagged_view': tag(base[1:4], "
+      "part=1),\n"
+      "            'tagged_grad': tag(torch.ones(2, requires_grad=True), n=[1, 2]),\n"
+      "            'buffer': torch.nn.Buffer(torch.full((3,), 4.0), persistent=False), 'empty': []}\n"
       "def same(a, b):\n"
       "    if isinstance(a, torch.Tensor):\n"
       "        f = lambda t: t.float() if t.dtype == torch.float8_e4m3fn else t\n"
@@ -624,6 +631,16 @@ TEST(StateDict, ACheckpointOfEveryKindReadsAsPythonWroteItAndBack) {
   ASSERT_EQ(d.at("tags").toListRef().size(), 1u);
   EXPECT_EQ(d.at("tags").toListRef()[0].toInt(), 7);
   EXPECT_EQ(d.at("counts").toGenericDict().at("a").toInt(), 2);
+  // Tensors with Python attributes (what Python's weights_only loader reads as tensors with their __dict__): the
+  // tensors, the attributes dropped; a view still shares its base's storage.
+  EXPECT_TRUE(t("tagged").equal(torch::tensor({1.5f, 2.5f})));
+  EXPECT_FALSE(t("tagged").requires_grad());
+  EXPECT_TRUE(t("tagged_view").equal(torch::tensor({1.f, 2.f, 3.f})));
+  EXPECT_EQ(t("tagged_view").storage().unsafeGetStorageImpl(), t("base").storage().unsafeGetStorageImpl());
+  EXPECT_EQ(t("tagged_view").storage_offset(), 1);
+  EXPECT_TRUE(t("tagged_grad").requires_grad());
+  EXPECT_TRUE(t("tagged_grad").equal(torch::ones({2})));
+  EXPECT_TRUE(t("buffer").equal(torch::full({3}, 4.f)));
 
   // Written back by perf::save, read by Python (weights_only): the same values, the view still shares its storage.
   perf::save(c, cpp_file);
@@ -662,7 +679,9 @@ TEST(StateDict, AFileOfTheFormatBeforePyTorch16ReadsAsTheZipFileOfTheSameValue) 
       "base = torch.arange(12.).reshape(3, 4)\n"
       "c = {'model': m.state_dict(), 'base': base, 'view': base[1:, 1:3], 'half': base.half(), 'epoch': 3,\n"
       "     'param': nn.Parameter(torch.ones(2)), 'i8': torch.tensor([-1, 7], dtype=torch.int8),\n"
-      "     'empty': torch.empty(0, 3)}\n"
+      "     'empty': torch.empty(0, 3), 'buffer': nn.Buffer(torch.ones(3))}\n"
+      "c['tagged'] = base[2]\n"
+      "c['tagged'].note = 'x'\n"
       "torch.save(c, '" +
       zip +
       "')\n"
@@ -698,6 +717,9 @@ TEST(StateDict, AFileOfTheFormatBeforePyTorch16ReadsAsTheZipFileOfTheSameValue) 
     EXPECT_EQ(got.at("view").toTensor().storage().unsafeGetStorageImpl(),
               got.at("base").toTensor().storage().unsafeGetStorageImpl())
         << "a view shares its base's storage";
+    EXPECT_EQ(got.at("tagged").toTensor().storage().unsafeGetStorageImpl(),
+              got.at("base").toTensor().storage().unsafeGetStorageImpl())
+        << "a view with Python attributes too";
     TwinNet net, twin;
     perf::load_state_dict(net, got.at("model"));
     perf::load_state_dict(twin, want.at("model"));
@@ -805,8 +827,17 @@ TEST(StateDict, FilesItCannotReadAreRefusedByNameAndDamagedOnesNeverCrash) {
       "import torch\ntorch.save({'q': torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)}, '" +
       (dir / "quantized.pt") + "')\n");
   PERF_EXPECT_THROW_MSG(perf::load(dir / "quantized.pt"),
-                        "holds torch._utils._rebuild_qtensor: a quantized, sparse or nested tensor, or a tensor with "
-                        "Python attributes, which Python's torch.load reads and perf::load does not");
+                        "holds torch._utils._rebuild_qtensor: a quantized, sparse, nested or meta tensor, which "
+                        "Python's torch.load reads and perf::load does not");
+  // A subclass of torch.Tensor: refused by its class, as Python's default loader refuses it.
+  test_util::python(
+      "import sys, types, torch\n"
+      "lib = sys.modules['lib'] = types.ModuleType('lib')\n"  // a class pickle can find by name
+      "class Sub(torch.Tensor): pass\n"
+      "Sub.__module__, lib.Sub = 'lib', Sub\n"
+      "torch.save({'s': torch.ones(2).as_subclass(Sub)}, '" +
+      (dir / "subclass.pt") + "')\n");
+  PERF_EXPECT_THROW_MSG(perf::load(dir / "subclass.pt"), "holds a Python object of class lib.Sub");
   PERF_EXPECT_THROW_MSG(perf::load(dir / "none.pt"), "is not a file");
   // LibTorch's own archive of a module (torch::save) is not a torch.save file.
   TwinNet net;

@@ -291,6 +291,9 @@ class PickleWriter {
 struct PickleItem {
   c10::IValue value;
   std::string callable;  // "module.name"; empty for a value
+  // A tuple holding callables (the arguments of torch._tensor._rebuild_from_type_v2, a tensor with Python
+  // attributes): each item's callable, "" for a value; `value` holds None in a callable's place.
+  std::vector<std::string> item_callables;
 };
 
 // An unpickler for what torch.save writes and Python's weights_only loader accepts. LibTorch's own
@@ -505,10 +508,14 @@ class PickleReader {
         }
         case op::kReduce:
         case op::kNewObj: {
-          auto args = value_of(pop(), "arguments");
+          PickleItem args = pop();
           auto fn = pop();
-          check(args.isTuple(), "calls ", fn.callable, " without an argument tuple");
-          push(call(fn, args.toTupleRef().elements()));
+          if (fn.callable == "torch._tensor._rebuild_from_type_v2") {
+            push(rebuild_from_type(args));
+            break;
+          }
+          check(value_of(args, "arguments").isTuple(), "calls ", fn.callable, " without an argument tuple");
+          push(call(fn, args.value.toTupleRef().elements()));
           break;
         }
         case op::kBuild: {
@@ -569,7 +576,7 @@ class PickleReader {
     return static_cast<int64_t>(v);
   }
 
-  void push(c10::IValue v) { stack_.push_back(PickleItem{std::move(v), {}}); }
+  void push(c10::IValue v) { stack_.push_back(PickleItem{std::move(v), {}, {}}); }
   PickleItem pop() {
     check(!stack_.empty() && (marks_.empty() || stack_.size() > marks_.back()), "pops an empty stack");
     PickleItem it = std::move(stack_.back());
@@ -585,6 +592,9 @@ class PickleReader {
   c10::IValue value_of(const PickleItem& it, const char* what) const {
     check(it.callable.empty(), "holds the Python callable ", it.callable, " as ", what,
           ", which only Python can rebuild");
+    for (const auto& c : it.item_callables) {
+      check(c.empty(), "holds the Python callable ", c, " in a tuple, which only Python can rebuild");
+    }
     return it.value;
   }
   // The bytes of a str whose characters are all below 256 (Python's bytes at protocol 2), from its UTF-8.
@@ -605,9 +615,15 @@ class PickleReader {
   }
   void push_tuple(size_t from) {
     std::vector<c10::IValue> elems;
-    for (size_t i = from; i < stack_.size(); ++i) elems.push_back(value_of(stack_[i], "a tuple's item"));
+    std::vector<std::string> callables;  // empty unless an item is a callable
+    for (size_t i = from; i < stack_.size(); ++i) {
+      const bool callable = !stack_[i].callable.empty();
+      if (callable && callables.empty()) callables.resize(stack_.size() - from);
+      if (callable) callables[i - from] = stack_[i].callable;
+      elems.push_back(callable ? c10::IValue() : value_of(stack_[i], "a tuple's item"));
+    }
     stack_.resize(from);
-    push(c10::ivalue::Tuple::create(std::move(elems)));
+    stack_.push_back(PickleItem{c10::ivalue::Tuple::create(std::move(elems)), {}, std::move(callables)});
   }
   c10::impl::GenericList list_at(size_t i) {
     check(i < stack_.size() && stack_[i].callable.empty() && stack_[i].value.isList(), "appends to a non-list");
@@ -644,29 +660,34 @@ class PickleReader {
         if (name == legacy_storage_name(static_cast<c10::ScalarType>(i))) return push(static_cast<int64_t>(i));
       }
       if (auto t = dtype_of_python_name(name)) return push(*t);
-      if (name == "Size" || name == "device") return stack_.push_back(PickleItem{{}, full});
+      if (name == "Size" || name == "device") return stack_.push_back(PickleItem{{}, full, {}});
     }
     if (full == "collections.OrderedDict" || full == "torch._utils._rebuild_tensor_v2" ||
         full == "torch._utils._rebuild_tensor" || full == "torch._utils._rebuild_tensor_v3" ||
         full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state" ||
         full == "collections.Counter" || full == "builtins.set" || full == "builtins.complex" ||
         full == "builtins.bytearray" || full == "_codecs.encode") {
-      return stack_.push_back(PickleItem{{}, full});
+      return stack_.push_back(PickleItem{{}, full, {}});
+    }
+    // A tensor with Python attributes (t.tag = 1; an nn.Buffer saved as such): _rebuild_from_type_v2 with its
+    // type, which Python's weights_only loader allows for these two.
+    if (full == "torch._tensor._rebuild_from_type_v2" || full == "torch.Tensor" ||
+        full == "torch.nn.parameter.Parameter") {
+      return stack_.push_back(PickleItem{{}, full, {}});
     }
     check(module.rfind("__torch__", 0) != 0, "holds TorchScript's class ", full,
           ": this is an archive of LibTorch's torch::save or Python's torch.jit.save, which torch::load (C++) "
           "and torch.jit.load (Python) read");
     // What Python's default loader also accepts and perf does not rebuild: tensors other than dense ones
-    // (quantized, sparse, nested, subclasses and tensors with Python attributes), their layouts and schemes.
+    // (quantized, sparse, nested, meta), their layouts and schemes, and the legacy tensor classes.
     const bool python_reads =
-        module == "torch._utils" || full == "torch._tensor._rebuild_from_type_v2" ||
-        full == "torch.serialization._get_layout" ||
+        module == "torch._utils" || full == "torch.serialization._get_layout" ||
         (module == "torch" &&
          (name.rfind("per_", 0) == 0 || (name.size() >= 6 && name.compare(name.size() - 6, 6, "Tensor") == 0)));
     check(!python_reads, "holds ", full,
-          ": a quantized, sparse or nested tensor, or a tensor with Python attributes, which Python's torch.load "
-          "reads and perf::load does not (it reads dense tensors); save such tensors as dense ones (t.dequantize(), "
-          "t.to_dense()) or as plain tensors");
+          ": a quantized, sparse, nested or meta tensor, which Python's torch.load reads and perf::load does not "
+          "(it reads dense tensors); save such tensors as dense ones (t.dequantize(), t.to_dense()) or as plain "
+          "tensors");
     check(false, "holds a Python object of class ", full,
           ", which only Python can rebuild (Python's torch.load refuses it too unless weights_only=False). Save "
           "tensors, numbers, strings and dicts, lists or tuples of them, such as model.state_dict()");
@@ -675,6 +696,8 @@ class PickleReader {
   c10::IValue call(const PickleItem& fn, const std::vector<c10::IValue>& args) {
     const std::string& f = fn.callable;
     check(!f.empty(), "calls a value that is not a Python callable");
+    check(f != "torch.Tensor" && f != "torch.nn.parameter.Parameter" && f != "torch._tensor._rebuild_from_type_v2",
+          "calls ", f, " in a way torch.save does not write");
     if (f == "collections.OrderedDict") {
       auto dict = perf::dict();
       if (!args.empty()) {  // OrderedDict([(k, v), ...])
@@ -780,6 +803,25 @@ class PickleReader {
     at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype));
     t.set_(storage.storage(), offset, size, stride);
     if (requires_grad) t.requires_grad_(true);
+    return t;
+  }
+
+  // torch._tensor._rebuild_from_type_v2(func, new_type, args, state): the tensor func(*args), whose Python
+  // attributes (`state`: {"tag": 1}; nn.Buffer's {"_is_buffer": True, "persistent": ...}) Python sets on it and a
+  // C++ tensor has no room for: they are dropped. Python's weights_only loader takes torch.Tensor and
+  // nn.Parameter as the type; a subclass is refused at its GLOBAL, as Python refuses it.
+  c10::IValue rebuild_from_type(const PickleItem& args) {
+    const char* f = "torch._tensor._rebuild_from_type_v2";
+    const auto& c = args.item_callables;
+    check(args.callable.empty() && args.value.isTuple() && args.value.toTupleRef().elements().size() == 4 &&
+              c.size() == 4 && c[0].rfind("torch._utils._rebuild_", 0) == 0 && c[2].empty() && c[3].empty(),
+          "calls ", f, " with other arguments than torch.save writes");
+    check(c[1] == "torch.Tensor" || c[1] == "torch.nn.parameter.Parameter", "calls ", f, " to make a ",
+          c[1].empty() ? std::string("value that is not a class") : c[1], ", not a torch.Tensor or nn.Parameter");
+    const auto& e = args.value.toTupleRef().elements();
+    check(e[2].isTuple(), "calls ", f, " without an argument tuple for ", c[0]);
+    c10::IValue t = call(PickleItem{{}, c[0], {}}, e[2].toTupleRef().elements().vec());
+    check(t.isTensor(), "calls ", f, " on ", c[0], ", which does not make a tensor");
     return t;
   }
 
