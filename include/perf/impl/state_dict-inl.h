@@ -812,10 +812,9 @@ class PickleReader {
   // nn.Parameter as the type; a subclass is refused at its GLOBAL, as Python refuses it.
   c10::IValue rebuild_from_type(const PickleItem& args) {
     const char* f = "torch._tensor._rebuild_from_type_v2";
-    const auto& c = args.item_callables;
-    check(args.callable.empty() && args.value.isTuple() && args.value.toTupleRef().elements().size() == 4 &&
-              c.size() == 4 && c[0].rfind("torch._utils._rebuild_", 0) == 0 && c[2].empty() && c[3].empty(),
-          "calls ", f, " with other arguments than torch.save writes");
+    const auto& c = args.item_callables;  // only a tuple has them, one per item
+    check(c.size() == 4 && c[0].rfind("torch._utils._rebuild_", 0) == 0 && c[2].empty() && c[3].empty(), "calls ", f,
+          " with other arguments than torch.save writes");
     check(c[1] == "torch.Tensor" || c[1] == "torch.nn.parameter.Parameter", "calls ", f, " to make a ",
           c[1].empty() ? std::string("value that is not a class") : c[1], ", not a torch.Tensor or nn.Parameter");
     const auto& e = args.value.toTupleRef().elements();
