@@ -3,7 +3,10 @@
 // LibTorch example's scheme (pytorch/examples cpp/distributed: one all-reduce
 // per parameter after backward), and the same step without communication, all
 // measured round-robin in one run. The share of communication hidden behind
-// backward = (manual - ddp) / (manual - no communication).
+// backward = (manual - ddp) / (manual - no communication). Also perf::TrainStep
+// with data_parallel(pg), which averages after backward (in buckets; with a flat
+// SGD its one gradient buffer in one all-reduce) and, on CUDA, replays the whole
+// step with its all-reduce as one CUDA graph.
 //
 //   bash scripts/bench-ddp.sh [world]      # starts the ranks on 127.0.0.1
 //   RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. bench_ddp [--device cuda]
@@ -42,14 +45,21 @@ static int bench_ddp_main(int argc, char** argv) {
   const auto x = torch::randn({batch, 3, image, image}, device);
   const auto y = torch::randint(0, 10, {batch}, torch::TensorOptions().device(device).dtype(torch::kLong));
 
-  perf_bench::ResNet a(width), b(width), c(width);
-  a->to(device);
-  b->to(device);
-  c->to(device);
+  perf_bench::ResNet a(width), b(width), c(width), sa(width), sb(width);
+  for (auto* m : {&a, &b, &c, &sa, &sb}) (*m)->to(device);
   perf::DistributedDataParallel ddp(a, pg);
   perf::optim::SGD opt_a(a->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
   perf::optim::SGD opt_b(b->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
   perf::optim::SGD opt_c(c->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
+  perf::optim::SGD opt_d(sa->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9));
+  perf::optim::SGD opt_e(sb->parameters(), perf::optim::SGDOptions(0.01).momentum(0.9).flat(true));
+  auto loss_of = [](perf_bench::ResNet& m) {
+    return [&m](const at::Tensor& in, const at::Tensor& t) {
+      return torch::nn::functional::cross_entropy(m->forward(in), t);
+    };
+  };
+  perf::TrainStep step_d(sa, loss_of(sa), opt_d, x, y, perf::TrainStepOptions().data_parallel(pg));
+  perf::TrainStep step_e(sb, loss_of(sb), opt_e, x, y, perf::TrainStepOptions().data_parallel(pg));
   int64_t numel = 0;
   for (const auto& p : a->parameters()) numel += p.numel();
 
@@ -74,8 +84,12 @@ static int bench_ddp_main(int argc, char** argv) {
     opt_c.step();
   };
   const auto opts = perf::BenchOptions().warmup(warmup).iters(iters).items_per_call(batch * world).device(device);
-  const auto s = perf::compare(
-      {{"per-param all-reduce", manual_step}, {"perf DDP", ddp_step}, {"no communication", local_step}}, opts);
+  const auto s = perf::compare({{"per-param all-reduce", manual_step},
+                                {"perf DDP", ddp_step},
+                                {"no communication", local_step},
+                                {"TrainStep dp", [&] { step_d.step(x, y); }},
+                                {"TrainStep dp, flat", [&] { step_e.step(x, y); }}},
+                               opts);
   if (rank == 0) {
     std::cout << "ResNet-style CNN (width " << width << "), " << numel << " parameters (" << std::fixed
               << std::setprecision(1) << static_cast<double>(numel * 4) / 1e6 << " MB of gradients), batch " << batch
@@ -90,7 +104,11 @@ static int bench_ddp_main(int argc, char** argv) {
               << std::setprecision(0)
               << "communication hidden behind backward: " << 100.0 * (manual - d) / std::max(1e-9, manual - local)
               << "% (communication cost " << std::setprecision(1) << manual - local
-              << " ms exposed per step without overlap, " << d - local << " ms with DDP)\n";
+              << " ms exposed per step without overlap, " << d - local << " ms with DDP)\n"
+              << std::setprecision(2)
+              << "perf::TrainStep with data_parallel vs perf::DistributedDataParallel: " << d / s[3].median_ms
+              << "x, with a flat SGD " << d / s[4].median_ms << "x"
+              << (step_d.graphed() ? " (each step one CUDA graph replay)" : " (eager steps)") << "\n";
   }
   perf::destroy_process_group(pg);
   return 0;

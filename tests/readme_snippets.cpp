@@ -167,6 +167,21 @@ opt.step();                                      // perf::optim, torch::optim, p
 
   // clang-format on
 }
+void block_data_parallel(const torch::data::Example<>& first_batch) {
+  Net model;
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  const auto loss_fn = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    return torch::nn::functional::cross_entropy(model->forward(x), y);
+  };
+  // clang-format off
+auto pg = perf::init_process_group();
+perf::TrainStep step(model, loss_fn, opt, first_batch,                  // this rank's share of each batch
+                     perf::TrainStepOptions().data_parallel(pg));       // perf::DataParallelOptions() 2nd
+perf::CompiledTrainStep compiled("net_train.pt2", model, opt,
+                                 perf::CompiledTrainOptions().data_parallel(pg));
+
+  // clang-format on
+}
 void block9(torch::Tensor x, torch::Tensor tokens, torch::Tensor feats) {
   // clang-format off
 perf::CompiledModel model("resnet.pt2");             // perf::CompiledOptions(): model_name, device_index, runners,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <perf/amp.h>
+#include <perf/compiled.h>
 #include <perf/cuda_graph.h>
 #include <perf/distributed.h>
 #include <perf/optim.h>
@@ -16,12 +17,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "compiled/models.h"
 #include "test_util.h"
 
 extern char** environ;
@@ -101,6 +104,27 @@ void allreduce_and_broadcast(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   pg->broadcast(b)->wait(std::chrono::milliseconds(20000));
   EXPECT_TRUE(torch::equal(b[0], torch::arange(3, torch::kFloat))) << b[0];
 }
+
+#if PERF_WITH_GLOO
+// Jobs of 2 and then 3 processes over Gloo: rank 0 runs `suite` here, ranks 1.. run the test `worker` (which runs the
+// same suite) in copies of this binary.
+void run_in_worlds_of_2_and_3(const std::string& worker,
+                              const std::function<void(const c10::intrusive_ptr<c10d::ProcessGroup>&)>& suite) {
+  for (int world : {2, 3}) {
+    const int port = free_port();
+    ASSERT_GT(port, 0);
+    std::vector<pid_t> children;
+    for (int r = 1; r < world; ++r) children.push_back(spawn_rank(worker, port, r, world));
+    test_util::ScopedJobThreads restore;
+    try {
+      suite(perf::init_process_group(loopback(world, 0, port, std::chrono::seconds(60)).backend("gloo")));
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+    for (pid_t c : children) EXPECT_EQ(wait_bounded(c, std::chrono::seconds(120)), 0) << "a worker rank failed";
+  }
+}
+#endif
 
 }  // namespace
 
@@ -632,21 +656,7 @@ TEST(DistributedDataParallel, RejectsBadOptionsAndUnsupportedUses) {
 TEST(DistributedDataParallel, TwoAndThreeProcessesTrainLikeOneProcessOnTheWholeBatch) {
 #if PERF_WITH_GLOO
   if (is_worker()) GTEST_SKIP() << "skipped: this is a worker copy";
-  for (int world : {2, 3}) {
-    const int port = free_port();
-    ASSERT_GT(port, 0);
-    std::vector<pid_t> children;
-    for (int r = 1; r < world; ++r)
-      children.push_back(spawn_rank("DistributedDataParallel.WorkerRank", port, r, world));
-    test_util::ScopedJobThreads restore;
-    try {
-      auto pg = perf::init_process_group(loopback(world, 0, port, std::chrono::seconds(60)).backend("gloo"));
-      run_ddp_suite(pg);
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << e.what();
-    }
-    for (pid_t c : children) EXPECT_EQ(wait_bounded(c, std::chrono::seconds(120)), 0) << "a worker rank failed";
-  }
+  run_in_worlds_of_2_and_3("DistributedDataParallel.WorkerRank", run_ddp_suite);
 #else
   GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
 #endif
@@ -755,6 +765,279 @@ TEST(DistributedDataParallel, OnGpuNcclWorldSizeOneTrainsLikeTheModelAlone) {
   two.options = perf::DDPOptions().static_graph(true);
   two.aux_loss = true;
   nccl_trains_like_the_model<DdpHeads>(pg, two);
+  perf::destroy_process_group(pg);
+#else
+  GTEST_SKIP() << "skipped: perf was built without NCCL (needs CUDA and LibTorch's NCCL)";
+#endif
+}
+
+// ---- perf::TrainStep and perf::CompiledTrainStep with data_parallel(pg): the step averages its own gradients after
+// backward, with collectives a CUDA graph can capture (no autograd hooks).
+namespace {
+
+struct DpCase {
+  std::string name;
+  perf::DataParallelOptions options;
+  bool flat = false;           // a flat AdamW: its gradient buffer all-reduced where it lies
+  int64_t accumulation = 1;    // micro-batches per step
+  bool scaler = false;         // perf::GradScaler in the step
+  std::optional<double> clip;  // max_grad_norm
+};
+
+at::Tensor dp_loss(DdpNet& m, const at::Tensor& x, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(m(x), y);
+}
+
+// 10 steps on this rank's rows of each global batch against one TrainStep on the whole batch in this process, both
+// from rank 0's initial weights: the data-parallel step's construction must broadcast them.
+void run_dp_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const DpCase& c) {
+  SCOPED_TRACE("TrainStep, " + c.name + " on " + std::to_string(pg->getSize()) + " ranks");
+  const int rank = pg->getRank(), world = pg->getSize();
+  torch::manual_seed(static_cast<uint64_t>(100 + rank));
+  DdpNet model;
+  torch::manual_seed(100);
+  DdpNet ref;
+  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(c.flat));
+  perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2).flat(c.flat));
+  perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0));
+  perf::GradScaler ref_scaler(perf::GradScalerOptions().init_scale(1024.0));
+  auto options = [&](perf::GradScaler& s) {
+    return perf::TrainStepOptions()
+        .accumulation_steps(c.accumulation)
+        .max_grad_norm(c.clip)
+        .scaler(c.scaler ? &s : nullptr);
+  };
+  const int64_t b = 6;
+  const auto x0 = torch::zeros({b, 8});
+  const auto y0 = torch::zeros({b}, torch::kLong);
+  perf::TrainStep step(
+      model, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(model, x, y); }, opt, x0, y0,
+      options(scaler).data_parallel(pg, c.options));
+  EXPECT_LT(max_diff(*model, *ref), 1e-12) << "rank 0's parameters were not broadcast";
+  perf::TrainStep ref_step(
+      ref, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(ref, x, y); }, ref_opt,
+      torch::zeros({world * b, 8}), torch::zeros({world * b}, torch::kLong), options(ref_scaler));
+  for (int i = 0; i < 10; ++i) {
+    torch::manual_seed(static_cast<uint64_t>(1000 + i));  // the same global batch everywhere
+    const auto x = torch::randn({world * b, 8});
+    const auto y = torch::randint(0, 4, {world * b});
+    const auto loss = step.step(x.narrow(0, rank * b, b), y.narrow(0, rank * b, b));
+    ref_step.step(x, y);
+    EXPECT_TRUE(torch::isfinite(loss).item<bool>());
+  }
+  EXPECT_LT(max_diff(*model, *ref), 1e-5) << "data-parallel steps differ from one process on the whole batch";
+  if (c.clip) {
+    EXPECT_NEAR(step.grad_norm().item<double>(), ref_step.grad_norm().item<double>(), 1e-5)
+        << "the norm of the averaged gradients is the whole batch's";
+  }
+  if (c.flat) {
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad());
+    EXPECT_EQ(perf::optim::detail::coalesce_flat(grads).size(), 1u) << "the averaged gradients stay in the buffer";
+  }
+  expect_same_on_every_rank(pg, *model, c.name);
+}
+
+// The compiled MLP of tests/compiled (dynamic batch 2..64) the same way: 8 rows per rank against the whole batch.
+void run_dp_compiled(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool flat) {
+  SCOPED_TRACE(std::string("CompiledTrainStep, ") + (flat ? "flat " : "") + "AdamW, small buckets on " +
+               std::to_string(pg->getSize()) + " ranks");
+  const int rank = pg->getRank(), world = pg->getSize();
+  torch::manual_seed(static_cast<uint64_t>(100 + rank));
+  compiled_models::Mlp model;
+  torch::manual_seed(100);
+  compiled_models::Mlp ref;
+  perf::optim::AdamW opt(model.parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.01).flat(flat));
+  perf::optim::AdamW ref_opt(ref.parameters(), perf::optim::AdamWOptions(1e-2).weight_decay(0.01).flat(flat));
+  const std::string pkg = test_util::package("mlp_train.pt2");
+  perf::CompiledTrainStep step(pkg, model, opt,
+                               perf::CompiledTrainOptions().data_parallel(
+                                   pg, perf::DataParallelOptions().bucket_cap_mb(0.001)));  // 1 KiB: 5 buckets
+  EXPECT_LT(max_diff(model, ref), 1e-12) << "rank 0's parameters were not broadcast at construction";
+  perf::CompiledTrainStep ref_step(pkg, ref, ref_opt);
+  const int64_t b = 8;
+  for (int i = 0; i < 10; ++i) {
+    torch::manual_seed(static_cast<uint64_t>(2000 + i));
+    const auto x = torch::randn({world * b, 16});
+    const auto y = torch::randint(0, 4, {world * b});
+    step.step(x.narrow(0, rank * b, b), y.narrow(0, rank * b, b));
+    ref_step.step(x, y);
+  }
+  EXPECT_LT(max_diff(model, ref), 1e-5) << "data-parallel compiled steps differ from one process on the whole batch";
+  expect_same_on_every_rank(pg, model, "compiled");
+  std::ostringstream printed;
+  printed << step;
+  EXPECT_NE(
+      printed.str().find("data-parallel: rank " + std::to_string(rank) + " of " + std::to_string(world) + " (gloo)"),
+      std::string::npos)
+      << printed.str();
+}
+
+// Buffers: rank 0's before each step, unless broadcast_buffers(false); in eval() the step leaves them as they come.
+void run_dp_buffers(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool broadcast) {
+  SCOPED_TRACE(std::string("TrainStep buffers, broadcast_buffers=") + (broadcast ? "true" : "false"));
+  const int rank = pg->getRank();
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Linear(8, 2));
+  perf::optim::SGD opt(seq->parameters(), perf::optim::SGDOptions(0.1));
+  perf::TrainStep step(
+      seq,
+      [&](const at::Tensor& x, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(seq->forward(x), y);
+      },
+      opt, torch::zeros({4, 8}), torch::zeros({4}, torch::kLong),
+      perf::TrainStepOptions().data_parallel(pg, perf::DataParallelOptions().broadcast_buffers(broadcast)));
+  auto* bn = seq[1]->as<torch::nn::BatchNorm1d>();
+  {
+    torch::NoGradGuard ng;
+    bn->running_mean.fill_(static_cast<float>(rank));  // drift, as local batches would cause
+  }
+  seq->eval();  // running statistics used, not updated
+  step.step(torch::randn({4, 8}), torch::randint(0, 2, {4}));
+  EXPECT_TRUE(torch::equal(bn->running_mean, torch::full({8}, broadcast ? 0.0f : static_cast<float>(rank))))
+      << bn->running_mean;
+}
+
+void run_dp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const std::vector<DpCase> cases = {
+      {"AdamW, default options", perf::DataParallelOptions(), false, 1, false, std::nullopt},
+      {"AdamW, several small buckets", perf::DataParallelOptions().bucket_cap_mb(0.0005), false, 1, false,
+       std::nullopt},
+      {"flat AdamW", perf::DataParallelOptions().bucket_cap_mb(0.0005), true, 1, false, std::nullopt},
+      {"AdamW, 3 micro-batches, GradScaler, clipping", perf::DataParallelOptions(), false, 3, true, 0.5},
+      {"flat AdamW, GradScaler, clipping", perf::DataParallelOptions(), true, 1, true, 0.5},
+  };
+  for (const auto& c : cases) run_dp_case(pg, c);
+  run_dp_buffers(pg, true);
+  run_dp_buffers(pg, false);
+  run_dp_compiled(pg, false);
+  run_dp_compiled(pg, true);
+}
+
+}  // namespace
+
+TEST(DataParallel, RejectsBadOptionsAndUnsupportedUses) {
+#if PERF_WITH_GLOO
+  auto pg = single_group();
+  PERF_EXPECT_THROW_MSG(perf::TrainStepOptions().data_parallel(c10::intrusive_ptr<c10d::ProcessGroup>()),
+                        "data_parallel: the process group is empty");
+  PERF_EXPECT_THROW_MSG(perf::CompiledTrainOptions().data_parallel(pg, perf::DataParallelOptions().bucket_cap_mb(0)),
+                        "perf::DataParallelOptions::bucket_cap_mb: must be > 0 MiB, got 0");
+  const auto x = torch::randn({4, 8});
+  const auto y = torch::randint(0, 4, {4});
+  // A DDP and the step would both average: the step refuses the DDP's parameters and names the way.
+  {
+    DdpNet model;
+    perf::DistributedDataParallel ddp(model, pg);
+    perf::optim::SGD opt(model->parameters(), perf::optim::SGDOptions(0.1));
+    PERF_EXPECT_THROW_MSG(perf::TrainStep(
+                              model, [&](const at::Tensor& a, const at::Tensor& b) { return dp_loss(model, a, b); },
+                              opt, x, y, perf::TrainStepOptions().data_parallel(pg)),
+                          "Give the step the process group instead of the DDP wrapper");
+  }
+  {
+    DdpNet frozen;
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    perf::optim::SGD opt(frozen->parameters(), perf::optim::SGDOptions(0.1));
+    PERF_EXPECT_THROW_MSG(perf::TrainStep(
+                              frozen, [&](const at::Tensor& a, const at::Tensor& b) { return dp_loss(frozen, a, b); },
+                              opt, x, y, perf::TrainStepOptions().data_parallel(pg)),
+                          "data_parallel: the model has no parameter that requires grad");
+  }
+  // A parameter the loss does not reach has no gradient to average.
+  {
+    DdpNet spare(true);
+    perf::optim::SGD opt(spare->parameters(), perf::optim::SGDOptions(0.1));
+    perf::TrainStep step(
+        spare, [&](const at::Tensor& a, const at::Tensor& b) { return dp_loss(spare, a, b); }, opt, x, y,
+        perf::TrainStepOptions().data_parallel(pg));
+    PERF_EXPECT_THROW_MSG(step.step(x, y), "a parameter of shape [16, 16] got no gradient in this step on rank 0");
+  }
+  perf::destroy_process_group(pg);
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// Rank 0 here; ranks 1.. in copies of this binary. Worlds of 2 and 3.
+TEST(DataParallel, TwoAndThreeProcessesTrainLikeOneProcessOnTheWholeBatch) {
+#if PERF_WITH_GLOO
+  if (is_worker()) GTEST_SKIP() << "skipped: this is a worker copy";
+  run_in_worlds_of_2_and_3("DataParallel.WorkerRank", run_dp_suite);
+#else
+  GTEST_SKIP() << "skipped: perf was built without Gloo's headers (install libgloo-dev)";
+#endif
+}
+
+// Not a test of its own: the worker ranks of the test above.
+TEST(DataParallel, WorkerRank) {
+  if (!is_worker()) GTEST_SKIP() << "skipped: runs only as a worker rank, started by DataParallel.*";
+  run_dp_suite(worker_group());
+}
+
+// One GPU, NCCL, world size 1: the all-reduce is captured with the rest of the step, and a graphed step with
+// data_parallel trains as the same step without it (averaging over one rank changes nothing); the compiled step too.
+TEST(DataParallel, OnGpuNcclWorldSizeOneGraphedStepsTrainAsWithoutIt) {
+#if PERF_WITH_NCCL
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "skipped: no CUDA device on this machine";
+  auto pg = perf::init_process_group(loopback(1, 0, free_port(), std::chrono::seconds(60)).backend("nccl"));
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (const bool flat : {false, true}) {
+    SCOPED_TRACE(flat ? "flat AdamW" : "AdamW");
+    torch::manual_seed(100);
+    DdpNet model, ref;
+    model->to(cuda);
+    ref->to(cuda);
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < ref->parameters().size(); ++i) ref->parameters()[i].copy_(model->parameters()[i]);
+    }
+    perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2).flat(flat));
+    const auto x0 = torch::zeros({16, 8}, cuda);
+    const auto y0 = torch::zeros({16}, torch::TensorOptions(cuda).dtype(torch::kLong));
+    perf::TrainStep step(
+        model, [&](const at::Tensor& a, const at::Tensor& b) { return dp_loss(model, a, b); }, opt, x0, y0,
+        perf::TrainStepOptions().data_parallel(pg, perf::DataParallelOptions().bucket_cap_mb(0.0005)));
+    perf::TrainStep ref_step(
+        ref, [&](const at::Tensor& a, const at::Tensor& b) { return dp_loss(ref, a, b); }, ref_opt, x0, y0);
+    EXPECT_TRUE(step.graphed()) << "the step with its all-reduce is one CUDA graph";
+    for (int i = 0; i < 10; ++i) {
+      const auto x = torch::randn({16, 8}, cuda);
+      const auto y = torch::randint(0, 4, {16}, torch::TensorOptions(cuda).dtype(torch::kLong));
+      step.step(x, y);
+      ref_step.step(x, y);
+    }
+    EXPECT_LT(max_diff(*model, *ref), 1e-6);
+  }
+  {
+    test_util::TempDir dir;
+    const std::string models = test_util::compiled_models();
+    const std::string pkg = test_util::cuda_test_package(
+        "mlp_train_cuda.pt2",
+        models + ":make_mlp --train --loss " + models + ":classify_loss --input 8,16 --input 8:int64", dir);
+    if (!pkg.empty()) {
+      torch::manual_seed(100);
+      compiled_models::Mlp model, ref;
+      model.to(cuda);
+      ref.to(cuda);
+      {
+        torch::NoGradGuard ng;
+        for (size_t i = 0; i < ref.parameters().size(); ++i) ref.parameters()[i].copy_(model.parameters()[i]);
+      }
+      perf::optim::AdamW opt(model.parameters(), perf::optim::AdamWOptions(1e-2));
+      perf::optim::AdamW ref_opt(ref.parameters(), perf::optim::AdamWOptions(1e-2));
+      perf::CompiledTrainStep step(pkg, model, opt, perf::CompiledTrainOptions().data_parallel(pg));
+      perf::CompiledTrainStep ref_step(pkg, ref, ref_opt);
+      for (int i = 0; i < 10; ++i) {
+        const auto x = torch::randn({8, 16}, cuda);
+        const auto y = torch::randint(0, 4, {8}, torch::TensorOptions(cuda).dtype(torch::kLong));
+        step.step(x, y);
+        ref_step.step(x, y);
+      }
+      EXPECT_TRUE(step.graphed()) << "the compiled step with its all-reduce is one CUDA graph";
+      EXPECT_LT(max_diff(model, ref), 1e-6);
+    }
+  }
   perf::destroy_process_group(pg);
 #else
   GTEST_SKIP() << "skipped: perf was built without NCCL (needs CUDA and LibTorch's NCCL)";

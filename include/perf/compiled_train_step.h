@@ -20,6 +20,9 @@
 // kernels, optimizer, scaler) is captured into one CUDA graph at the first
 // step() and replayed; the package runs through its single-threaded entry
 // point, the one that capture allows. On the CPU every step runs eagerly.
+// With CompiledTrainOptions().data_parallel(pg) (perf/distributed.h) each rank
+// trains on its share of the batch and the step averages the gradients across
+// the ranks, inside the same CUDA graph.
 //
 // Names, shapes, dtypes, strides and requires_grad of the module's state are
 // checked against the package at construction, and again (cheaply) at every
@@ -74,6 +77,21 @@ struct CompiledTrainOptions {
   TORCH_ARG(bool, eager_fallback) = false;
   TORCH_ARG(CaptureErrorMode, capture_error_mode) = CaptureErrorMode::thread_local_;
   TORCH_ARG(bool, check_syncs) = true;
+
+ public:  // after TORCH_ARG, which leaves its field private
+  /// Data-parallel training over `process_group`, as TrainStepOptions::data_parallel
+  /// (include perf/distributed.h): rank 0's parameters and buffers broadcast at
+  /// construction, the package's gradients averaged across the ranks in every step.
+  CompiledTrainOptions& data_parallel(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+                                      const DataParallelOptions& options = DataParallelOptions()) {
+    data_parallel_ = detail::make_data_parallel(process_group, options);
+    return *this;
+  }
+  /// Null unless data_parallel(...) was set.
+  const detail::DataParallelPtr& data_parallel() const noexcept { return data_parallel_; }
+
+ private:
+  detail::DataParallelPtr data_parallel_;
 };
 
 class CompiledTrainStep {
@@ -119,6 +137,7 @@ class CompiledTrainStep {
     return it == metadata().end() ? std::string() : it->second;
   }
   const std::string& path() const noexcept;
+  const CompiledTrainOptions& options() const noexcept { return options_; }
   const std::unordered_map<std::string, std::string>& metadata() const noexcept;
   /// The batch tensors the package takes.
   const std::vector<CompiledInput>& inputs() const noexcept;

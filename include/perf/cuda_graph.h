@@ -10,6 +10,7 @@
 //   }, optimizer, first_batch);                     // first_batch: a torch::data::Example (or input, target)
 //   torch::Tensor loss = step.step(batch);          // forward + backward + update, one replay, no host sync
 //                                                   // (the loss is the caller's: a 0-dim device copy)
+//   // data-parallel: TrainStepOptions().data_parallel(pg) (perf/distributed.h), gradients averaged in the graph
 //
 // Without CUDA (or for CPU tensors) the same API runs eagerly on the same static
 // buffers, so semantics (buckets, padding, views) are identical; graphed() says which.
@@ -40,6 +41,7 @@
 #include <c10/util/Exception.h>
 #include <perf/amp.h>
 #include <perf/config.h>
+#include <perf/detail/data_parallel.h>
 #include <perf/detail/float.h>
 #include <perf/module.h>
 #include <perf/optim.h>
@@ -235,6 +237,29 @@ struct TrainStepOptions {
   TORCH_ARG(bool, eager_fallback) = false;
   TORCH_ARG(CaptureErrorMode, capture_error_mode) = CaptureErrorMode::thread_local_;
   TORCH_ARG(bool, check_syncs) = true;
+
+ public:  // after TORCH_ARG, which leaves its field private
+  /// Data-parallel training over `process_group` (perf::init_process_group; define
+  /// it by including perf/distributed.h): every rank builds the step alike on its
+  /// share of each batch. At construction rank 0's parameters and buffers are
+  /// broadcast; each step averages the gradients across the ranks after its
+  /// backward (and accumulation), before clipping and the update, inside the
+  /// CUDA graph with the rest of the step. Instead of perf::DistributedDataParallel,
+  /// whose autograd hooks a graph cannot capture.
+  TrainStepOptions& data_parallel(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+                                  const DataParallelOptions& options = DataParallelOptions()) {
+    return data_parallel(detail::make_data_parallel(process_group, options));
+  }
+  /// The group another step's options hold (CompiledTrainOptions passes its own on).
+  TrainStepOptions& data_parallel(detail::DataParallelPtr group) {
+    data_parallel_ = std::move(group);
+    return *this;
+  }
+  /// Null unless data_parallel(...) was set.
+  const detail::DataParallelPtr& data_parallel() const noexcept { return data_parallel_; }
+
+ private:
+  detail::DataParallelPtr data_parallel_;
 };
 
 /// The optimizers a TrainStep runs, in this order: one (`opt`), or several
@@ -362,6 +387,7 @@ class TrainStep {
   void init(std::vector<at::Tensor> example);
   void capture_graph();
   void restore_static_grads();
+  void average_gradients(const detail::DataParallel& dp);
   bool is_partial_batch(const std::vector<at::Tensor>& batch) const;
   at::Tensor body(const std::vector<at::Tensor>& batch);
   void check_batch(const std::vector<at::Tensor>& batch, bool shapes) const;

@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 #include <perf/config.h>
 #include <perf/detail/cpu.h>
+#include <perf/detail/data_parallel.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

@@ -30,6 +30,8 @@ PERF_INLINE CompiledTrainStep::CompiledTrainStep(const std::string& path, Module
               options_.accumulation_steps());
   detail::check_step_optimizers(package_->who(), opts_.list());  // here, not at the first step()
   bind_state();
+  // As DistributedDataParallel: every rank's model checked alike and given rank 0's state now, not at the first step().
+  if (const auto& dp = options_.data_parallel()) dp->start(*module_, package_->who().c_str());
   detail::warn_if_emulated_bf16(*package_);
 }
 
@@ -236,7 +238,8 @@ PERF_INLINE at::Tensor CompiledTrainStep::step(const std::vector<at::Tensor>& ba
         .pool(options_.pool())
         .eager_fallback(options_.eager_fallback())
         .capture_error_mode(options_.capture_error_mode())
-        .check_syncs(options_.check_syncs());
+        .check_syncs(options_.check_syncs())
+        .data_parallel(options_.data_parallel());
     inner_.reset(new TrainStep(  // private to TrainStep: not make_unique
         "perf::CompiledTrainStep", "perf::CompiledTrainOptions", module_,
         [this](const std::vector<at::Tensor>& micro_batch, double divisor) { return micro(micro_batch, divisor); },
@@ -263,6 +266,9 @@ PERF_INLINE std::ostream& operator<<(std::ostream& out, const CompiledTrainStep&
       << (step.channels_last() ? ", channels-last" : "") << ", "
       << (step.graphed() ? "one CUDA graph per step" : "eager steps");
   if (step.eager_steps() > 0) out << " (" << step.eager_steps() << " uncaptured)";
+  if (const auto& dp = step.options().data_parallel()) {
+    out << ", data-parallel: rank " << dp->rank() << " of " << dp->world_size() << " (" << dp->backend() << ")";
+  }
   out << "\n";
   const auto& meta = step.metadata();
   out << detail::inductor_options_line(meta);

@@ -201,7 +201,9 @@ PERF_INLINE std::vector<optim::FusedOptimizer*> check_step_optimizers(
         TORCH_CHECK(!ddp_owns(p), who,
                     ": the optimizer's parameters are synchronised by a perf::DistributedDataParallel, "
                     "whose gradient all-reduce runs in autograd hooks on the process group; a CUDA graph cannot "
-                    "capture that. Train with an eager step instead: loss_fn(ddp(x), y).backward(); opt.step()");
+                    "capture that. Give the step the process group instead of the DDP wrapper (its options' "
+                    ".data_parallel(pg): the step averages the gradients itself), or train with an eager step: "
+                    "loss_fn(ddp(x), y).backward(); opt.step()");
       }
     }
   }
@@ -593,6 +595,8 @@ PERF_INLINE void TrainStep::init(std::vector<at::Tensor> example) {
     TORCH_CHECK(*options_.max_grad_norm() > 0, opts, "::max_grad_norm: must be > 0, got ", *options_.max_grad_norm());
   }
   fused_ = detail::check_step_optimizers(who_, opts_);
+  // A compiled step started its group at its own construction.
+  if (const auto& dp = options_.data_parallel(); dp && !micro_) dp->start(*module_, who_.c_str());
   const auto device = example[0].device();
   for (size_t i = 0; i < example.size(); ++i) {
     TORCH_CHECK(example[i].defined(), who_, ": example batch tensor ", i, " is undefined");
@@ -745,6 +749,8 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
       opts_[o]->zero_grad();
     }
   }
+  const auto& dp = options_.data_parallel();
+  if (dp) dp->sync_buffers(*module_);
   // Each micro-batch's loss divided by its share of the rows (k for equal ones).
   const auto micro = detail::micro_batches(batch, options_.accumulation_steps());
   auto* scaler = options_.scaler();
@@ -758,6 +764,7 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
     total = total.defined() ? total + part : part;
   }
   extras_.outputs = outputs.size() == 1 ? std::move(outputs[0]) : detail::cat_step_outputs(outputs);
+  if (dp) average_gradients(*dp);
   if (options_.max_grad_norm()) {
     std::vector<at::Tensor> params;
     for (auto* opt : opts_) {
@@ -776,6 +783,27 @@ PERF_INLINE at::Tensor TrainStep::body(const std::vector<at::Tensor>& batch) {
   }
   if (scaler) scaler->update();
   return total;
+}
+
+// The optimizers' gradients averaged across the ranks, as DDP leaves them after backward: still scaled (a scaler
+// unscales them next), a flat optimizer's buffer as one tensor.
+PERF_INLINE void TrainStep::average_gradients(const detail::DataParallel& dp) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (auto* opt : opts_) {
+    for (auto& g : opt->param_groups()) {
+      for (auto& p : g.params()) {
+        if (!p.requires_grad()) continue;
+        TORCH_CHECK(p.grad().defined(), who_, ": data_parallel: a parameter of shape ", detail::shape_str(p),
+                    " got no gradient in this step on rank ", dp.rank(),
+                    "; every rank averages the gradients of all the optimizers' trainable parameters, so each must "
+                    "get one in every step (as Python's DDP requires without find_unused_parameters): freeze it "
+                    "(requires_grad(false)) on every rank before the step is built, or leave it out of the optimizer");
+        grads.push_back(p.grad());
+      }
+    }
+  }
+  dp.average(optim::detail::coalesce_flat(grads));
 }
 
 PERF_INLINE at::Tensor TrainStep::step(const std::vector<at::Tensor>& batch) {

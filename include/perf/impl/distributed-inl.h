@@ -426,6 +426,130 @@ PERF_INLINE void DDPCore::post_forward(const std::vector<at::Tensor*>& found) {
   }
 }
 
+// perf::TrainStepOptions / CompiledTrainOptions::data_parallel: the step averages its gradients itself, after
+// backward, with plain collectives a CUDA graph can capture (NCCL's kernels are recorded like any other; c10d keeps a
+// captured collective off its watchdog), where DistributedDataParallel's Reducer starts them from autograd hooks.
+class ProcessGroupDataParallel final : public DataParallel {
+ public:
+  ProcessGroupDataParallel(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const DataParallelOptions& options)
+      : pg_(std::move(process_group)), options_(options) {}
+  int rank() const override { return pg_->getRank(); }
+  int world_size() const override { return pg_->getSize(); }
+  std::string backend() const override { return pg_->getBackendName(); }
+  const DataParallelOptions& options() const noexcept override { return options_; }
+
+  void start(torch::nn::Module& module, const char* who) const override {
+    std::vector<at::Tensor> params, state;
+    std::unordered_set<const void*> seen;  // a tensor registered twice (tied weights) once
+    for (const auto& p : module.parameters(/*recurse=*/true)) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      state.push_back(p);
+      if (p.requires_grad()) params.push_back(p);
+    }
+    TORCH_CHECK(!params.empty(), who,
+                ": data_parallel: the model has no parameter that requires grad; nothing to "
+                "average across the ranks");
+    for (const auto& p : params) {
+      TORCH_CHECK(p.device() == params[0].device(), who, ": data_parallel: a parameter of shape ", p.sizes(), " is on ",
+                  p.device(), ", another on ", params[0].device(),
+                  "; put the whole model on one device (this process's GPU, or the CPU)");
+      TORCH_CHECK(p.layout() == at::kStrided, who, ": data_parallel: a parameter of shape ", p.sizes(),
+                  " is sparse; only dense parameters are supported");
+    }
+    for (const auto& b : module.buffers(/*recurse=*/true))
+      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) state.push_back(b);
+    // The same trainable parameters on every rank (c10d's check: count, shapes, strides), then rank 0's values.
+    c10d::verify_params_across_processes(pg_, params, std::nullopt);
+    if (pg_->getSize() > 1) {
+      torch::NoGradGuard no_grad;
+      c10d::broadcast_coalesced(pg_, state, kBroadcastBucketBytes, 0);
+    }
+  }
+
+  void sync_buffers(torch::nn::Module& module) const override {
+    if (!options_.broadcast_buffers() || pg_->getSize() == 1) return;
+    std::vector<at::Tensor> buffers;
+    std::unordered_set<const void*> seen;
+    for (const auto& b : module.buffers(/*recurse=*/true))
+      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
+    if (buffers.empty()) return;
+    torch::NoGradGuard no_grad;
+    c10d::broadcast_coalesced(pg_, buffers, kBroadcastBucketBytes, 0);
+  }
+
+  // As DDP's buckets: divided by the world size, then summed. The tensors of one (device, dtype) share buckets of up
+  // to bucket_cap_mb in their order; a contiguous tensor at least that large is reduced where it lies. Every
+  // all-reduce is started before the first wait.
+  void average(const std::vector<at::Tensor>& tensors) const override {
+    const double world = static_cast<double>(pg_->getSize());
+    const auto cap = static_cast<int64_t>(std::max(1.0, options_.bucket_cap_mb() * 1024.0 * 1024.0));
+    struct Bucket {
+      std::vector<at::Tensor> members, flat;  // flat: the one tensor all-reduced
+      int64_t bytes = 0;
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    std::vector<Bucket> started;
+    std::vector<std::pair<std::pair<c10::Device, at::ScalarType>, Bucket>> open;
+    auto launch = [&](Bucket b) {
+      if (b.flat.empty()) {  // several tensors: one copy of them
+        std::vector<at::Tensor> parts;
+        for (const auto& m : b.members) parts.push_back(m.reshape(-1));
+        b.flat = {at::cat(parts)};
+      }
+      b.flat[0].div_(world);
+      b.work = pg_->allreduce(b.flat);
+      started.push_back(std::move(b));
+    };
+    for (const auto& t : tensors) {
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided, "data_parallel: only dense gradients can be averaged");
+      const int64_t bytes = static_cast<int64_t>(t.nbytes());
+      if (t.is_contiguous() && bytes >= cap) {
+        Bucket alone;
+        alone.flat = {t};  // the tensor itself: nothing to copy back
+        launch(std::move(alone));
+        continue;
+      }
+      const auto key = std::make_pair(t.device(), t.scalar_type());
+      auto it = std::find_if(open.begin(), open.end(), [&](const auto& o) { return o.first == key; });
+      if (it != open.end() && it->second.bytes + bytes > cap) {
+        launch(std::move(it->second));
+        open.erase(it);
+        it = open.end();
+      }
+      if (it == open.end()) it = open.insert(open.end(), {key, Bucket()});
+      it->second.members.push_back(t);
+      it->second.bytes += bytes;
+    }
+    for (auto& o : open) launch(std::move(o.second));
+    for (auto& b : started) {
+      b.work->wait();
+      int64_t offset = 0;
+      for (auto& m : b.members) {
+        const int64_t n = m.numel();
+        m.copy_(b.flat[0].narrow(0, offset, n).view(m.sizes()));
+        offset += n;
+      }
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  DataParallelOptions options_;
+};
+
+template <typename Group>
+DataParallelPtr make_data_parallel(const c10::intrusive_ptr<Group>& process_group, const DataParallelOptions& options) {
+  TORCH_CHECK(process_group,
+              "perf: data_parallel: the process group is empty; create it with perf::init_process_group()");
+  TORCH_CHECK(options.bucket_cap_mb() > 0, "perf::DataParallelOptions::bucket_cap_mb: must be > 0 MiB, got ",
+              options.bucket_cap_mb());
+  return std::make_shared<const ProcessGroupDataParallel>(process_group, options);
+}
+
+#ifdef PERF_SEPARATE_COMPILATION
+template DataParallelPtr make_data_parallel(const c10::intrusive_ptr<c10d::ProcessGroup>&, const DataParallelOptions&);
+#endif
+
 }  // namespace detail
 
 }  // namespace perf
