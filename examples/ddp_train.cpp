@@ -1,4 +1,5 @@
-// Data-parallel training with perf::DistributedDataParallel.
+// Data-parallel training with perf::DistributedDataParallel, or with
+// perf::TrainStep's data_parallel(pg) (--train-step).
 //
 //   torchrun --no-python --nproc-per-node 2 ./ddp_train           # with PyTorch's launcher
 //   RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 ./ddp_train &
@@ -6,21 +7,27 @@
 //
 // Each rank reads its own shard of the dataset (DistributedRandomSampler), loads
 // it with perf::loader_options and perf::prefetch, and trains a replica whose
-// gradients are averaged across ranks during backward.
+// gradients are averaged across ranks during backward (DDP), or after it inside
+// the step (--train-step: on a GPU each step is one CUDA graph replay, the
+// all-reduce in it). Exits 1 if the last epoch's mean loss is not below the first's.
 #include <perf/perf.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <optional>
+#include <vector>
 
 namespace {
 
-// Synthetic classification data: 3x32x32 images, 10 classes.
+// Synthetic classification data: 3x32x32 images, 10 classes, each class's noise
+// around its own mean brightness (learnable, so the loss falls).
 struct Synthetic : torch::data::datasets::Dataset<Synthetic> {
   explicit Synthetic(size_t n) : n_(n) {}
   torch::data::Example<> get(size_t i) override {
     auto g = at::make_generator<at::CPUGeneratorImpl>(i);
-    return {torch::randn({3, 32, 32}, g), torch::tensor(static_cast<int64_t>(i % 10))};
+    const auto label = static_cast<int64_t>(i % 10);
+    return {torch::randn({3, 32, 32}, g) + 0.2 * static_cast<double>(label - 5), torch::tensor(label)};
   }
   std::optional<size_t> size() const override { return n_; }
   size_t n_;
@@ -31,7 +38,10 @@ struct Synthetic : torch::data::datasets::Dataset<Synthetic> {
 int main(int argc, char** argv) {
   CLI::App app{"perf::DistributedDataParallel example (launch with torchrun or RANK/WORLD_SIZE/MASTER_*)"};
   int epochs = 2, batch = 32, samples = 2048;
+  bool train_step = false;
   app.add_option("--epochs", epochs)->check(CLI::PositiveNumber);
+  app.add_flag("--train-step", train_step,
+               "perf::TrainStep with TrainStepOptions().data_parallel(pg) instead of perf::DistributedDataParallel");
   app.add_option("--batch", batch, "per-rank batch")->check(CLI::PositiveNumber);
   app.add_option("--samples", samples)->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
@@ -46,8 +56,12 @@ int main(int argc, char** argv) {
                               torch::nn::ReLU(), torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)),
                               torch::nn::Flatten(), torch::nn::Linear(32, 10));
   model->to(device);
-  perf::DistributedDataParallel ddp(model, pg);  // rank 0's weights everywhere
   perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-3));
+  // Either way rank 0's weights everywhere, once the DDP or the step is made.
+  std::optional<perf::DistributedDataParallel<torch::nn::SequentialImpl>> ddp;
+  if (!train_step) ddp.emplace(model, pg);
+  std::optional<perf::TrainStep> step;  // made from the first batch
+  std::vector<double> epoch_losses;
 
   for (int epoch = 0; epoch < epochs; ++epoch) {
     // A new shuffle per epoch, the same on every rank, each rank its own shard.
@@ -64,19 +78,36 @@ int main(int argc, char** argv) {
     auto total = torch::zeros({}, device);
     int64_t steps = 0;
     for (auto& b : perf::prefetch(*loader, device)) {
-      opt.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(ddp(b.data), b.target);
-      loss.backward();  // all-reduce in buckets while backward runs
-      opt.step();
+      torch::Tensor loss;
+      if (train_step) {
+        if (!step) {
+          step.emplace(
+              model,
+              [&](const torch::Tensor& x, const torch::Tensor& t) {
+                return torch::nn::functional::cross_entropy(model->forward(x), t);
+              },
+              opt, b, perf::TrainStepOptions().data_parallel(pg));
+        }
+        loss = step->step(b);  // forward, backward, the gradients' all-reduce, the update
+      } else {
+        opt.zero_grad();
+        loss = torch::nn::functional::cross_entropy((*ddp)(b.data), b.target);
+        loss.backward();  // all-reduce in buckets while backward runs
+        opt.step();
+      }
       total += loss.detach();
       ++steps;
       if (bar) bar->update(b.data.size(0), {{"loss", loss.detach()}});
     }
     if (bar) bar->close();
+    epoch_losses.push_back(total.item<double>() / static_cast<double>(steps));
     if (rank == 0)
-      std::cout << "epoch " << epoch << ": mean loss " << total.item<double>() / static_cast<double>(steps) << " over "
-                << steps << " steps per rank, " << world << " ranks\n";
+      std::cout << "epoch " << epoch << ": mean loss " << epoch_losses.back() << " over " << steps
+                << " steps per rank, " << world << " ranks, "
+                << (train_step ? (step->graphed() ? "perf::TrainStep, one CUDA graph per step" : "perf::TrainStep")
+                               : "perf::DistributedDataParallel")
+                << "\n";
   }
   perf::destroy_process_group(pg);  // as torch.distributed.destroy_process_group()
-  return 0;
+  return epoch_losses.size() > 1 && !(epoch_losses.back() < epoch_losses.front()) ? 1 : 0;
 }

@@ -40,7 +40,6 @@ class DataParallel {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual std::string backend() const = 0;
-  virtual const DataParallelOptions& options() const noexcept = 0;
   // At construction: every rank's parameters and buffers checked alike (count,
   // shapes, dtypes, requires_grad), then rank 0's broadcast to every rank.
   virtual void start(torch::nn::Module& module, const char* who) const = 0;

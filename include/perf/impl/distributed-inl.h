@@ -436,7 +436,6 @@ class ProcessGroupDataParallel final : public DataParallel {
   int rank() const override { return pg_->getRank(); }
   int world_size() const override { return pg_->getSize(); }
   std::string backend() const override { return pg_->getBackendName(); }
-  const DataParallelOptions& options() const noexcept override { return options_; }
 
   void start(torch::nn::Module& module, const char* who) const override {
     std::vector<at::Tensor> params, state;
