@@ -782,6 +782,8 @@ struct DpCase {
   int64_t accumulation = 1;    // micro-batches per step
   bool scaler = false;         // perf::GradScaler in the step
   std::optional<double> clip;  // max_grad_norm
+  bool sgd = false;            // SGD with momentum instead of AdamW
+  double tol = 1e-5;           // against one process on the whole batch
 };
 
 at::Tensor dp_loss(DdpNet& m, const at::Tensor& x, const at::Tensor& y) {
@@ -797,8 +799,13 @@ void run_dp_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const DpCase&
   DdpNet model;
   torch::manual_seed(100);
   DdpNet ref;
-  perf::optim::AdamW opt(model->parameters(), perf::optim::AdamWOptions(1e-2).flat(c.flat));
-  perf::optim::AdamW ref_opt(ref->parameters(), perf::optim::AdamWOptions(1e-2).flat(c.flat));
+  auto make_opt = [&](DdpNet& m) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (c.sgd)
+      return std::make_unique<perf::optim::SGD>(m->parameters(),
+                                                perf::optim::SGDOptions(0.05).momentum(0.9).flat(c.flat));
+    return std::make_unique<perf::optim::AdamW>(m->parameters(), perf::optim::AdamWOptions(1e-2).flat(c.flat));
+  };
+  auto opt = make_opt(model), ref_opt = make_opt(ref);
   perf::GradScaler scaler(perf::GradScalerOptions().init_scale(1024.0));
   perf::GradScaler ref_scaler(perf::GradScalerOptions().init_scale(1024.0));
   auto options = [&](perf::GradScaler& s) {
@@ -811,11 +818,11 @@ void run_dp_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const DpCase&
   const auto x0 = torch::zeros({b, 8});
   const auto y0 = torch::zeros({b}, torch::kLong);
   perf::TrainStep step(
-      model, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(model, x, y); }, opt, x0, y0,
+      model, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(model, x, y); }, *opt, x0, y0,
       options(scaler).data_parallel(pg, c.options));
   EXPECT_LT(max_diff(*model, *ref), 1e-12) << "rank 0's parameters were not broadcast";
   perf::TrainStep ref_step(
-      ref, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(ref, x, y); }, ref_opt,
+      ref, [&](const at::Tensor& x, const at::Tensor& y) { return dp_loss(ref, x, y); }, *ref_opt,
       torch::zeros({world * b, 8}), torch::zeros({world * b}, torch::kLong), options(ref_scaler));
   for (int i = 0; i < 10; ++i) {
     torch::manual_seed(static_cast<uint64_t>(1000 + i));  // the same global batch everywhere
@@ -825,7 +832,10 @@ void run_dp_case(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const DpCase&
     ref_step.step(x, y);
     EXPECT_TRUE(torch::isfinite(loss).item<bool>());
   }
-  EXPECT_LT(max_diff(*model, *ref), 1e-5) << "data-parallel steps differ from one process on the whole batch";
+  EXPECT_LT(max_diff(*model, *ref), c.tol) << "data-parallel steps differ from one process on the whole batch";
+  if (c.options.compression() != "none") {
+    EXPECT_GT(max_diff(*model, *ref), 1e-7) << "compressed, the exchanged gradients are rounded to half precision";
+  }
   if (c.clip) {
     EXPECT_NEAR(step.grad_norm().item<double>(), ref_step.grad_norm().item<double>(), 1e-5)
         << "the norm of the averaged gradients is the whole batch's";
@@ -899,12 +909,19 @@ void run_dp_buffers(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, bool broad
 
 void run_dp_suite(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   const std::vector<DpCase> cases = {
-      {"AdamW, default options", perf::DataParallelOptions(), false, 1, false, std::nullopt},
-      {"AdamW, several small buckets", perf::DataParallelOptions().bucket_cap_mb(0.0005), false, 1, false,
-       std::nullopt},
-      {"flat AdamW", perf::DataParallelOptions().bucket_cap_mb(0.0005), true, 1, false, std::nullopt},
-      {"AdamW, 3 micro-batches, GradScaler, clipping", perf::DataParallelOptions(), false, 3, true, 0.5},
-      {"flat AdamW, GradScaler, clipping", perf::DataParallelOptions(), true, 1, true, 0.5},
+      {"AdamW, default options", perf::DataParallelOptions(), false, 1, false, std::nullopt, false, 1e-5},
+      {"AdamW, several small buckets", perf::DataParallelOptions().bucket_cap_mb(0.0005), false, 1, false, std::nullopt,
+       false, 1e-5},
+      {"flat AdamW", perf::DataParallelOptions().bucket_cap_mb(0.0005), true, 1, false, std::nullopt, false, 1e-5},
+      {"AdamW, 3 micro-batches, GradScaler, clipping", perf::DataParallelOptions(), false, 3, true, 0.5, false, 1e-5},
+      {"flat AdamW, GradScaler, clipping", perf::DataParallelOptions(), true, 1, true, 0.5, false, 1e-5},
+      // Compressed: the gradients cross in half precision (bounds as DistributedDataParallel's test).
+      {"SGD, fp16 compression", perf::DataParallelOptions().compression("fp16"), false, 1, false, std::nullopt, true,
+       2e-3},
+      {"SGD, bf16 compression, small buckets", perf::DataParallelOptions().compression("bf16").bucket_cap_mb(0.0005),
+       false, 1, false, std::nullopt, true, 2e-2},
+      {"flat SGD, bf16 compression", perf::DataParallelOptions().compression("bf16"), true, 1, false, std::nullopt,
+       true, 2e-2},
   };
   for (const auto& c : cases) run_dp_case(pg, c);
   run_dp_buffers(pg, true);
@@ -922,6 +939,8 @@ TEST(DataParallel, RejectsBadOptionsAndUnsupportedUses) {
                         "data_parallel: the process group is empty");
   PERF_EXPECT_THROW_MSG(perf::CompiledTrainOptions().data_parallel(pg, perf::DataParallelOptions().bucket_cap_mb(0)),
                         "perf::DataParallelOptions::bucket_cap_mb: must be > 0 MiB, got 0");
+  PERF_EXPECT_THROW_MSG(perf::TrainStepOptions().data_parallel(pg, perf::DataParallelOptions().compression("int8")),
+                        "compression: invalid value \"int8\"; valid values: \"none\", \"fp16\", \"bf16\"");
   const auto x = torch::randn({4, 8});
   const auto y = torch::randint(0, 4, {4});
   // A DDP and the step would both average: the step refuses the DDP's parameters and names the way.

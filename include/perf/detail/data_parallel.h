@@ -29,6 +29,9 @@ struct DataParallelOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Rank 0's buffers (BatchNorm running statistics) are broadcast before each step.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Gradient compression: "none", "fp16" or "bf16" (float32 and float64 gradients
+  /// all-reduced in half the bytes, as DDPOptions::compression).
+  TORCH_ARG(std::string, compression) = "none";
 };
 
 namespace detail {

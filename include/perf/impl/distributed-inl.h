@@ -478,25 +478,32 @@ class ProcessGroupDataParallel final : public DataParallel {
 
   // As DDP's buckets: divided by the world size, then summed. The tensors of one (device, dtype) share buckets of up
   // to bucket_cap_mb in their order; a contiguous tensor at least that large is reduced where it lies. Every
-  // all-reduce is started before the first wait.
+  // all-reduce is started before the first wait. Compressed: what goes on the wire is a half-precision copy.
   void average(const std::vector<at::Tensor>& tensors) const override {
     const double world = static_cast<double>(pg_->getSize());
     const auto cap = static_cast<int64_t>(std::max(1.0, options_.bucket_cap_mb() * 1024.0 * 1024.0));
+    const std::string& comp = options_.compression();
+    const auto wire_dtype = comp == "fp16" ? at::kHalf : at::kBFloat16;
     struct Bucket {
-      std::vector<at::Tensor> members, flat;  // flat: the one tensor all-reduced
+      std::vector<at::Tensor> members;  // several tensors copied into `data`, or none: `data` is the tensor
+      at::Tensor data;
+      std::vector<at::Tensor> wire;  // `data`, or its compressed copy
       int64_t bytes = 0;
       c10::intrusive_ptr<c10d::Work> work;
     };
     std::vector<Bucket> started;
     std::vector<std::pair<std::pair<c10::Device, at::ScalarType>, Bucket>> open;
     auto launch = [&](Bucket b) {
-      if (b.flat.empty()) {  // several tensors: one copy of them
+      if (!b.data.defined()) {
         std::vector<at::Tensor> parts;
         for (const auto& m : b.members) parts.push_back(m.reshape(-1));
-        b.flat = {at::cat(parts)};
+        b.data = at::cat(parts);
       }
-      b.flat[0].div_(world);
-      b.work = pg_->allreduce(b.flat);
+      const bool compress =
+          comp != "none" && (b.data.scalar_type() == at::kFloat || b.data.scalar_type() == at::kDouble);
+      b.wire = {compress ? b.data.to(wire_dtype) : b.data};
+      b.wire[0].div_(world);
+      b.work = pg_->allreduce(b.wire);
       started.push_back(std::move(b));
     };
     for (const auto& t : tensors) {
@@ -504,7 +511,7 @@ class ProcessGroupDataParallel final : public DataParallel {
       const int64_t bytes = static_cast<int64_t>(t.nbytes());
       if (t.is_contiguous() && bytes >= cap) {
         Bucket alone;
-        alone.flat = {t};  // the tensor itself: nothing to copy back
+        alone.data = t;  // reduced in place, nothing to copy back (unless compressed)
         launch(std::move(alone));
         continue;
       }
@@ -522,10 +529,11 @@ class ProcessGroupDataParallel final : public DataParallel {
     for (auto& o : open) launch(std::move(o.second));
     for (auto& b : started) {
       b.work->wait();
+      if (!b.wire[0].is_same(b.data)) b.data.copy_(b.wire[0]);
       int64_t offset = 0;
       for (auto& m : b.members) {
         const int64_t n = m.numel();
-        m.copy_(b.flat[0].narrow(0, offset, n).view(m.sizes()));
+        m.copy_(b.data.narrow(0, offset, n).view(m.sizes()));
         offset += n;
       }
     }
@@ -542,6 +550,10 @@ DataParallelPtr make_data_parallel(const c10::intrusive_ptr<Group>& process_grou
               "perf: data_parallel: the process group is empty; create it with perf::init_process_group()");
   TORCH_CHECK(options.bucket_cap_mb() > 0, "perf::DataParallelOptions::bucket_cap_mb: must be > 0 MiB, got ",
               options.bucket_cap_mb());
+  const std::string& comp = options.compression();
+  TORCH_CHECK(comp == "none" || comp == "fp16" || comp == "bf16",
+              "perf::DataParallelOptions::compression: invalid value \"", comp,
+              "\"; valid values: \"none\", \"fp16\", \"bf16\"");
   return std::make_shared<const ProcessGroupDataParallel>(process_group, options);
 }
 
