@@ -43,8 +43,9 @@ class DataParallel {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual std::string backend() const = 0;
-  // At construction: every rank's parameters and buffers checked alike (count,
-  // shapes, dtypes, requires_grad), then rank 0's broadcast to every rank.
+  // At construction: every rank's trainable parameters checked alike (c10d's
+  // check: count, shapes, strides), then rank 0's parameters and buffers
+  // broadcast to every rank.
   virtual void start(torch::nn::Module& module, const char* who) const = 0;
   // Before each step: rank 0's buffers, where broadcast_buffers() asks.
   virtual void sync_buffers(torch::nn::Module& module) const = 0;

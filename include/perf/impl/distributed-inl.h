@@ -507,7 +507,8 @@ class ProcessGroupDataParallel final : public DataParallel {
       started.push_back(std::move(b));
     };
     for (const auto& t : tensors) {
-      TORCH_CHECK(t.defined() && t.layout() == at::kStrided, "data_parallel: only dense gradients can be averaged");
+      TORCH_CHECK(t.defined() && t.layout() == at::kStrided,
+                  "perf: data_parallel: a sparse gradient cannot be averaged; only dense gradients are supported");
       const int64_t bytes = static_cast<int64_t>(t.nbytes());
       if (t.is_contiguous() && bytes >= cap) {
         Bucket alone;
