@@ -430,6 +430,15 @@ PERF_INLINE void DDPCore::post_forward(const std::vector<at::Tensor*>& found) {
 // backward, with plain collectives a CUDA graph can capture (NCCL's kernels are recorded like any other; c10d keeps a
 // captured collective off its watchdog), where DistributedDataParallel's Reducer starts them from autograd hooks.
 class ProcessGroupDataParallel final : public DataParallel {
+  // The module's buffers, each once (one registered under two names is one tensor).
+  static std::vector<at::Tensor> distinct_buffers(torch::nn::Module& module) {
+    std::vector<at::Tensor> out;
+    std::unordered_set<const void*> seen;
+    for (const auto& b : module.buffers(/*recurse=*/true))
+      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) out.push_back(b);
+    return out;
+  }
+
  public:
   ProcessGroupDataParallel(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const DataParallelOptions& options)
       : pg_(std::move(process_group)), options_(options) {}
@@ -455,8 +464,7 @@ class ProcessGroupDataParallel final : public DataParallel {
       TORCH_CHECK(p.layout() == at::kStrided, who, ": data_parallel: a parameter of shape ", p.sizes(),
                   " is sparse; only dense parameters are supported");
     }
-    for (const auto& b : module.buffers(/*recurse=*/true))
-      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) state.push_back(b);
+    for (auto& b : distinct_buffers(module)) state.push_back(std::move(b));
     // The same trainable parameters on every rank (c10d's check: count, shapes, strides), then rank 0's values.
     c10d::verify_params_across_processes(pg_, params, std::nullopt);
     if (pg_->getSize() > 1) {
@@ -467,10 +475,7 @@ class ProcessGroupDataParallel final : public DataParallel {
 
   void sync_buffers(torch::nn::Module& module) const override {
     if (!options_.broadcast_buffers() || pg_->getSize() == 1) return;
-    std::vector<at::Tensor> buffers;
-    std::unordered_set<const void*> seen;
-    for (const auto& b : module.buffers(/*recurse=*/true))
-      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) buffers.push_back(b);
+    std::vector<at::Tensor> buffers = distinct_buffers(module);
     if (buffers.empty()) return;
     torch::NoGradGuard no_grad;
     c10d::broadcast_coalesced(pg_, buffers, kBroadcastBucketBytes, 0);
